@@ -52,7 +52,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar, TypeAlias
@@ -60,6 +60,7 @@ from typing import Any, ClassVar, TypeAlias
 __all__ = [
     "ApiError",
     "ArgumentError",
+    "AuditError",
     "AuditLog",
     "ChatClient",
     "ConfigError",
@@ -169,6 +170,10 @@ class ArgumentError(ToolError):
     """The model's arguments broke the tool's contract; the message names field, rule and value."""
 
     code: ClassVar[str] = "invalid_arguments"
+
+
+class AuditError(Exception):
+    """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
 # ------------------------------------------------------------------- tools and validation
@@ -542,8 +547,14 @@ class AuditLog:
             self._logger.addHandler(AuditFileHandler(self.path))
 
     def record(self, event: str, **fields: Any) -> None:
-        """Append one record now; raises OSError if it could not be written."""
-        self._logger.info(event, extra={"audit": {"time": _utc_now(), "event": event, **fields}})
+        """Append one record now, or raise AuditError (which names no path)."""
+        try:
+            self._logger.info(
+                event, extra={"audit": {"time": _utc_now(), "event": event, **fields}}
+            )
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise AuditError(f"the audit log could not be written ({reason})") from None
 
 
 def _utc_now() -> str:
@@ -633,11 +644,20 @@ class ChatClient:
         return text.replace(key, "[redacted]") if key else text
 
 
-def _read_capped(response: Any, limit: int) -> bytes:
-    body: bytes = response.read(limit + 1)
-    if len(body) > limit:
-        raise ApiError(f"the model API sent more than {limit} bytes; refusing to read on")
-    return body
+def _read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
+    """Read the whole body, refusing to hold more than `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := response.read(min(65536, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the model API sent more than {limit} bytes; refusing to read on")
+    # subtle: read(n) returns what arrived when the server hangs up early; only the
+    # remaining Content-Length tells a complete body from a cut one
+    if response.length:
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
 
 
 def _transport_reason(exc: BaseException) -> str:
@@ -862,6 +882,7 @@ def _execute(
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
     "turn_ended": "an earlier call failed and ended the turn",
+    "audit_failed": "the audit log could not be written",
 }
 
 
@@ -870,8 +891,11 @@ def skip_call(
 ) -> ToolResult:
     """A call that will not run still gets its tool message and its audit line."""
     _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
-    content = _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
-    return ToolResult(call, content, f"skipped:{reason}")
+    return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
+
+
+def _not_run_content(reason: str) -> str:
+    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
 
 
 def _error_content(code: str, message: str) -> str:
@@ -908,7 +932,8 @@ def _audit_call(
 class TurnResult:
     """How one turn ended, and every message of the conversation, as sent on the wire.
 
-    stop_reason: "answered", "round_cap" (a guard stopped it), "tool_failed" or "api_error".
+    stop_reason: "answered"; "round_cap" (a guard stopped it); "api_error", "tool_failed" or
+    "audit_failed" (infrastructure failed; `error` says what, in words safe to show).
     messages: raw JSON texts, system prompt first; pass them as `history` to go on talking.
     Every assistant message with tool_calls is followed by one tool message per call, in order,
     whatever happened to the call, so the history is always valid to send again.
@@ -958,34 +983,31 @@ class ToolLoop:
             turn.add_reply(reply)
             if not reply.tool_calls:
                 return self._finish(turn, context, "answered", answer=reply.content)
-            if turn.rounds == self.max_rounds:  # a result now could never reach the model
-                turn.add_results(
-                    skip_call(c, "round_cap", context, self.audit, turn.rounds)
-                    for c in reply.tool_calls
-                )
-                return self._finish(
-                    turn, context, "round_cap", answer=_round_cap_fallback(self.max_rounds)
-                )
-            turn.add_results(self._run_calls(reply.tool_calls, context, turn.rounds))
+            at_cap = turn.rounds == self.max_rounds  # a result now could never reach the model
+            try:
+                turn.add_results(self._run_calls(reply.tool_calls, context, turn.rounds, at_cap))
+            except AuditError as exc:  # fail closed: no unaudited result goes back
+                turn.close_open_calls("audit_failed")
+                return self._finish(turn, context, "audit_failed", error=str(exc))
+            if at_cap:
+                fallback = _round_cap_fallback(self.max_rounds)
+                return self._finish(turn, context, "round_cap", answer=fallback)
             if turn.failed_tool:
-                return self._finish(
-                    turn,
-                    context,
-                    "tool_failed",
-                    error=f"the tool {turn.failed_tool} failed; details are in the audit log",
-                )
+                error = f"the tool {turn.failed_tool} failed; details are in the audit log"
+                return self._finish(turn, context, "tool_failed", error=error)
 
     def _run_calls(
-        self, calls: Sequence[ToolCall], context: ToolContext, round_number: int
+        self, calls: Sequence[ToolCall], context: ToolContext, round_number: int, at_cap: bool
     ) -> Iterator[ToolResult]:
-        """Run the calls in order; after an infrastructure failure the rest are not run."""
-        failed = False
+        """Run the calls in order. None runs at the cap, nor after an infrastructure failure."""
+        skip_reason = "round_cap" if at_cap else None
         for call in calls:
-            if failed:
-                yield skip_call(call, "turn_ended", context, self.audit, round_number)
+            if skip_reason:
+                yield skip_call(call, skip_reason, context, self.audit, round_number)
                 continue
             result = dispatch(call, self.tools, context, self.audit, round_number)
-            failed = result.ends_turn
+            if result.ends_turn:
+                skip_reason = "turn_ended"
             yield result
 
     def _finish(
@@ -1005,17 +1027,23 @@ class ToolLoop:
             error=error,
             usage=dict(turn.usage),
         )
+        try:
+            self._audit_turn(turn, context, result)
+        except AuditError as exc:
+            return replace(result, stop_reason="audit_failed", error=str(exc))
+        return result
+
+    def _audit_turn(self, turn: _Turn, context: ToolContext, result: TurnResult) -> None:
         self.audit.record(
             "turn",
             turn_id=context.turn_id,
             customer_id=context.customer_id,
-            stop_reason=stop_reason,
+            stop_reason=result.stop_reason,
             rounds=turn.rounds,
             tool_calls=turn.tool_calls,
             duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
             usage=result.usage,
         )
-        return result
 
 
 @dataclass
@@ -1028,9 +1056,11 @@ class _Turn:
     tool_calls: int = 0
     failed_tool: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
+    open_calls: list[ToolCall] = field(default_factory=list)  # asked for, not yet answered
 
     def add_reply(self, reply: Reply) -> None:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
+        self.open_calls = list(reply.tool_calls)
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = reply.usage.get(key)
             if isinstance(count, int) and not isinstance(count, bool):
@@ -1039,9 +1069,16 @@ class _Turn:
     def add_results(self, results: Iterator[ToolResult] | Sequence[ToolResult]) -> None:
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
+            self.open_calls.remove(result.call)
             self.tool_calls += 1
             if result.ends_turn:
                 self.failed_tool = result.call.name
+
+    def close_open_calls(self, reason: str) -> None:
+        """Answer every call still open, so the transcript stays valid to send again."""
+        for call in self.open_calls:
+            self.messages.append(_tool_message(call.id, _not_run_content(reason)))
+        self.open_calls = []
 
 
 def _round_cap_fallback(max_rounds: int) -> str:
@@ -1338,7 +1375,9 @@ class ScriptedChatServer:
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._server = _ScriptedHTTPServer(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a short poll interval: shutdown() waits up to one interval for the serving thread
+        serve = self._server.serve_forever
+        self._thread = threading.Thread(target=serve, args=(0.02,), daemon=True)
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,1071 @@
+"""Tests for function_calling.py: the spec people read second.
+
+Every test drives the real client and loop against ScriptedChatServer, a real HTTP server on
+127.0.0.1 that records the raw bytes of every request, and asserts on those bytes. The
+groups follow the module's sections. Run: `python3 test_function_calling.py` (prints
+"N passed, N failed" last) or `python3 -m pytest test_function_calling.py`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any, ClassVar
+from unittest import mock
+
+import function_calling as fc
+from function_calling import (
+    DEMO_CUSTOMER,
+    AuditLog,
+    ChatClient,
+    ConfigError,
+    RecordedRequest,
+    ScriptedChatServer,
+    ScriptedReply,
+    Settings,
+    Tool,
+    ToolContext,
+    ToolLoop,
+    TurnResult,
+    demo_tools,
+    text_reply,
+    tool_call_reply,
+)
+
+HERE = Path(__file__).resolve().parent
+MODULE = HERE / "function_calling.py"
+FAKE_KEY = "sk-test-FAKEKEY0123456789abcdef"
+OTHER_CUSTOMER = "CUST-0002"
+
+
+def setUpModule() -> None:
+    # A proxy from the environment would carry our 127.0.0.1 requests elsewhere.
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
+
+
+class LoopTestCase(unittest.TestCase):
+    """A fresh data directory per test, and helpers that run whole turns on the wire."""
+
+    def setUp(self) -> None:
+        scratch = tempfile.TemporaryDirectory()
+        self.addCleanup(scratch.cleanup)
+        self.data_dir = Path(scratch.name)
+        self.tools: list[Tool] = demo_tools(self.data_dir)
+        self.audit_path = self.data_dir / "audit.log"
+        self.audit = AuditLog(self.audit_path)
+
+    def run_turn(
+        self,
+        script: Sequence[fc.ScriptItem],
+        question: str = "Where is my order ORD-1001?",
+        customer: str = DEMO_CUSTOMER,
+        max_rounds: int = fc.MAX_ROUNDS,
+        tools: Sequence[Tool] | None = None,
+        history: Sequence[str] = (),
+    ) -> tuple[TurnResult, list[RecordedRequest]]:
+        with ScriptedChatServer(script) as server:
+            settings = Settings(base_url=server.base_url, model="test-model", api_key=FAKE_KEY)
+            loop = ToolLoop(
+                ChatClient(settings), tools or self.tools, self.audit, max_rounds=max_rounds
+            )
+            result = loop.run(question, ToolContext(customer_id=customer), history)
+        return result, server.requests
+
+    def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
+        """Ask for `tool` once per arguments text in one reply; the results the model got back."""
+        _, requests = self.run_turn(
+            [tool_call_reply([(tool, a) for a in arguments]), text_reply("ok")]
+        )
+        return tool_results(requests[1])
+
+    def audit_records(self, event: str = "tool_call") -> list[dict[str, Any]]:
+        lines = self.audit_path.read_text(encoding="ascii").splitlines()
+        return [r for r in map(json.loads, lines) if r["event"] == event]
+
+    def assert_rejected(self, result: dict[str, Any], code: str, *fragments: str) -> None:
+        self.assertEqual(result.get("error"), code, result)
+        for fragment in fragments:
+            self.assertIn(fragment, result["message"])
+
+
+def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
+    """The tool messages' contents of a request, parsed, in order."""
+    return [json.loads(m["content"]) for m in request.json()["messages"] if m["role"] == "tool"]
+
+
+def tool_messages(request: RecordedRequest) -> list[dict[str, Any]]:
+    return [m for m in request.json()["messages"] if m["role"] == "tool"]
+
+
+def call_ids(raw_message: str) -> list[str]:
+    return [c["id"] for c in json.loads(raw_message).get("tool_calls") or []]
+
+
+def assert_every_call_answered_once_in_order(
+    test: unittest.TestCase, messages: Sequence[str]
+) -> None:
+    """Transcript integrity: each assistant tool_call_id gets one tool message, in call order."""
+    parsed = [json.loads(m) for m in messages]
+    for position, message in enumerate(parsed):
+        ids = [c["id"] for c in message.get("tool_calls") or []]
+        following = parsed[position + 1 : position + 1 + len(ids)]
+        test.assertEqual([m.get("role") for m in following], ["tool"] * len(ids))
+        test.assertEqual([m["tool_call_id"] for m in following], ids)
+
+
+# --------------------------------------------------------------------------------- settings
+
+
+class SettingsTest(unittest.TestCase):
+    def test_the_key_is_required_for_the_default_base_url(self) -> None:
+        with self.assertRaisesRegex(ConfigError, "OPENAI_API_KEY is not set"):
+            Settings.from_env({})
+
+    def test_the_key_is_optional_for_a_local_server(self) -> None:
+        settings = Settings.from_env({"OPENAI_BASE_URL": "http://localhost:11434/v1/"})
+        self.assertIsNone(settings.api_key)
+        self.assertEqual(settings.base_url, "http://localhost:11434/v1")
+
+    def test_only_http_and_https_base_urls_are_accepted(self) -> None:
+        for url in (
+            "file:///etc/passwd",
+            "data:text/plain,hi",
+            "ftp://example.com",
+            "localhost:8080",
+        ):
+            with self.subTest(url=url), self.assertRaisesRegex(ConfigError, "http"):
+                Settings(base_url=url, api_key=FAKE_KEY)
+
+    def test_a_key_with_whitespace_or_control_characters_is_refused_without_showing_it(
+        self,
+    ) -> None:
+        for key in (FAKE_KEY + "\n", "sk-a b", "sk-\x00x", "sk-\u2019x"):
+            with self.subTest(key=key), self.assertRaises(ConfigError) as caught:
+                Settings(api_key=key)
+            self.assertNotIn(key.strip(), str(caught.exception))
+
+    def test_the_model_comes_from_openai_model_then_model_then_the_default(self) -> None:
+        base = {"OPENAI_API_KEY": FAKE_KEY}
+        self.assertEqual(Settings.from_env(base).model, "gpt-4.1-mini")
+        self.assertEqual(Settings.from_env({**base, "MODEL": "m2"}).model, "m2")
+        self.assertEqual(
+            Settings.from_env({**base, "MODEL": "m2", "OPENAI_MODEL": "m1"}).model, "m1"
+        )
+
+    def test_the_key_is_not_in_the_settings_repr(self) -> None:
+        self.assertNotIn(FAKE_KEY, repr(Settings(api_key=FAKE_KEY)))
+
+
+# ----------------------------------------------------------------------- tools and validation
+
+
+class ValidationTest(LoopTestCase):
+    def test_an_order_id_is_ord_dash_and_four_ascii_digits(self) -> None:
+        bad = [
+            "ORD-\u0661\u0660\u0660\u0661",
+            "ORD-\uff11\uff10\uff10\uff11",
+            "ORD-1001\n",
+            " ORD-1001",
+            "1234",
+            "ord-1001",
+            "ORD-10011",
+            1001,
+            None,
+        ]
+        arguments = [json.dumps({"orderId": "ORD-1001"})] + [
+            json.dumps({"orderId": b}) for b in bad
+        ]
+        good, *rejected = self.results_for("getOrderStatus", arguments)
+        self.assertEqual(good["found"], True)
+        for value, result in zip(bad, rejected, strict=True):
+            with self.subTest(value=value):
+                self.assert_rejected(result, "invalid_arguments", "orderId: expected", "got: ")
+
+    def test_a_rejection_names_the_field_the_rule_and_what_arrived(self) -> None:
+        (result,) = self.results_for(
+            "getOrderStatus", ['{"orderId": "ORD-\\u0661\\u0660\\u0660\\u0661"}']
+        )
+        self.assertEqual(
+            result["message"],
+            'orderId: expected an order id like ORD-1001; got: "ORD-\\u0661\\u0660\\u0660\\u0661"',
+        )
+
+    def test_a_long_rejected_value_is_quoted_truncated(self) -> None:
+        (result,) = self.results_for("getOrderStatus", [json.dumps({"orderId": "X" * 5000})])
+        self.assert_rejected(result, "invalid_arguments", "orderId", "…(truncated)")
+        self.assertLess(len(result["message"]), 200)
+
+    def test_sql_shaped_input_is_rejected_like_a_typo(self) -> None:
+        (result,) = self.results_for(
+            "getOrderStatus", [json.dumps({"orderId": "ORD-1001' OR '1'='1"})]
+        )
+        self.assert_rejected(result, "invalid_arguments", "orderId")
+
+    def test_integers_are_json_schema_integers_within_range(self) -> None:
+        accepted = ["5", "5.0", "1", "10", "1e0"]
+        rejected = ["true", "5.5", '"5"', '"\\u0665"', "0", "11", "-1", "1e400", "null", "[5]"]
+        arguments = [f'{{"limit": {v}}}' for v in accepted + rejected]
+        results = self.results_for("listRecentOrders", arguments)
+        for value, result in zip(accepted, results[: len(accepted)], strict=True):
+            with self.subTest(accepted=value):
+                self.assertNotIn("error", result)
+                self.assertLessEqual(result["count"], json.loads(value))
+        for value, result in zip(rejected, results[len(accepted) :], strict=True):
+            with self.subTest(rejected=value):
+                self.assert_rejected(
+                    result, "invalid_arguments", "limit: expected an integer from 1 to 10"
+                )
+
+    def test_limit_5_0_counts_as_5(self) -> None:
+        (result,) = self.results_for("listRecentOrders", ['{"limit": 5.0}'])
+        self.assertEqual(result["count"], 5)
+
+    def test_an_enum_is_an_exact_allowlist(self) -> None:
+        results = self.results_for(
+            "listRecentOrders",
+            [
+                '{"limit": 10}',
+                '{"limit": 10, "statusFilter": "DELIVERED"}',
+                '{"limit": 10, "statusFilter": "shipped"}',
+                '{"limit": 10, "statusFilter": "SHIPPED "}',
+                '{"limit": 10, "statusFilter": "CANCELLED"}',
+            ],
+        )
+        everything, delivered, *bad = results
+        self.assertEqual(everything["count"], 5)
+        self.assertEqual({o["status"] for o in delivered["orders"]}, {"DELIVERED"})
+        for result in bad:
+            self.assert_rejected(
+                result, "invalid_arguments", "statusFilter: expected one of ALL, SHIPPED"
+            )
+
+    def test_unknown_keys_are_rejected_and_missing_required_keys_named(self) -> None:
+        unknown, missing, empty = self.results_for(
+            "listRecentOrders",
+            ['{"limit": 2, "status": "SHIPPED"}', '{"statusFilter": "ALL"}', "{}"],
+        )
+        self.assert_rejected(
+            unknown, "invalid_arguments", '"status": expected only limit, statusFilter'
+        )
+        self.assert_rejected(missing, "invalid_arguments", "limit: required")
+        self.assert_rejected(empty, "invalid_arguments", "limit: required")
+
+    def test_the_arguments_text_is_parsed_strictly(self) -> None:
+        cases = {
+            "NaN": '{"limit": NaN}',
+            "Infinity": '{"limit": Infinity}',
+            "-Infinity": '{"limit": -Infinity}',
+            "key twice": '{"limit": 1, "limit": 2}',
+            "nesting too deep": '{"limit": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "huge integer": '{"limit": ' + "9" * 5000 + "}",
+            "not JSON": "{limit: 2}",
+        }
+        results = self.results_for("listRecentOrders", list(cases.values()))
+        for (why, _), result in zip(cases.items(), results, strict=True):
+            with self.subTest(why=why):
+                self.assertEqual(result["error"], "invalid_arguments", result)
+                self.assertIn("expected", result["message"])
+
+    def test_an_arguments_text_over_the_size_cap_is_rejected_before_parsing(self) -> None:
+        oversized = '{"orderId": "' + "A" * fc.MAX_ARGUMENTS_BYTES + '"}'
+        with mock.patch("json.loads", wraps=json.loads) as loads:
+            with self.assertRaisesRegex(fc.ArgumentError, "at most 65536 bytes"):
+                fc.parse_arguments(oversized)
+            loads.assert_not_called()
+        (result,) = self.results_for("getOrderStatus", [oversized])
+        self.assert_rejected(result, "invalid_arguments", "at most 65536 bytes")
+
+    def test_arguments_that_are_not_an_object_become_data_for_the_model(self) -> None:
+        array, text, string = self.results_for(
+            "getOrderStatus", ['["ORD-1001"]', "ORD-1001", '"ORD-1001"']
+        )
+        self.assert_rejected(array, "invalid_arguments", "expected a JSON object", '["ORD-1001"]')
+        self.assert_rejected(text, "invalid_arguments", "not JSON")
+        self.assert_rejected(string, "invalid_arguments", "expected a JSON object")
+
+    def test_an_unknown_tool_becomes_data_for_the_model(self) -> None:
+        names = [
+            "getorderstatus",
+            "getOrderStatus ",
+            "get_order_status",
+            "run",
+            "execute",
+            "__class__",
+        ]
+        _, requests = self.run_turn([tool_call_reply([(n, "{}") for n in names]), text_reply("ok")])
+        for name, result in zip(names, tool_results(requests[1]), strict=True):
+            with self.subTest(name=name):
+                self.assert_rejected(
+                    result, "unknown_tool", "available: getOrderStatus, listRecentOrders"
+                )
+
+    def test_the_models_arguments_never_reach_tool_context(self) -> None:
+        forged, other = self.results_for(
+            "getOrderStatus",
+            ['{"orderId": "ORD-2001", "customer_id": "CUST-0002"}', '{"orderId": "ORD-2001"}'],
+        )
+        self.assert_rejected(forged, "invalid_arguments", "expected only orderId")
+        self.assertEqual(other, {"orderId": "ORD-2001", "found": False})
+
+
+# ------------------------------------------------------------------- the data the tools touch
+
+
+class DataTest(LoopTestCase):
+    def test_the_database_is_created_and_seeded_on_first_use(self) -> None:
+        with closing(sqlite3.connect(self.data_dir / "orders.db")) as db:
+            owners = dict(
+                db.execute("SELECT customer_id, COUNT(*) FROM orders GROUP BY customer_id")
+            )
+        self.assertGreaterEqual(len(owners), 2)
+        self.assertTrue(all(count >= 3 for count in owners.values()))
+        demo_tools(self.data_dir)  # a second open seeds nothing twice
+        with closing(sqlite3.connect(self.data_dir / "orders.db")) as db:
+            self.assertEqual(
+                db.execute("SELECT COUNT(*) FROM orders").fetchone()[0], sum(owners.values())
+            )
+
+    def test_the_read_only_connection_refuses_writes(self) -> None:
+        store = fc.OrderStore(self.data_dir / "orders.db")
+        db = store.connect_read_only()
+        self.addCleanup(db.close)
+        with self.assertRaisesRegex(sqlite3.OperationalError, "readonly"):
+            db.execute("UPDATE orders SET status = 'DELIVERED'")
+        with self.assertRaisesRegex(sqlite3.OperationalError, "readonly"):
+            db.execute("CREATE TABLE stolen (x)")
+
+    def test_another_customers_order_answers_exactly_like_a_missing_one(self) -> None:
+        other, missing = self.results_for(
+            "getOrderStatus", ['{"orderId":"ORD-2001"}', '{"orderId":"ORD-9999"}']
+        )
+        self.assertEqual(other, {"orderId": "ORD-2001", "found": False})
+        self.assertEqual(missing, {"orderId": "ORD-9999", "found": False})
+        (own,) = self.run_turn(
+            [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-2001"}')]), text_reply("ok")],
+            customer=OTHER_CUSTOMER,
+        )[1][1:]
+        self.assertEqual(tool_results(own)[0]["found"], True)
+
+    def test_results_are_small_compact_json_with_nothing_private(self) -> None:
+        _, requests = self.run_turn(
+            [
+                tool_call_reply(
+                    [
+                        ("getOrderStatus", '{"orderId":"ORD-1001"}'),
+                        ("listRecentOrders", '{"limit":10}'),
+                    ]
+                ),
+                text_reply("ok"),
+            ]
+        )
+        status, listing = (m["content"] for m in tool_messages(requests[1]))
+        self.assertEqual(
+            status,
+            '{"orderId":"ORD-1001","found":true,"status":"SHIPPED",'
+            '"updated":"2026-10-12","note":"Left the Memphis hub"}',
+        )
+        self.assertEqual(set(json.loads(listing)["orders"][0]), {"orderId", "status", "placed"})
+        for private in ("ada@example.com", "Ada Lovelace", DEMO_CUSTOMER):
+            self.assertNotIn(private.encode(), requests[1].body)
+
+
+# --------------------------------------------------------------------------------------- audit
+
+
+class FailingTool(Tool):
+    """A tool whose backend fails with internal text that must stay internal."""
+
+    SECRET: ClassVar[str] = "db.internal.example:5432 password=hunter2 SELECT * FROM cards"
+    name = "getOrderStatus"
+    description = "Looks up an order (always fails in tests)."
+    parameters: ClassVar[dict[str, Any]] = fc.GetOrderStatus.parameters
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        raise ConnectionError(f"could not connect to {self.SECRET}")
+
+
+class AuditTest(LoopTestCase):
+    def test_every_invocation_is_one_audit_line_with_its_outcome(self) -> None:
+        calls = [
+            ("getOrderStatus", '{"orderId":"ORD-1001"}'),
+            ("getOrderStatus", '{"orderId":"nope"}'),
+            ("deleteOrder", '{"orderId":"ORD-1001"}'),
+            ("listRecentOrders", "{not json"),
+        ]
+        result, _ = self.run_turn([tool_call_reply(calls), text_reply("ok")])
+        records = self.audit_records()
+        self.assertEqual(
+            [r["outcome"] for r in records],
+            [
+                "ok",
+                "rejected:invalid_arguments",
+                "rejected:unknown_tool",
+                "rejected:invalid_arguments",
+            ],
+        )
+        self.assertEqual([(r["tool"], r["arguments"]) for r in records], calls)
+        ids = call_ids(result.messages[2])
+        for record, call_id in zip(records, ids, strict=True):
+            self.assertEqual(record["tool_call_id"], call_id)
+            self.assertEqual(record["customer_id"], DEMO_CUSTOMER)
+            self.assertEqual(record["round"], 1)
+            self.assertRegex(record["time"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+            self.assertIsInstance(record["duration_ms"], (int, float))
+        self.assertEqual(len({r["turn_id"] for r in records}), 1)
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(
+            (turn["stop_reason"], turn["rounds"], turn["tool_calls"]), ("answered", 2, 4)
+        )
+        self.assertEqual(
+            turn["usage"], {"prompt_tokens": 20, "completion_tokens": 10, "total_tokens": 30}
+        )
+
+    def test_the_audit_line_is_on_disk_before_the_result_goes_back(self) -> None:
+        seen_at_second_request: list[list[dict[str, Any]]] = []
+
+        def answer(request: RecordedRequest) -> bytes:
+            seen_at_second_request.append(self.audit_records())
+            return text_reply("ok")
+
+        self.run_turn([tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), answer])
+        (records,) = seen_at_second_request
+        self.assertEqual([r["outcome"] for r in records], ["ok"])
+
+    def test_an_unwritable_audit_log_stops_the_result_from_reaching_the_model(self) -> None:
+        self.audit_path.mkdir()  # open() for append now fails
+        result, requests = self.run_turn(
+            [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("never")]
+        )
+        self.assertEqual(result.stop_reason, "audit_failed")
+        self.assertEqual(len(requests), 1)
+        assert_every_call_answered_once_in_order(self, result.messages)
+        self.assertNotIn(str(self.data_dir), result.error or "")
+
+    def test_a_lone_surrogate_in_arguments_is_audited(self) -> None:
+        body = (
+            b'{"choices":[{"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c1",'
+            b'"type":"function","function":{"name":"getOrderStatus","arguments":"\\ud800"}}]}}]}'
+        )
+        result, _ = self.run_turn([body, text_reply("ok")])
+        (record,) = self.audit_records()
+        self.assertEqual(record["arguments"], "\ud800")
+        self.assertEqual(record["outcome"], "rejected:invalid_arguments")
+        self.assertEqual(result.stop_reason, "answered")
+
+    def test_audit_records_never_reach_the_root_logger(self) -> None:
+        with self.assertNoLogs(level=logging.DEBUG):
+            self.run_turn(
+                [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("ok")]
+            )
+        self.assertEqual(len(self.audit_records()), 1)
+
+    def test_audit_records_reach_a_handler_on_the_named_logger(self) -> None:
+        with self.assertLogs(fc.AUDIT_LOGGER, level=logging.INFO) as captured:
+            self.run_turn(
+                [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("ok")]
+            )
+        self.assertEqual([r.getMessage() for r in captured.records], ["tool_call", "turn"])
+
+    def test_the_api_key_never_appears_in_the_audit_log(self) -> None:
+        self.run_turn(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                ScriptedReply(
+                    b'{"error":{"message":"bad key ' + FAKE_KEY.encode() + b'"}}', status=401
+                ),
+            ]
+        )
+        log = self.audit_path.read_text(encoding="ascii")
+        self.assertIn('"stop_reason":"api_error"', log)
+        self.assertNotIn(FAKE_KEY, log)
+
+
+# ------------------------------------------------------------------------- request and reply
+
+
+class WireTest(LoopTestCase):
+    def test_one_round_on_the_wire(self) -> None:
+        result, requests = self.run_turn(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                text_reply("It shipped."),
+            ]
+        )
+        self.assertEqual(
+            (result.stop_reason, result.answer, result.rounds), ("answered", "It shipped.", 2)
+        )
+        first, second = requests
+        self.assertEqual((first.method, first.path), ("POST", "/v1/chat/completions"))
+        self.assertEqual(first.headers["authorization"], f"Bearer {FAKE_KEY}")
+        self.assertEqual(first.headers["content-type"], "application/json")
+        body = first.json()
+        self.assertEqual(list(body), ["model", "messages", "tools", "tool_choice"])
+        self.assertEqual(body["model"], "test-model")
+        self.assertEqual(body["tool_choice"], "auto")
+        self.assertEqual(body["tools"], [tool.definition() for tool in self.tools])
+        self.assertEqual([m["role"] for m in body["messages"]], ["system", "user"])
+        self.assertIn("data, not instructions", body["messages"][0]["content"])
+        self.assertEqual(
+            body["messages"][1], {"role": "user", "content": "Where is my order ORD-1001?"}
+        )
+        (call_id,) = call_ids(result.messages[2])
+        self.assertEqual(
+            [m["role"] for m in second.json()["messages"]], ["system", "user", "assistant", "tool"]
+        )
+        self.assertEqual(
+            second.json()["messages"][3],
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": '{"orderId":"ORD-1001","found":true,"status":"SHIPPED",'
+                '"updated":"2026-10-12","note":"Left the Memphis hub"}',
+            },
+        )
+
+    def test_several_tool_calls_in_one_reply_are_answered_in_call_order(self) -> None:
+        calls = [("getOrderStatus", f'{{"orderId":"ORD-100{n}"}}') for n in (3, 1, 2)]
+        result, requests = self.run_turn([tool_call_reply(calls), text_reply("ok")])
+        messages = tool_messages(requests[1])
+        self.assertEqual([m["tool_call_id"] for m in messages], call_ids(result.messages[2]))
+        self.assertEqual(
+            [json.loads(m["content"])["orderId"] for m in messages],
+            ["ORD-1003", "ORD-1001", "ORD-1002"],
+        )
+
+    def test_the_assistant_message_goes_back_byte_for_byte(self) -> None:
+        odd = (
+            b'{ "role" : "assistant",\n  "content":null, "refusal": null, "annotations": [],\n'
+            b'  "note": "caf\\u00e9 \xc3\xa9", "score": 1.0e2, "ratio": -0.50,\n'
+            b'  "tool_calls": [ {"id":"call_odd", "type":"function", "function":'
+            b'{"name":"getOrderStatus","arguments":"{\\"orderId\\": \\"ORD-1001\\"}"}} ] }'
+        )
+        body = (
+            b'\n {"id":"x", "choices":[{"index":0,"message":'
+            + odd
+            + b', "finish_reason":"tool_calls"}]}\n'
+        )
+        _, requests = self.run_turn([body, text_reply("ok")])
+        self.assertIn(b"," + odd + b",", requests[1].body)
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "call_odd")
+
+    def test_the_echo_takes_the_last_of_duplicate_message_keys_as_json_does(self) -> None:
+        decoy = b'{"role":"assistant","content":"decoy"}'
+        real = (
+            b'{"role":"assistant","content":null,"tool_calls":[{"id":"c9","type":"function",'
+            b'"function":{"name":"getOrderStatus","arguments":"{\\"orderId\\":\\"ORD-1001\\"}"}}]}'
+        )
+        body = b'{"choices":[{"message":' + decoy + b',"message":' + real + b"}]}"
+        _, requests = self.run_turn([body, text_reply("ok")])
+        self.assertIn(real, requests[1].body)
+        self.assertNotIn(decoy, requests[1].body)
+
+    def test_an_empty_tool_call_id_is_answered_with_the_same_empty_id(self) -> None:
+        body = (
+            b'{"choices":[{"message":{"role":"assistant","tool_calls":[{"id":"","type":"function",'
+            b'"function":{"name":"getOrderStatus","arguments":"{\\"orderId\\":\\"ORD-1001\\"}"}}]}}]}'
+        )
+        _, requests = self.run_turn([body, text_reply("ok")])
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "")
+
+    def test_no_authorization_header_is_sent_without_a_key(self) -> None:
+        with ScriptedChatServer([text_reply("hi")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="local"))
+            ToolLoop(client, self.tools, self.audit).run("hi", ToolContext(DEMO_CUSTOMER))
+        self.assertNotIn("authorization", server.requests[0].headers)
+
+    def test_the_customer_id_never_reaches_the_model(self) -> None:
+        calls = [("getOrderStatus", '{"orderId":"ORD-1001"}'), ("listRecentOrders", '{"limit":10}')]
+        _, requests = self.run_turn(
+            [tool_call_reply(calls), text_reply("ok")], question="my orders?"
+        )
+        for request in requests:
+            self.assertNotIn(DEMO_CUSTOMER.encode(), request.body)
+
+
+class ReplyErrorTest(LoopTestCase):
+    def assert_api_error(self, reply: fc.ScriptItem, *fragments: str) -> TurnResult:
+        result, _ = self.run_turn([reply])
+        self.assertEqual(result.stop_reason, "api_error")
+        for fragment in fragments:
+            self.assertIn(fragment, result.error or "")
+        self.assertNotIn(FAKE_KEY, result.error or "")
+        self.assertNotIn("\n", result.error or "")
+        return result
+
+    def test_http_500_is_an_error_naming_the_status_with_the_body_cut_short(self) -> None:
+        self.assert_api_error(
+            ScriptedReply(b"upstream\nbroke " + b"x" * 5000, status=500),
+            "HTTP 500",
+            "upstream broke",
+            "…(truncated)",
+        )
+
+    def test_an_error_body_that_echoes_the_key_is_redacted(self) -> None:
+        self.assert_api_error(
+            ScriptedReply(b"Authorization: Bearer " + FAKE_KEY.encode(), status=400),
+            "HTTP 400",
+            "[redacted]",
+        )
+
+    def test_a_body_that_is_not_json_is_a_clear_error(self) -> None:
+        self.assert_api_error(b"<html><body>Bad gateway</body></html>", "not JSON", "Bad gateway")
+
+    def test_an_error_object_is_a_clear_error(self) -> None:
+        self.assert_api_error(
+            b'{"error":{"message":"model overloaded"}}', "reported an error: model overloaded"
+        )
+
+    def test_a_reply_without_choices_is_a_clear_error(self) -> None:
+        self.assert_api_error(b'{"choices":[]}', "without choices")
+        self.assert_api_error(b'{"id":"x"}', "without choices")
+
+    def test_a_tool_call_without_a_name_or_id_is_a_clear_error(self) -> None:
+        message = b'{"choices":[{"message":{"role":"assistant","tool_calls":[%s]}}]}'
+        no_name = message % b'{"id":"a","function":{}}'
+        no_id = message % b'{"function":{"name":"x"}}'
+        self.assert_api_error(no_name, "without a function name")
+        self.assert_api_error(no_id, "without an id")
+
+    def test_a_302_is_not_followed_and_the_second_host_sees_nothing(self) -> None:
+        with ScriptedChatServer([text_reply("stolen")]) as elsewhere:
+            for status in (301, 302, 303, 307, 308):
+                with self.subTest(status=status):
+                    redirect = ScriptedReply(
+                        b"",
+                        status=status,
+                        headers=(("Location", elsewhere.base_url + "/chat/completions"),),
+                    )
+                    self.assert_api_error(redirect, f"HTTP {status}", "not followed")
+        self.assertEqual(elsewhere.requests, [])
+
+    def test_a_reply_over_the_size_cap_is_an_error(self) -> None:
+        with mock.patch.object(fc, "MAX_RESPONSE_BYTES", 1000):
+            self.assert_api_error(text_reply("x" * 2000), "more than 1000 bytes")
+
+    def test_an_api_error_mid_turn_keeps_the_transcript(self) -> None:
+        result, _ = self.run_turn(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                ScriptedReply(b"{}", status=503),
+            ]
+        )
+        self.assertEqual((result.stop_reason, result.rounds), ("api_error", 2))
+        self.assertEqual(
+            [json.loads(m)["role"] for m in result.messages],
+            ["system", "user", "assistant", "tool"],
+        )
+
+
+@contextmanager
+def raw_server(respond: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A one-connection TCP server on 127.0.0.1 that reads the request, then misbehaves."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        try:
+            connection, _ = listener.accept()
+        except OSError:
+            return
+        with connection:
+            connection.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
+            while len(body) < length:
+                body += connection.recv(65536)
+            respond(connection)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        listener.close()
+        thread.join(timeout=10)
+
+
+class TransportTest(LoopTestCase):
+    def turn_against(self, base_url: str, timeout: float = 5.0) -> TurnResult:
+        client = ChatClient(
+            Settings(base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout)
+        )
+        return ToolLoop(client, self.tools, self.audit).run("hi", ToolContext(DEMO_CUSTOMER))
+
+    def assert_transport_error(self, result: TurnResult, fragment: str) -> None:
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("could not reach the model API", result.error or "")
+        self.assertIn(fragment, result.error or "")
+        self.assertNotIn("127.0.0.1", result.error or "")
+
+    def test_a_refused_connection_is_an_api_error(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            port = probe.getsockname()[1]
+        self.assert_transport_error(self.turn_against(f"http://127.0.0.1:{port}/v1"), "refused")
+
+    def test_a_connection_closed_without_a_reply_is_an_api_error(self) -> None:
+        with raw_server(lambda connection: None) as url:
+            self.assert_transport_error(self.turn_against(url), "closed the connection")
+
+    def test_a_bad_status_line_is_an_api_error(self) -> None:
+        with raw_server(lambda connection: connection.sendall(b"HELLO THERE\r\n\r\n")) as url:
+            self.assert_transport_error(self.turn_against(url), "BadStatusLine")
+
+    def test_a_body_cut_short_is_an_api_error(self) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+        with raw_server(lambda connection: connection.sendall(head + b'{"choices":')) as url:
+            self.assert_transport_error(self.turn_against(url), "before the reply was complete")
+
+    def test_a_server_that_never_answers_times_out(self) -> None:
+        with raw_server(lambda connection: time.sleep(1.0)) as url:
+            self.assert_transport_error(self.turn_against(url, timeout=0.2), "timed out")
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+class LoopTest(LoopTestCase):
+    def test_the_round_cap_ends_the_turn_after_eight_model_calls(self) -> None:
+        forever = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(20)
+        ]
+        result, requests = self.run_turn(forever)
+        self.assertEqual((result.stop_reason, result.rounds, len(requests)), ("round_cap", 8, 8))
+        self.assertIn("could not finish", result.answer or "")
+        outcomes = [r["outcome"] for r in self.audit_records()]
+        self.assertEqual(outcomes, ["ok"] * 7 + ["skipped:round_cap"])  # nothing runs at the cap
+        assert_every_call_answered_once_in_order(self, result.messages)
+        self.assertEqual(json.loads(json.loads(result.messages[-1])["content"])["error"], "not_run")
+
+    def test_the_round_cap_is_configurable(self) -> None:
+        forever = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(5)
+        ]
+        result, requests = self.run_turn(forever, max_rounds=2)
+        self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 2))
+        with self.assertRaises(ConfigError):
+            ToolLoop(ChatClient(Settings(api_key=FAKE_KEY)), self.tools, self.audit, max_rounds=0)
+
+    def test_a_tool_infrastructure_failure_ends_the_turn_and_its_text_stays_in_the_audit_log(
+        self,
+    ) -> None:
+        calls = [
+            ("getOrderStatus", '{"orderId":"ORD-1001"}'),
+            ("getOrderStatus", '{"orderId":"ORD-1002"}'),
+        ]
+        result, requests = self.run_turn(
+            [tool_call_reply(calls), text_reply("never sent")], tools=[FailingTool()]
+        )
+        self.assertEqual((result.stop_reason, len(requests)), ("tool_failed", 1))
+        self.assertIsNone(result.answer)
+        self.assertNotIn("hunter2", result.error or "")
+        self.assertNotIn("hunter2", "".join(result.messages))
+        assert_every_call_answered_once_in_order(self, result.messages)
+        failed, skipped = (json.loads(json.loads(m)["content"]) for m in result.messages[-2:])
+        self.assertEqual(
+            failed, {"error": "tool_failed", "message": "the tool failed; the turn was stopped"}
+        )
+        self.assertEqual(skipped["error"], "not_run")
+        first, second = self.audit_records()
+        self.assertEqual(
+            (first["outcome"], second["outcome"]), ("error:exception", "skipped:turn_ended")
+        )
+        self.assertIn("hunter2", first["error"])
+
+    def test_a_model_correcting_itself_after_a_rejection_gets_its_answer(self) -> None:
+        result, requests = self.run_turn(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"1001"}')]),
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                text_reply("ORD-1001 shipped."),
+            ]
+        )
+        self.assertEqual((result.stop_reason, result.rounds, result.tool_calls), ("answered", 3, 2))
+        self.assertEqual(tool_results(requests[1])[0]["error"], "invalid_arguments")
+        self.assertEqual(tool_results(requests[2])[1]["status"], "SHIPPED")
+
+    def test_history_carries_a_conversation_into_the_next_turn(self) -> None:
+        first, _ = self.run_turn(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                text_reply("Shipped."),
+            ]
+        )
+        second, requests = self.run_turn(
+            [text_reply("You're welcome.")], question="thanks", history=first.messages
+        )
+        sent = [json.dumps(m, separators=(",", ":")) for m in requests[0].json()["messages"]]
+        self.assertEqual(len(sent), len(first.messages) + 1)
+        self.assertEqual(second.messages[: len(first.messages)], first.messages)
+        self.assertEqual(json.loads(second.messages[-2]), {"role": "user", "content": "thanks"})
+
+
+# ---------------------------------------------------------------------------- schema snapshots
+
+
+class SchemaSnapshotTest(LoopTestCase):
+    """The schemas are the contract the model reads: a renamed parameter must fail here."""
+
+    def test_the_get_order_status_schema(self) -> None:
+        self.assertEqual(
+            self.tools[0].definition(),
+            {
+                "type": "function",
+                "function": {
+                    "name": "getOrderStatus",
+                    "description": fc.GetOrderStatus.description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "orderId": {
+                                "type": "string",
+                                "pattern": "^ORD-[0-9]{4}$",
+                                "description": "an order id: ORD- and four digits, e.g. ORD-1001",
+                            }
+                        },
+                        "required": ["orderId"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+        )
+
+    def test_the_list_recent_orders_schema(self) -> None:
+        self.assertEqual(
+            self.tools[1].definition(),
+            {
+                "type": "function",
+                "function": {
+                    "name": "listRecentOrders",
+                    "description": fc.ListRecentOrders.description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "limit": {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": 10,
+                                "description": "how many orders to return, 1 to 10",
+                            },
+                            "statusFilter": {
+                                "type": "string",
+                                "enum": ["ALL", "SHIPPED", "PROCESSING", "DELIVERED"],
+                                "description": "only orders with this status; ALL for every status",
+                            },
+                        },
+                        "required": ["limit"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+        )
+
+    def test_descriptions_tell_the_model_formats_and_what_comes_back(self) -> None:
+        for tool in self.tools:
+            with self.subTest(tool=tool.name):
+                self.assertIn("Use it when", tool.description)
+                self.assertIn("Returns", tool.description)
+
+    def test_a_tool_set_refuses_duplicate_names_bad_names_and_loose_schemas(self) -> None:
+        class Loose(FailingTool):
+            name = "loose"
+            parameters: ClassVar[dict[str, Any]] = {
+                "type": "object",
+                "properties": {},
+                "required": [],
+            }
+
+        class BadName(FailingTool):
+            name = "get order"
+
+        for tools, fragment in (
+            ([FailingTool(), FailingTool()], "two tools"),
+            ([Loose()], "additionalProperties"),
+            ([BadName()], "must match"),
+        ):
+            with self.subTest(fragment=fragment), self.assertRaisesRegex(ConfigError, fragment):
+                fc.tool_table(tools)
+
+
+# ------------------------------------------------------------------------------------- the CLI
+
+
+class CliTest(LoopTestCase):
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        base = {
+            "PATH": os.environ.get("PATH", ""),
+            "NO_PROXY": "127.0.0.1",
+            "FUNCTION_CALLING_DATA": str(self.data_dir),
+        }
+        return subprocess.run(
+            [sys.executable, str(MODULE), *args],
+            env={**base, **(env or {})},
+            cwd=cwd or self.data_dir,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def ask(
+        self, script: Sequence[fc.ScriptItem], *extra: str
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
+        with ScriptedChatServer(script) as server:
+            env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
+            done = self.cli("ask", "Where is my order ORD-1001?", *extra, env=env)
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertNotIn(FAKE_KEY, done.stdout + done.stderr)
+        return done, server.requests
+
+    def test_ask_prints_the_answer_and_exits_0(self) -> None:
+        done, _ = self.ask(
+            [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+                text_reply("It shipped."),
+            ]
+        )
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (0, "It shipped.\n", ""))
+        self.assertEqual(len(self.audit_records()), 1)
+
+    def test_ask_exits_1_with_one_clear_line_on_http_500(self) -> None:
+        done, _ = self.ask([ScriptedReply(b'{"error":"boom"}', status=500)])
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(done.stderr.count("\n"), 1)
+        self.assertIn("error: the model API answered HTTP 500", done.stderr)
+
+    def test_ask_exits_1_on_a_body_that_is_not_json(self) -> None:
+        done, _ = self.ask([b"Service Unavailable"])
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("not JSON", done.stderr)
+
+    def test_ask_exits_2_without_a_key_for_the_default_base_url(self) -> None:
+        done = self.cli("ask", "hi")
+        self.assertEqual(done.returncode, 2)
+        self.assertEqual(
+            done.stderr, "error: OPENAI_API_KEY is not set (required for api.openai.com)\n"
+        )
+
+    def test_ask_exits_2_on_bad_usage(self) -> None:
+        for args in (
+            ["ask", "hi", "--max-rounds", "0"],
+            ["ask", "hi", "--customer", ""],
+            ["ask"],
+            ["fly"],
+        ):
+            with self.subTest(args=args):
+                done = self.cli(*args, env={"OPENAI_API_KEY": FAKE_KEY})
+                self.assertEqual(done.returncode, 2)
+                self.assertNotIn("Traceback", done.stderr)
+
+    def test_ask_exits_2_on_a_file_base_url(self) -> None:
+        done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": "file:///etc/passwd"})
+        self.assertEqual(
+            (done.returncode, done.stderr),
+            (2, "error: OPENAI_BASE_URL must be an http:// or https:// URL\n"),
+        )
+
+    def test_ask_exits_3_when_the_round_cap_stops_the_turn(self) -> None:
+        forever = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(5)
+        ]
+        done, requests = self.ask(forever, "--max-rounds", "3")
+        self.assertEqual((done.returncode, len(requests)), (3, 3))
+        self.assertIn("could not finish", done.stdout)
+        self.assertIn("round cap", done.stderr)
+
+    def test_ask_runs_as_the_customer_given(self) -> None:
+        done, requests = self.ask(
+            [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-2001"}')]), text_reply("ok")],
+            "--customer",
+            OTHER_CUSTOMER,
+        )
+        self.assertEqual(done.returncode, 0)
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+
+    def test_a_tool_failure_exits_1_and_its_secret_reaches_neither_stdout_nor_stderr(self) -> None:
+        calls = [("getOrderStatus", '{"orderId":"ORD-1001"}')]
+        out, err = io.StringIO(), io.StringIO()
+        with ScriptedChatServer([tool_call_reply(calls), text_reply("never")]) as server:
+            env = {
+                "OPENAI_BASE_URL": server.base_url,
+                "OPENAI_API_KEY": FAKE_KEY,
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+            }
+            with (
+                mock.patch.dict(os.environ, env),
+                mock.patch.object(fc, "demo_tools", lambda _: [FailingTool()]),
+                redirect_stdout(out),
+                redirect_stderr(err),
+            ):
+                code = fc.main(["ask", "Where is ORD-1001?"])
+        self.assertEqual(code, 1)
+        self.assertEqual(len(server.requests), 1)
+        self.assertEqual(out.getvalue(), "")
+        self.assertIn("the tool getOrderStatus failed", err.getvalue())
+        for secret in ("hunter2", "db.internal.example", "SELECT"):
+            self.assertNotIn(secret, out.getvalue() + err.getvalue())
+            self.assertNotIn(secret.encode(), server.requests[0].body)
+        self.assertIn("hunter2", self.audit_path.read_text(encoding="ascii"))
+
+    def test_demo_exits_0_without_a_key_and_shows_every_step(self) -> None:
+        empty = self.data_dir / "empty"
+        empty.mkdir()
+        done = self.cli("demo", cwd=empty, env={"FUNCTION_CALLING_DATA": str(empty)})
+        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        for fragment in (
+            "round 1",
+            '"error":"invalid_arguments"',
+            "round 2",
+            "ORD-1001 is shipped",
+            '"found":false',
+        ):
+            self.assertIn(fragment, done.stdout)
+        self.assertEqual(list(empty.iterdir()), [])  # a temporary data dir, removed after
+
+    def test_demo_keeps_its_audit_log_when_given_a_data_dir(self) -> None:
+        done = self.cli("demo", "--data-dir", "kept")
+        self.assertEqual(done.returncode, 0)
+        lines = (self.data_dir / "kept" / "audit.log").read_text(encoding="ascii").splitlines()
+        self.assertEqual(sum('"event":"tool_call"' in line for line in lines), 4)
+
+
+# ------------------------------------------------------------------------------ summary runner
+
+
+def _run_with_summary() -> int:
+    """Run the suite and end with 'N passed, N failed[, N skipped]' on its own line."""
+    program = unittest.main(module=__name__, exit=False, verbosity=1)
+    result = program.result
+    failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    skipped = len(result.skipped)
+    passed = result.testsRun - failed - skipped - len(result.expectedFailures)
+    sys.stdout.flush()
+    summary = f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
+    print(summary, file=sys.stderr, flush=True)
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_run_with_summary())
