@@ -76,9 +76,13 @@ __all__ = [
     "ToolError",
     "ToolLoop",
     "TurnResult",
+    "check_argument_names",
     "demo_tools",
     "main",
     "parse_arguments",
+    "require_choice",
+    "require_integer",
+    "require_pattern",
     "text_reply",
     "tool_call_reply",
 ]
@@ -231,6 +235,7 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
     size cap checked before parsing. Deep nesting and absurd integers end as a rejection, not
     as a RecursionError or ValueError escaping the loop.
     """
+    # the length in characters first: it bounds the bytes from below without encoding anything
     if len(arguments_json) > limit or len(arguments_json.encode("utf-8", "replace")) > limit:
         raise ArgumentError(f"arguments: expected at most {limit} bytes of JSON; got more")
     try:
@@ -261,7 +266,7 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise ArgumentError(f"{key}: expected once; got the key twice")
+            raise ArgumentError(f"{_shown(key)}: expected once; got the key twice")
         seen[key] = value
     return seen
 
@@ -577,8 +582,11 @@ def _tool_message(tool_call_id: str, content: str) -> str:
 
 
 def _request_body(model: str, messages: Sequence[str], tools_json: str) -> bytes:
-    """The request as bytes. Messages are spliced in as the JSON texts they already are, which
-    is what keeps an echoed assistant message byte for byte as the server sent it."""
+    """The request body as bytes, built from JSON texts rather than from dicts.
+
+    The messages are spliced in as the texts they already are: that is what keeps an echoed
+    assistant message byte for byte as the server sent it.
+    """
     body = '{"model":' + json.dumps(model) + ',"messages":[' + ",".join(messages) + "]"
     if tools_json != "[]":  # some servers reject tool_choice when no tools are offered
         body += ',"tools":' + tools_json + ',"tool_choice":"auto"'
@@ -730,8 +738,8 @@ def parse_reply(body: bytes) -> Reply:
 def _first_message(document: Any) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ApiError("the model API sent JSON that is not an object")
-    if "error" in document:
-        error = document["error"]
+    error = document.get("error")
+    if error:  # "error": null beside a good reply is not an error
         detail = error.get("message") if isinstance(error, dict) else error
         raise ApiError(f"the model API reported an error: {_cut(str(detail), 300)}")
     choices = document.get("choices")
