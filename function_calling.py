@@ -33,7 +33,9 @@ boundary) · the loop · the CLI · the scripted server used by `demo` and the t
 from __future__ import annotations
 
 import argparse
+import getpass
 import hashlib
+import hmac
 import http.client
 import http.server
 import json
@@ -50,12 +52,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, TextIO, TypeAlias
 
 __all__ = [
     "ApiError",
@@ -98,6 +100,9 @@ MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 REQUEST_TIMEOUT_S = 60.0
+MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
+MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
+APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
 SHOWN_CHARS = 60  # how much of a rejected value a message quotes back
 
 SYSTEM_PROMPT = (
@@ -189,10 +194,12 @@ def _new_turn_id() -> str:
 
 @dataclass(frozen=True)
 class ToolContext:
-    """What the model must never choose: who is asking and which turn this is. Never sent."""
+    """What the model must never choose: who is asking, which turn this is, and (only while a
+    human's approval executes a write) which approval. Never sent to the model."""
 
     customer_id: str
     turn_id: str = field(default_factory=_new_turn_id)
+    approval_id: str | None = None
 
 
 class Tool:
@@ -206,9 +213,21 @@ class Tool:
     name: ClassVar[str]
     description: ClassVar[str]
     parameters: ClassVar[dict[str, Any]]
+    # A tool that writes never changes anything when the model calls it: `execute` validates,
+    # checks eligibility and describes the change; the loop files it as a pending action; and
+    # `apply` makes the change only when a human approves, inside the approval's transaction.
+    writes: ClassVar[bool] = False
+    # The result is the answer: when every call in a reply is return-direct, no model call follows.
+    return_direct: ClassVar[bool] = False
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
+        raise NotImplementedError
+
+    def apply(
+        self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
+    ) -> dict[str, Any]:
+        """Writers only: re-check and make the change. Called by Approvals.approve, never the loop."""
         raise NotImplementedError
 
     def run(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
@@ -405,13 +424,60 @@ class ListRecentOrders(Tool):
         return self.store.recent_orders(context.customer_id, limit, status)
 
 
-def demo_tools(data_dir: Path) -> list[Tool]:
-    """The demo shop's tools over the database in `data_dir` (created on first use)."""
-    store = OrderStore(data_dir / "orders.db")
-    return [GetOrderStatus(store), ListRecentOrders(store)]
+class RequestShippingRefund(Tool):
+    """Writes, behind a human: asks for the shipping charge of a late order to be refunded."""
+
+    name = "requestShippingRefund"
+    writes = True
+    description = (
+        "Ask for a refund of the shipping charge of one of the signed-in customer's orders that "
+        "was delivered later than promised. Use it when the user asks to be compensated for a "
+        "late delivery. It does not refund anything itself: it files a request that a member of "
+        "staff approves or rejects, so tell the user that a person will confirm it. Argument: "
+        'orderId, exactly ORD- and four digits. Returns {"status":"requires_approval",'
+        '"approvalId","orderId","amount","currency","expiresAt"}.'
+    )
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {
+            "orderId": {
+                "type": "string",
+                "pattern": "^ORD-[0-9]{4}$",
+                "description": "the late order's id: ORD- and four digits, e.g. ORD-1003",
+            },
+        },
+        "required": ["orderId"],
+        "additionalProperties": False,
+    }
+
+    def __init__(self, store: OrderStore) -> None:
+        self.store = store
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        order_id = require_pattern(args, "orderId", ORDER_ID, "an order id like ORD-1003")
+        with closing(self.store.connect_read_only()) as db:
+            cents = self.store.refundable_shipping(db, context.customer_id, order_id)
+        return {"orderId": order_id, "amount": f"{cents / 100:.2f}", "currency": "USD"}
+
+    def apply(
+        self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
+    ) -> dict[str, Any]:
+        if context.approval_id is None:
+            raise ToolError("a refund is applied only by a human's approval")
+        order_id = require_pattern(args, "orderId", ORDER_ID, "an order id like ORD-1003")
+        cents = self.store.refundable_shipping(db, context.customer_id, order_id)
+        self.store.record_refund(db, order_id, cents, context.approval_id, _utc_now())
+        return {"orderId": order_id, "refunded": f"{cents / 100:.2f}", "currency": "USD"}
+
+
+def demo_tools(store: OrderStore) -> list[Tool]:
+    """The demo shop's tools, over one database."""
+    return [GetOrderStatus(store), ListRecentOrders(store), RequestShippingRefund(store)]
 
 
 # ------------------------------------------------------------------ the data the tools touch
+
+SCHEMA_VERSION = 1
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS customers (
@@ -427,6 +493,37 @@ CREATE TABLE IF NOT EXISTS orders (
     updated_on  TEXT NOT NULL,
     note        TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS shipments (
+    order_id       TEXT PRIMARY KEY REFERENCES orders (order_id),
+    shipping_cents INTEGER NOT NULL CHECK (shipping_cents >= 0),
+    promised_on    TEXT NOT NULL,
+    delivered_on   TEXT              -- NULL until delivered; later than promised_on is late
+);
+-- What a model proposed and a human must decide. One open action per exact request.
+CREATE TABLE IF NOT EXISTS pending_actions (
+    action_id      TEXT PRIMARY KEY,
+    customer_id    TEXT NOT NULL,
+    tool           TEXT NOT NULL,
+    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
+    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
+    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
+    created_at     TEXT NOT NULL,
+    expires_at     TEXT NOT NULL,
+    status         TEXT NOT NULL DEFAULT 'pending'
+                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
+    decided_at     TEXT,
+    decided_by     TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
+    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+-- The primary key is what makes a second refund of one order impossible, whatever the code
+-- above it does; action_id UNIQUE makes the approval an idempotency key as well.
+CREATE TABLE IF NOT EXISTS refunds (
+    order_id     TEXT PRIMARY KEY REFERENCES orders (order_id),
+    action_id    TEXT NOT NULL UNIQUE REFERENCES pending_actions (action_id),
+    amount_cents INTEGER NOT NULL CHECK (amount_cents > 0),
+    refunded_at  TEXT NOT NULL
+);
 """
 
 _SEED_CUSTOMERS = [
@@ -435,16 +532,10 @@ _SEED_CUSTOMERS = [
 ]
 
 _SEED_ORDERS = [
+    # order     customer     status        placed        updated       note
     ("ORD-1001", "CUST-0001", "SHIPPED", "2026-10-08", "2026-10-12", "Left the Memphis hub"),
-    (
-        "ORD-1002",
-        "CUST-0001",
-        "PROCESSING",
-        "2026-10-13",
-        "2026-10-14",
-        "Payment confirmed, picking items",
-    ),
-    ("ORD-1003", "CUST-0001", "DELIVERED", "2026-10-01", "2026-10-09", "Signed for by front desk"),
+    ("ORD-1002", "CUST-0001", "PROCESSING", "2026-10-13", "2026-10-14", "Picking items"),
+    ("ORD-1003", "CUST-0001", "DELIVERED", "2026-10-01", "2026-10-09", "Signed for at the desk"),
     ("ORD-1004", "CUST-0001", "SHIPPED", "2026-10-15", "2026-10-17", "Out for delivery"),
     ("ORD-1005", "CUST-0001", "DELIVERED", "2026-09-20", "2026-09-26", "Left at the back door"),
     ("ORD-2001", "CUST-0002", "SHIPPED", "2026-10-10", "2026-10-11", "Left the Reno hub"),
@@ -452,12 +543,25 @@ _SEED_ORDERS = [
     ("ORD-2003", "CUST-0002", "PROCESSING", "2026-10-16", "2026-10-16", "Awaiting stock"),
 ]
 
+_SEED_SHIPMENTS = [
+    # order     shipping  promised      delivered
+    ("ORD-1001", 499, "2026-10-15", None),
+    ("ORD-1002", 499, "2026-10-20", None),
+    ("ORD-1003", 599, "2026-10-05", "2026-10-09"),  # late: the demo customer's eligible order
+    ("ORD-1004", 0, "2026-10-19", None),
+    ("ORD-1005", 499, "2026-09-27", "2026-09-26"),  # on time
+    ("ORD-2001", 499, "2026-10-14", None),
+    ("ORD-2002", 799, "2026-09-30", "2026-10-02"),  # late, but another customer's
+    ("ORD-2003", 499, "2026-10-22", None),
+]
+
 
 class OrderStore:
-    """The shop's orders in SQLite, created and seeded on first use, read read-only.
+    """The shop's orders in SQLite, created and seeded on first use.
 
-    Every query is parameterized and scoped to the customer from ToolContext: another
-    customer's order is reported exactly like a missing one, so the answer leaks nothing.
+    Read tools get read-only connections; only a human's approval gets a writable one. Every
+    query is parameterized and scoped to the customer from ToolContext: another customer's
+    order is reported exactly like a missing one, so the answer leaks nothing.
     """
 
     def __init__(self, path: Path) -> None:
@@ -467,31 +571,56 @@ class OrderStore:
     def _seed(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # IF NOT EXISTS / OR IGNORE: two processes seeding at once both succeed, once.
-        with closing(sqlite3.connect(self.path)) as db, db:
+        with closing(sqlite3.connect(self.path, timeout=10)) as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise ConfigError(f"{self.path.name} has schema {version}, not {SCHEMA_VERSION}")
             db.executescript(_SCHEMA)
+        with self.write_transaction() as db:
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.executemany("INSERT OR IGNORE INTO customers VALUES (?, ?, ?)", _SEED_CUSTOMERS)
             db.executemany("INSERT OR IGNORE INTO orders VALUES (?, ?, ?, ?, ?, ?)", _SEED_ORDERS)
+            db.executemany("INSERT OR IGNORE INTO shipments VALUES (?, ?, ?, ?)", _SEED_SHIPMENTS)
 
     def connect_read_only(self) -> sqlite3.Connection:
         """A connection that cannot write: least privilege for tools that only read."""
         return sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)
 
+    @contextmanager
+    def write_transaction(self) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises."""
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+        try:
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
     def order_status(self, customer_id: str, order_id: str) -> dict[str, Any]:
         with closing(self.connect_read_only()) as db:
             row = db.execute(
-                "SELECT status, updated_on, note FROM orders"
-                " WHERE order_id = ? AND customer_id = ?",
+                "SELECT o.status, o.updated_on, o.note, s.promised_on, s.delivered_on"
+                " FROM orders o LEFT JOIN shipments s USING (order_id)"
+                " WHERE o.order_id = ? AND o.customer_id = ?",
                 (order_id, customer_id),
             ).fetchone()
         if row is None:
             return {"orderId": order_id, "found": False}
-        status, updated, note = row
+        status, updated, note, promised, delivered = row
         return {
             "orderId": order_id,
             "found": True,
             "status": status,
             "updated": updated,
             "note": note,
+            "promised": promised,
+            "delivered": delivered,
         }
 
     def recent_orders(self, customer_id: str, limit: int, status: str) -> dict[str, Any]:
@@ -504,6 +633,37 @@ class OrderStore:
             ).fetchall()
         orders = [{"orderId": oid, "status": st, "placed": placed} for oid, st, placed in rows]
         return {"orders": orders, "count": len(orders)}
+
+    def refundable_shipping(self, db: sqlite3.Connection, customer_id: str, order_id: str) -> int:
+        """The shipping charge in cents if it may be refunded now; ToolError says why not."""
+        row = db.execute(
+            "SELECT s.shipping_cents, s.promised_on, s.delivered_on, r.order_id IS NOT NULL"
+            " FROM orders o JOIN shipments s USING (order_id)"
+            " LEFT JOIN refunds r USING (order_id)"
+            " WHERE o.order_id = ? AND o.customer_id = ?",
+            (order_id, customer_id),
+        ).fetchone()
+        if row is None:  # another customer's order reads exactly like a missing one
+            raise ToolError(f"{order_id}: no such order for this customer")
+        cents, promised, delivered, refunded = row
+        if refunded:
+            raise ToolError(f"{order_id}: the shipping charge was already refunded")
+        if delivered is None:
+            raise ToolError(f"{order_id}: not delivered yet; a late-delivery refund comes after")
+        if delivered <= promised:
+            raise ToolError(f"{order_id}: delivered {delivered}, promised {promised}; not late")
+        if cents == 0:
+            raise ToolError(f"{order_id}: shipping was free; there is nothing to refund")
+        return int(cents)
+
+    def record_refund(
+        self, db: sqlite3.Connection, order_id: str, cents: int, action_id: str, when: str
+    ) -> None:
+        """Insert the refund; the table's keys refuse a second one for the order or action."""
+        db.execute(
+            "INSERT INTO refunds (order_id, action_id, amount_cents, refunded_at) VALUES (?, ?, ?, ?)",
+            (order_id, action_id, cents, when),
+        )
 
 
 # ------------------------------------------------------------------------------------- audit
@@ -847,27 +1007,31 @@ def dispatch(
     context: ToolContext,
     audit: AuditLog,
     round_number: int,
+    approvals: Approvals | None = None,
 ) -> ToolResult:
     """Decide what one tool call becomes. The whole safety policy lives here.
 
     - The tool is found by exact name in a dict: no getattr, no case folding, no trimming.
     - An unknown tool, arguments that are not a JSON object, and ToolError become data for the
       model, {"error": code, "message": …}, so it can correct itself; the turn goes on.
+    - A tool that writes never acts here: its validated, eligible request becomes a pending
+      action that a human approves or rejects on the command line, and the model is told so.
     - Any other exception is infrastructure: the turn ends, the model and the user get a
       generic message, and the exception text goes to the audit log only (it may hold
       hostnames, SQL or paths).
+    - A result longer than MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
     - Every call, rejected ones included, is audited before its result is returned; if the
       audit line cannot be written, the result is never sent.
     - The model's arguments never touch ToolContext: identity comes from our side only.
     """
     started = time.monotonic()
-    content, outcome, detail = _execute(call, tools, context)
+    content, outcome, detail = _execute(call, tools, context, approvals)
     _audit_call(audit, call, context, round_number, outcome, started, detail)
     return ToolResult(call, content, outcome)
 
 
 def _execute(
-    call: ToolCall, tools: Mapping[str, Tool], context: ToolContext
+    call: ToolCall, tools: Mapping[str, Tool], context: ToolContext, approvals: Approvals | None
 ) -> tuple[str, str, dict[str, str]]:
     """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
     tool = tools.get(call.name)
@@ -875,7 +1039,14 @@ def _execute(
         message = f"no tool named {_shown(call.name)}; available: {', '.join(tools)}"
         return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
     try:
-        return _compact(tool.run(parse_arguments(call.arguments_json), context)), "ok", {}
+        args = parse_arguments(call.arguments_json)
+        result = tool.run(args, context)
+        if not tool.writes:
+            return _cap_result(_compact(result)), "ok", {}
+        if approvals is None:  # fail closed: a write with nobody to approve it never runs
+            raise RuntimeError(f"{tool.name} writes, but there is no approval store")
+        proposal = approvals.propose(tool, args, context, result)
+        return _compact(proposal), "proposed", {"approval_id": proposal["approvalId"]}
     except ToolError as exc:
         return _error_content(exc.code, str(exc)), f"rejected:{exc.code}", {}
     except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators only
@@ -887,8 +1058,16 @@ def _execute(
         )
 
 
+def _cap_result(content: str, limit: int = MAX_RESULT_BYTES) -> str:
+    if len(content) <= limit:  # _compact writes ASCII: characters are bytes
+        return content
+    return content[:limit] + f"…[cut: the result was {len(content)} bytes, the cap is {limit}]"
+
+
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
+    "repeated_calls": "the same calls as the previous reply; the turn was stopped",
+    "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
     "turn_ended": "an earlier call failed and ended the turn",
     "audit_failed": "the audit log could not be written",
 }
@@ -935,13 +1114,16 @@ def _audit_call(
 
 # ---------------------------------------------------------------------------------- the loop
 
+GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
+
 
 @dataclass(frozen=True)
 class TurnResult:
     """How one turn ended, and every message of the conversation, as sent on the wire.
 
-    stop_reason: "answered"; "round_cap" (a guard stopped it); "api_error", "tool_failed" or
-    "audit_failed" (infrastructure failed; `error` says what, in words safe to show).
+    stop_reason: "answered" or "returned_direct" (a return-direct tool's output is the
+    answer); a guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a
+    failure: "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show).
     messages: raw JSON texts, system prompt first; pass them as `history` to go on talking.
     Every assistant message with tool_calls is followed by one tool message per call, in order,
     whatever happened to the call, so the history is always valid to send again.
@@ -964,16 +1146,22 @@ class ToolLoop:
         client: ChatClient,
         tools: Sequence[Tool],
         audit: AuditLog,
+        *,
+        approvals: Approvals | None = None,
         system_prompt: str = SYSTEM_PROMPT,
         max_rounds: int = MAX_ROUNDS,
+        max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
     ) -> None:
-        if max_rounds < 1:
-            raise ConfigError("max_rounds must be at least 1")
+        if max_rounds < 1 or max_calls_per_reply < 1:
+            raise ConfigError("max_rounds and max_calls_per_reply must be at least 1")
         self.client = client
         self.tools = tool_table(tools)
+        _require_approval_step(self.tools.values(), approvals)
         self.audit = audit
+        self.approvals = approvals
         self.system_prompt = system_prompt
         self.max_rounds = max_rounds
+        self.max_calls_per_reply = max_calls_per_reply
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
 
     def run(
@@ -991,32 +1179,59 @@ class ToolLoop:
             turn.add_reply(reply)
             if not reply.tool_calls:
                 return self._finish(turn, context, "answered", answer=reply.content)
-            at_cap = turn.rounds == self.max_rounds  # a result now could never reach the model
+            guard = self._guard(turn)
             try:
-                turn.add_results(self._run_calls(reply.tool_calls, context, turn.rounds, at_cap))
+                calls = self._run_calls(reply.tool_calls, context, turn.rounds, guard)
+                results = turn.add_results(calls)
             except AuditError as exc:  # fail closed: no unaudited result goes back
                 turn.close_open_calls("audit_failed")
                 return self._finish(turn, context, "audit_failed", error=str(exc))
-            if at_cap:
-                fallback = _round_cap_fallback(self.max_rounds)
-                return self._finish(turn, context, "round_cap", answer=fallback)
+            if guard:
+                return self._finish(turn, context, guard, answer=self._fallback(guard))
             if turn.failed_tool:
                 error = f"the tool {turn.failed_tool} failed; details are in the audit log"
                 return self._finish(turn, context, "tool_failed", error=error)
+            if self._answers_directly(results):
+                answer = "\n".join(result.content for result in results)
+                return self._finish(turn, context, "returned_direct", answer=answer)
+
+    def _guard(self, turn: _Turn) -> str | None:
+        """The guard that stops this turn before the reply's calls run, if one does."""
+        if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
+            return "repeated_calls"
+        if turn.rounds == self.max_rounds:  # a result now could never reach the model
+            return "round_cap"
+        return None
 
     def _run_calls(
-        self, calls: Sequence[ToolCall], context: ToolContext, round_number: int, at_cap: bool
+        self, calls: Sequence[ToolCall], context: ToolContext, round_number: int, guard: str | None
     ) -> Iterator[ToolResult]:
-        """Run the calls in order. None runs at the cap, nor after an infrastructure failure."""
-        skip_reason = "round_cap" if at_cap else None
-        for call in calls:
-            if skip_reason:
-                yield skip_call(call, skip_reason, context, self.audit, round_number)
+        """Run the calls in order. After a guard, past the per-reply cap, or after an
+        infrastructure failure, calls are answered and audited but not run."""
+        skip_reason = guard
+        for position, call in enumerate(calls):
+            over_cap = position >= self.max_calls_per_reply
+            reason = skip_reason or ("too_many_calls" if over_cap else None)
+            if reason:
+                yield skip_call(call, reason, context, self.audit, round_number)
                 continue
-            result = dispatch(call, self.tools, context, self.audit, round_number)
+            result = dispatch(call, self.tools, context, self.audit, round_number, self.approvals)
             if result.ends_turn:
                 skip_reason = "turn_ended"
             yield result
+
+    def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
+        """Return-direct only when every call is return-direct and succeeded; a rejected call
+        goes back to the model so it can correct itself."""
+        return all(r.outcome == "ok" and self.tools[r.call.name].return_direct for r in results)
+
+    def _fallback(self, guard: str) -> str:
+        if guard == "round_cap":
+            return (
+                f"Sorry, I could not finish this within {self.max_rounds} steps. "
+                "Please rephrase the question or ask about one order at a time."
+            )
+        return "Sorry, I kept asking for the same information without progress. Please rephrase."
 
     def _finish(
         self,
@@ -1065,22 +1280,33 @@ class _Turn:
     failed_tool: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     open_calls: list[ToolCall] = field(default_factory=list)  # asked for, not yet answered
+    calls_now: tuple[tuple[str, str], ...] = ()
+    calls_before: tuple[tuple[str, str], ...] = ()
 
     def add_reply(self, reply: Reply) -> None:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
         self.open_calls = list(reply.tool_calls)
+        self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = reply.usage.get(key)
             if isinstance(count, int) and not isinstance(count, bool):
                 self.usage[key] = self.usage.get(key, 0) + count
 
-    def add_results(self, results: Iterator[ToolResult] | Sequence[ToolResult]) -> None:
+    @property
+    def repeats_previous_calls(self) -> bool:
+        return bool(self.calls_now) and self.calls_now == self.calls_before
+
+    def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
+        """Append each result as it comes, so a failure midway loses none that ran."""
+        added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
             self.open_calls.remove(result.call)
             self.tool_calls += 1
             if result.ends_turn:
                 self.failed_tool = result.call.name
+            added.append(result)
+        return added
 
     def close_open_calls(self, reason: str) -> None:
         """Answer every call still open, so the transcript stays valid to send again."""
@@ -1089,11 +1315,21 @@ class _Turn:
         self.open_calls = []
 
 
-def _round_cap_fallback(max_rounds: int) -> str:
-    return (
-        f"Sorry, I could not finish this within {max_rounds} steps. "
-        "Please rephrase the question or ask about one order at a time."
-    )
+def _call_signature(calls: Sequence[ToolCall]) -> tuple[tuple[str, str], ...]:
+    """The calls as a comparable value: names and canonical arguments, in a fixed order."""
+    return tuple(sorted((call.name, _canonical_arguments(call.arguments_json)) for call in calls))
+
+
+def _canonical_arguments(arguments_json: str) -> str:
+    try:
+        return canonical_json(parse_arguments(arguments_json))
+    except ArgumentError:  # not an object: compare the text as it came
+        return arguments_json
+
+
+def canonical_json(value: Any) -> str:
+    """One spelling per JSON value: keys sorted, compact, ASCII."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -1121,9 +1357,247 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
     return table
 
 
+def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
+    """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
+    for tool in tools:
+        if not tool.writes:
+            continue
+        if type(tool).apply is Tool.apply:
+            raise ConfigError(f"tool {tool.name!r} writes but has no apply step to approve")
+        if approvals is None:
+            raise ConfigError(f"tool {tool.name!r} writes: the loop needs Approvals for it")
+
+
+# ----------------------------------------------------------------------------------- approvals
+
+
+class ApprovalError(Exception):
+    """A human's decision could not be carried out; the message says why. The CLI exits 1."""
+
+
+@dataclass(frozen=True)
+class PendingAction:
+    """A write a model asked for, waiting for a human: what, for whom, until when."""
+
+    action_id: str
+    customer_id: str
+    tool: str
+    arguments_json: str
+    binding_sha256: str
+    summary: Mapping[str, Any]
+    created_at: str
+    expires_at: str
+    status: str
+
+
+class Approvals:
+    """The human side of every write. The model can only file a request; no tool approves or
+    executes anything. A human lists, approves or rejects on the command line, and approving
+    re-checks everything and applies the change once, in one transaction with its audit line.
+    """
+
+    def __init__(
+        self,
+        store: OrderStore,
+        audit: AuditLog,
+        ttl_seconds: float = APPROVAL_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.audit = audit
+        self.ttl_seconds = ttl_seconds
+        self.clock = clock
+
+    def propose(
+        self, tool: Tool, args: Mapping[str, Any], context: ToolContext, summary: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """File a validated, eligible request; returns what the model is told."""
+        action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
+        arguments_json = canonical_json(args)
+        now = self.clock()
+        with self.store.write_transaction() as db:
+            db.execute(
+                "UPDATE pending_actions SET status = 'expired'"
+                " WHERE status = 'pending' AND expires_at <= ?",
+                (_iso(now),),
+            )
+            try:
+                db.execute(
+                    "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
+                    " binding_sha256, summary_json, created_at, expires_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        action_id,
+                        context.customer_id,
+                        tool.name,
+                        arguments_json,
+                        _binding(context.customer_id, tool.name, arguments_json),
+                        canonical_json(summary),
+                        _iso(now),
+                        _iso(now + self.ttl_seconds),
+                    ),
+                )
+            except sqlite3.IntegrityError:  # the one-open-action index
+                raise ToolError(
+                    "this request is already waiting for a person to approve it"
+                ) from None
+        expires = _iso(now + self.ttl_seconds)
+        return {
+            "status": "requires_approval",
+            "approvalId": action_id,
+            **summary,
+            "expiresAt": expires,
+        }
+
+    def pending(self) -> list[PendingAction]:
+        """Open actions, oldest first; expired ones are not open."""
+        with closing(self.store.connect_read_only()) as db:
+            rows = db.execute(
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"
+                " WHERE status = 'pending' AND expires_at > ? ORDER BY created_at, action_id",
+                (_iso(self.clock()),),
+            ).fetchall()
+        return [_pending_action(row) for row in rows]
+
+    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically."""
+        with self._decision(action_id, "approve", operator) as db:
+            action = self._open_action(db, action_id)
+            tool = tools.get(action.tool)
+            if tool is None or not tool.writes:
+                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
+            args = self._bound_arguments(action)
+            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
+            try:
+                check_argument_names(args, tool.parameters)
+                outcome = tool.apply(args, context, db)
+            except ToolError as exc:
+                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
+            self._close(db, action, "approved", operator, outcome)
+        return outcome
+
+    def reject(self, action_id: str, operator: str) -> None:
+        """Close an open action without running it."""
+        with self._decision(action_id, "reject", operator) as db:
+            self._close(db, self._open_action(db, action_id), "rejected", operator, {})
+
+    @contextmanager
+    def _decision(
+        self, action_id: str, decision: str, operator: str
+    ) -> Iterator[sqlite3.Connection]:
+        """A write transaction whose refusals are audited too (after the rollback)."""
+        try:
+            with self.store.write_transaction() as db:
+                yield db
+        except ApprovalError as exc:
+            self.audit.record(
+                "approval_decision",
+                action_id=action_id,
+                decision=decision,
+                operator=operator,
+                outcome="refused",
+                reason=str(exc),
+            )
+            raise
+
+    def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
+        row = db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?", (action_id,)
+        ).fetchone()
+        if row is None:
+            raise ApprovalError(f"{_shown(action_id)}: no such action")
+        action = _pending_action(row)
+        if action.status != "pending":
+            raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
+        if action.expires_at <= _iso(self.clock()):
+            raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
+        return action
+
+    def _bound_arguments(self, action: PendingAction) -> dict[str, Any]:
+        """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
+        try:
+            args = parse_arguments(action.arguments_json)
+        except ArgumentError:
+            args = {}
+        binding = _binding(action.customer_id, action.tool, canonical_json(args))
+        if not hmac.compare_digest(binding, action.binding_sha256):
+            raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
+        return args
+
+    def _close(
+        self,
+        db: sqlite3.Connection,
+        action: PendingAction,
+        status: str,
+        operator: str,
+        outcome: Mapping[str, Any],
+    ) -> None:
+        """Mark the action decided and audit it, inside the transaction: no change without
+        its audit line, and no second use (the WHERE clause and the refunds keys)."""
+        marked = db.execute(
+            "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
+            " WHERE action_id = ? AND status = 'pending'",
+            (status, _iso(self.clock()), operator, action.action_id),
+        )
+        if marked.rowcount != 1:
+            raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
+        self.audit.record(
+            "approval_decision",
+            action_id=action.action_id,
+            decision="approve" if status == "approved" else "reject",
+            operator=operator,
+            outcome=status,
+            customer_id=action.customer_id,
+            tool=action.tool,
+            arguments=action.arguments_json,
+            result=dict(outcome),
+        )
+
+
+_ACTION_COLUMNS = (
+    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
+    " created_at, expires_at, status"
+)
+
+
+def _pending_action(row: Sequence[Any]) -> PendingAction:
+    (
+        action_id,
+        customer_id,
+        tool,
+        arguments_json,
+        binding,
+        summary_json,
+        created,
+        expires,
+        status,
+    ) = row
+    return PendingAction(
+        action_id,
+        customer_id,
+        tool,
+        arguments_json,
+        binding,
+        json.loads(summary_json),
+        created,
+        expires,
+        status,
+    )
+
+
+def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
+    """What an approval is bound to: this customer, this tool, these exact arguments."""
+    return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
+
+
+def _iso(timestamp: float) -> str:
+    """UTC, to the second, in a form whose text order is its time order."""
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 # ----------------------------------------------------------------------------------- the CLI
-# Exit codes: 0 answered · 1 the turn failed (API, network, tool infrastructure) ·
-# 2 usage or configuration error · 3 a guard stopped the turn (round cap).
+# Exit codes: 0 answered · 1 failed (the API or network, a tool's infrastructure, the audit
+# log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_GUARD = 0, 1, 2, 3
 
@@ -1141,13 +1615,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (ApprovalError, AuditError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, no internals
-        print(
-            f"error: unexpected {type(exc).__name__}; the turn was not completed", file=sys.stderr
-        )
+        print(f"error: unexpected {type(exc).__name__}; nothing more was done", file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -1156,37 +1631,52 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="function_calling.py",
         description="LLM tool calling by hand: the model proposes, this code disposes.",
     )
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument(
+        "--data-dir",
+        type=Path,
+        help="database and audit log (default $FUNCTION_CALLING_DATA or ./.function_calling;"
+        " for demo, a temporary directory)",
+    )
+    talk = argparse.ArgumentParser(add_help=False)
+    talk.add_argument(
+        "--customer", type=_printable_id, default=DEMO_CUSTOMER, help="who is signed in"
+    )
+    talk.add_argument(
+        "--max-rounds", type=_positive_int, default=MAX_ROUNDS, help="model calls per turn (8)"
+    )
+    human = argparse.ArgumentParser(add_help=False)
+    human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
+    human.add_argument(
+        "--operator", type=_printable_id, default=_os_user(), help="who decides (OS user)"
+    )
+
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    ask = commands.add_parser("ask", help="ask one question and print the answer")
+    ask = commands.add_parser(
+        "ask", parents=[talk, data], help="ask one question, print the answer"
+    )
     ask.add_argument("question")
-    ask.add_argument(
-        "--customer", type=_customer_id, default=DEMO_CUSTOMER, help="the signed-in customer's id"
-    )
-    ask.add_argument(
-        "--max-rounds",
-        type=_positive_int,
-        default=MAX_ROUNDS,
-        help="model calls per turn (default 8)",
-    )
-    ask.add_argument(
-        "--data-dir",
-        type=Path,
-        help="database and audit log (default $FUNCTION_CALLING_DATA or ./.function_calling)",
-    )
     ask.set_defaults(command=_cmd_ask)
-    demo = commands.add_parser(
-        "demo", help="run scripted turns offline against a local scripted model"
+    chat = commands.add_parser(
+        "chat", parents=[talk, data], help="talk, one line per turn, until EOF or /quit"
     )
-    demo.add_argument(
-        "--data-dir",
-        type=Path,
-        help="keep the database and audit log here (default: a temporary directory)",
-    )
+    chat.set_defaults(command=_cmd_chat)
+    demo = commands.add_parser("demo", parents=[data], help="scripted turns offline, on 127.0.0.1")
     demo.set_defaults(command=_cmd_demo)
+    pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
+    pending.set_defaults(command=_cmd_pending)
+    approve = commands.add_parser(
+        "approve", parents=[human, data], help="re-check and apply a pending write"
+    )
+    approve.set_defaults(command=_cmd_approve)
+    reject = commands.add_parser(
+        "reject", parents=[human, data], help="close a pending write unrun"
+    )
+    reject.set_defaults(command=_cmd_reject)
     return parser
 
 
-def _customer_id(text: str) -> str:
+def _printable_id(text: str) -> str:
     if not text or len(text) > 64 or not text.isprintable():
         raise argparse.ArgumentTypeError("expected 1 to 64 printable characters")
     return text
@@ -1198,50 +1688,131 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _data_dir(args: argparse.Namespace) -> Path:
-    chosen: Path | None = args.data_dir
-    return chosen or Path(os.environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR)
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no user name in the environment nor the password database
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class _Shop:
+    """Everything one data directory holds: the tools over its database, its audit, approvals."""
+
+    tools: list[Tool]
+    audit: AuditLog
+    approvals: Approvals
+
+
+def _open_shop(args: argparse.Namespace) -> _Shop:
+    data_dir: Path = args.data_dir or Path(
+        os.environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR
+    )
+    store = OrderStore(data_dir / "orders.db")
+    audit = AuditLog(data_dir / "audit.log")
+    return _Shop(demo_tools(store), audit, Approvals(store, audit))
+
+
+def _conversation(args: argparse.Namespace, shop: _Shop) -> ToolLoop:
+    client = ChatClient(Settings.from_env(os.environ))
+    return ToolLoop(
+        client, shop.tools, shop.audit, approvals=shop.approvals, max_rounds=args.max_rounds
+    )
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
-    settings = Settings.from_env(os.environ)
-    data_dir = _data_dir(args)
-    loop = ToolLoop(
-        ChatClient(settings),
-        demo_tools(data_dir),
-        AuditLog(data_dir / "audit.log"),
-        max_rounds=args.max_rounds,
-    )
-    result = loop.run(args.question, ToolContext(customer_id=args.customer))
+    shop = _open_shop(args)
+    result = _conversation(args, shop).run(args.question, ToolContext(customer_id=args.customer))
     return _report(result)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    """One turn per line; the history carries every verbatim message into the next turn."""
+    shop = _open_shop(args)
+    loop = _conversation(args, shop)
+    history: Sequence[str] = ()
+    worst = EXIT_OK
+    for line in _read_lines(sys.stdin):
+        if line.strip() == "/quit":
+            break
+        if line.strip():
+            result = loop.run(line, ToolContext(customer_id=args.customer), history)
+            history = result.messages  # a turn a guard stopped ends; the chat goes on
+            worst = max(worst, _report(result), key=_EXIT_SEVERITY.__getitem__)
+    return worst
+
+
+_EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_FAILED: 2}
+
+
+def _read_lines(stream: TextIO) -> Iterator[str]:
+    """Lines until end of input; a prompt only when a person is typing."""
+    interactive = stream.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = stream.readline()
+        if not line:
+            return
+        yield line.rstrip("\r\n")
 
 
 def _report(result: TurnResult) -> int:
     """Print what the user should see of a turn and choose the exit code."""
-    if result.stop_reason == "answered":
-        print(result.answer)
+    if result.stop_reason in ("answered", "returned_direct"):
+        print(result.answer, flush=True)
         return EXIT_OK
-    if result.stop_reason == "round_cap":
-        print(result.answer)
-        print(
-            f"stopped: the round cap was reached after {result.rounds} model calls", file=sys.stderr
-        )
+    if result.stop_reason in GUARD_STOPS:
+        print(result.answer, flush=True)
+        print(f"stopped: {_GUARD_NOTES[result.stop_reason]}", file=sys.stderr)
         return EXIT_GUARD
     print(f"error: {result.error}", file=sys.stderr)
     return EXIT_FAILED
 
 
+_GUARD_NOTES = {
+    "round_cap": "the round cap was reached",
+    "repeated_calls": "the model asked for the same calls twice in a row",
+}
+
+
+def _cmd_pending(args: argparse.Namespace) -> int:
+    actions = _open_shop(args).approvals.pending()
+    for action in actions:
+        summary = " ".join(f"{key}={value}" for key, value in action.summary.items())
+        print(
+            f"{action.action_id}  {action.customer_id}  {action.tool} {action.arguments_json}"
+            f"  {summary}  expires {action.expires_at}"
+        )
+    if not actions:
+        print("no pending actions")
+    return EXIT_OK
+
+
+def _cmd_approve(args: argparse.Namespace) -> int:
+    shop = _open_shop(args)
+    outcome = shop.approvals.approve(args.action_id, tool_table(shop.tools), args.operator)
+    print(f"approved {args.action_id} by {args.operator}: {canonical_json(outcome)}")
+    return EXIT_OK
+
+
+def _cmd_reject(args: argparse.Namespace) -> int:
+    _open_shop(args).approvals.reject(args.action_id, args.operator)
+    print(f"rejected {args.action_id} by {args.operator}; nothing was run")
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.data_dir:
-        return _run_demo(args.data_dir, kept=True)
+        return _run_demo(args, kept=True)
     with tempfile.TemporaryDirectory(prefix="function_calling_demo_") as scratch:
-        return _run_demo(Path(scratch), kept=False)
+        args.data_dir = Path(scratch)
+        return _run_demo(args, kept=False)
 
 
-def _run_demo(data_dir: Path, kept: bool) -> int:
-    """Play the scripted turns through the real client, loop, tools and audit log."""
-    tools = demo_tools(data_dir)
-    audit = AuditLog(data_dir / "audit.log")
+def _run_demo(args: argparse.Namespace, kept: bool) -> int:
+    """Play the scripted turns through the real client, loop, tools, audit and approvals."""
+    shop = _open_shop(args)
     print(
         "Offline demo: a scripted model on 127.0.0.1 drives the real client and loop.\n"
         f"Signed-in customer: {DEMO_CUSTOMER}\n"
@@ -1250,15 +1821,42 @@ def _run_demo(data_dir: Path, kept: bool) -> int:
     for number, (question, script) in enumerate(_demo_turns(), start=1):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="scripted-demo"))
-            context = ToolContext(customer_id=DEMO_CUSTOMER)
-            result = ToolLoop(client, tools, audit).run(question, context)
-        print(f"── turn {number} " + "─" * 60)
+            loop = ToolLoop(client, shop.tools, shop.audit, approvals=shop.approvals)
+            result = loop.run(question, ToolContext(customer_id=DEMO_CUSTOMER))
+        print(_banner(f"turn {number}"))
         print(format_transcript(result.messages))
         print(f"   [{result.stop_reason} after {result.rounds} rounds]\n")
         failed = failed or result.stop_reason != "answered"
-    where = f"in {data_dir / 'audit.log'}" if kept else "(in a temporary directory, now removed)"
-    print(f"Each tool call above was audited as one JSON line {where}.")
+    failed = _demo_human_decides(shop, args.data_dir) or failed
+    where = (
+        f"in {args.data_dir / 'audit.log'}" if kept else "(in a temporary directory, now removed)"
+    )
+    print(f"\nEach call and decision above was audited as one JSON line {where}.")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _banner(title: str) -> str:
+    return f"── {title} ".ljust(76, "─")
+
+
+def _demo_human_decides(shop: _Shop, data_dir: Path) -> bool:
+    """Show the human side: the pending action, the command, and that it applies only once."""
+    print(_banner("a human decides"))
+    actions = shop.approvals.pending()
+    if len(actions) != 1:
+        print("expected one pending action")
+        return True
+    action_id = actions[0].action_id
+    print(f"pending   {action_id} {actions[0].tool} {actions[0].arguments_json}")
+    print(f"command   python3 function_calling.py approve {action_id} --data-dir {data_dir}")
+    outcome = shop.approvals.approve(action_id, tool_table(shop.tools), operator="demo")
+    print(f"approved  {canonical_json(outcome)}")
+    try:
+        shop.approvals.approve(action_id, tool_table(shop.tools), operator="demo")
+    except ApprovalError as exc:
+        print(f"again     refused: {exc}")
+        return False
+    return True
 
 
 def format_transcript(messages: Sequence[str]) -> str:
@@ -1288,7 +1886,8 @@ def format_transcript(messages: Sequence[str]) -> str:
 
 
 def _demo_turns() -> list[tuple[str, list[ScriptItem]]]:
-    """Three turns a newcomer can follow: a rejected argument and its fix, a listing, scoping."""
+    """Turns a newcomer can follow: a rejected argument and its fix, a listing, another
+    customer's order, and a write that stops for a human."""
     return [
         (
             "Where is my order ORD-1001?",
@@ -1312,13 +1911,26 @@ def _demo_turns() -> list[tuple[str, list[ScriptItem]]]:
                 _answer_from_tool_result,
             ],
         ),
+        (
+            "ORD-1003 arrived four days late. Can I get the shipping refunded?",
+            [
+                tool_call_reply([("requestShippingRefund", '{"orderId": "ORD-1003"}')]),
+                _answer_from_tool_result,
+            ],
+        ),
     ]
 
 
 def _answer_from_tool_result(request: RecordedRequest) -> bytes:
     """The scripted model's answer, written from the last tool result it was sent."""
-    messages = request.json()["messages"]
-    result = json.loads(messages[-1]["content"])
+    result = json.loads(request.json()["messages"][-1]["content"])
+    if "error" in result:
+        return text_reply(f"Sorry, I couldn't do that: {result['message']}")
+    if result.get("status") == "requires_approval":
+        return text_reply(
+            f"I've asked for the {result['amount']} {result['currency']} shipping charge on "
+            f"{result['orderId']} to be refunded. A member of staff will confirm it."
+        )
     if "orders" in result:
         listed = "; ".join(
             f"{o['orderId']} ({o['status'].lower()}, placed {o['placed']})"

@@ -29,12 +29,14 @@ from unittest import mock
 import function_calling as fc
 from function_calling import (
     DEMO_CUSTOMER,
+    Approvals,
     AuditLog,
     ChatClient,
     ConfigError,
     RecordedRequest,
     ScriptedChatServer,
     ScriptedReply,
+    OrderStore,
     Settings,
     Tool,
     ToolContext,
@@ -63,9 +65,11 @@ class LoopTestCase(unittest.TestCase):
         scratch = tempfile.TemporaryDirectory()
         self.addCleanup(scratch.cleanup)
         self.data_dir = Path(scratch.name)
-        self.tools: list[Tool] = demo_tools(self.data_dir)
+        self.store = OrderStore(self.data_dir / "orders.db")
+        self.tools: list[Tool] = demo_tools(self.store)
         self.audit_path = self.data_dir / "audit.log"
         self.audit = AuditLog(self.audit_path)
+        self.approvals = Approvals(self.store, self.audit)
 
     def run_turn(
         self,
@@ -79,7 +83,11 @@ class LoopTestCase(unittest.TestCase):
         with ScriptedChatServer(script) as server:
             settings = Settings(base_url=server.base_url, model="test-model", api_key=FAKE_KEY)
             loop = ToolLoop(
-                ChatClient(settings), tools or self.tools, self.audit, max_rounds=max_rounds
+                ChatClient(settings),
+                tools or self.tools,
+                self.audit,
+                approvals=self.approvals,
+                max_rounds=max_rounds,
             )
             result = loop.run(question, ToolContext(customer_id=customer), history)
         return result, server.requests
@@ -104,6 +112,14 @@ class LoopTestCase(unittest.TestCase):
 def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
     """The tool messages' contents of a request, parsed, in order."""
     return [json.loads(m["content"]) for m in request.json()["messages"] if m["role"] == "tool"]
+
+
+def alternating_lookups(count: int) -> list[bytes]:
+    """A model that never stops asking, but never repeats its previous request exactly."""
+    return [
+        tool_call_reply([("getOrderStatus", f'{{"orderId":"ORD-100{1 + n % 2}"}}')])
+        for n in range(count)
+    ]
 
 
 def tool_messages(request: RecordedRequest) -> list[dict[str, Any]]:
@@ -332,7 +348,7 @@ class DataTest(LoopTestCase):
             )
         self.assertGreaterEqual(len(owners), 2)
         self.assertTrue(all(count >= 3 for count in owners.values()))
-        demo_tools(self.data_dir)  # a second open seeds nothing twice
+        OrderStore(self.data_dir / "orders.db")  # a second open seeds nothing twice
         with closing(sqlite3.connect(self.data_dir / "orders.db")) as db:
             self.assertEqual(
                 db.execute("SELECT COUNT(*) FROM orders").fetchone()[0], sum(owners.values())
@@ -375,7 +391,8 @@ class DataTest(LoopTestCase):
         self.assertEqual(
             status,
             '{"orderId":"ORD-1001","found":true,"status":"SHIPPED",'
-            '"updated":"2026-10-12","note":"Left the Memphis hub"}',
+            '"updated":"2026-10-12","note":"Left the Memphis hub",'
+            '"promised":"2026-10-15","delivered":null}',
         )
         self.assertEqual(set(json.loads(listing)["orders"][0]), {"orderId", "status", "placed"})
         for private in ("ada@example.com", "Ada Lovelace", DEMO_CUSTOMER):
@@ -531,7 +548,8 @@ class WireTest(LoopTestCase):
                 "role": "tool",
                 "tool_call_id": call_id,
                 "content": '{"orderId":"ORD-1001","found":true,"status":"SHIPPED",'
-                '"updated":"2026-10-12","note":"Left the Memphis hub"}',
+                '"updated":"2026-10-12","note":"Left the Memphis hub",'
+                '"promised":"2026-10-15","delivered":null}',
             },
         )
 
@@ -583,7 +601,9 @@ class WireTest(LoopTestCase):
     def test_no_authorization_header_is_sent_without_a_key(self) -> None:
         with ScriptedChatServer([text_reply("hi")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="local"))
-            ToolLoop(client, self.tools, self.audit).run("hi", ToolContext(DEMO_CUSTOMER))
+            ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
+                "hi", ToolContext(DEMO_CUSTOMER)
+            )
         self.assertNotIn("authorization", server.requests[0].headers)
 
     def test_the_customer_id_never_reaches_the_model(self) -> None:
@@ -710,7 +730,9 @@ class TransportTest(LoopTestCase):
         client = ChatClient(
             Settings(base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout)
         )
-        return ToolLoop(client, self.tools, self.audit).run("hi", ToolContext(DEMO_CUSTOMER))
+        return ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
+            "hi", ToolContext(DEMO_CUSTOMER)
+        )
 
     def assert_transport_error(self, result: TurnResult, fragment: str) -> None:
         self.assertEqual(result.stop_reason, "api_error")
@@ -746,9 +768,7 @@ class TransportTest(LoopTestCase):
 
 class LoopTest(LoopTestCase):
     def test_the_round_cap_ends_the_turn_after_eight_model_calls(self) -> None:
-        forever = [
-            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(20)
-        ]
+        forever = alternating_lookups(20)
         result, requests = self.run_turn(forever)
         self.assertEqual((result.stop_reason, result.rounds, len(requests)), ("round_cap", 8, 8))
         self.assertIn("could not finish", result.answer or "")
@@ -758,9 +778,7 @@ class LoopTest(LoopTestCase):
         self.assertEqual(json.loads(json.loads(result.messages[-1])["content"])["error"], "not_run")
 
     def test_the_round_cap_is_configurable(self) -> None:
-        forever = [
-            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(5)
-        ]
+        forever = alternating_lookups(5)
         result, requests = self.run_turn(forever, max_rounds=2)
         self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 2))
         with self.assertRaises(ConfigError):
@@ -987,9 +1005,7 @@ class CliTest(LoopTestCase):
         )
 
     def test_ask_exits_3_when_the_round_cap_stops_the_turn(self) -> None:
-        forever = [
-            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]) for _ in range(5)
-        ]
+        forever = alternating_lookups(5)
         done, requests = self.ask(forever, "--max-rounds", "3")
         self.assertEqual((done.returncode, len(requests)), (3, 3))
         self.assertIn("could not finish", done.stdout)
@@ -1048,7 +1064,8 @@ class CliTest(LoopTestCase):
         done = self.cli("demo", "--data-dir", "kept")
         self.assertEqual(done.returncode, 0)
         lines = (self.data_dir / "kept" / "audit.log").read_text(encoding="ascii").splitlines()
-        self.assertEqual(sum('"event":"tool_call"' in line for line in lines), 4)
+        self.assertEqual(sum('"event":"tool_call"' in line for line in lines), 5)
+        self.assertEqual(sum('"event":"approval_decision"' in line for line in lines), 2)
 
 
 # ------------------------------------------------------------------------------ summary runner
