@@ -227,7 +227,7 @@ class Tool:
     def apply(
         self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
     ) -> dict[str, Any]:
-        """Writers only: re-check and make the change. Called by Approvals.approve, never the loop."""
+        """Writers only: re-check, then make the change. Only Approvals.approve calls this."""
         raise NotImplementedError
 
     def run(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
@@ -661,7 +661,8 @@ class OrderStore:
     ) -> None:
         """Insert the refund; the table's keys refuse a second one for the order or action."""
         db.execute(
-            "INSERT INTO refunds (order_id, action_id, amount_cents, refunded_at) VALUES (?, ?, ?, ?)",
+            "INSERT INTO refunds (order_id, action_id, amount_cents, refunded_at)"
+            " VALUES (?, ?, ?, ?)",
             (order_id, action_id, cents, when),
         )
 
@@ -1453,7 +1454,7 @@ class Approvals:
         """Open actions, oldest first; expired ones are not open."""
         with closing(self.store.connect_read_only()) as db:
             rows = db.execute(
-                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
                 " WHERE status = 'pending' AND expires_at > ? ORDER BY created_at, action_id",
                 (_iso(self.clock()),),
             ).fetchall()
@@ -1502,7 +1503,8 @@ class Approvals:
 
     def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
         row = db.execute(
-            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?", (action_id,)
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            (action_id,),
         ).fetchone()
         if row is None:
             raise ApprovalError(f"{_shown(action_id)}: no such action")
