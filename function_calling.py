@@ -33,18 +33,23 @@ boundary) · the loop · the CLI · the scripted server used by `demo` and the t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import getpass
 import hashlib
 import hmac
 import http.client
 import http.server
+import email.utils
 import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
+import socket
 import sqlite3
+import ssl
 import sys
 import tempfile
 import threading
@@ -53,10 +58,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
+from email.message import Message
 from datetime import datetime, timezone
 from pathlib import Path
+from queue import Empty, SimpleQueue
 from typing import Any, ClassVar, TextIO, TypeAlias
 
 __all__ = [
@@ -98,8 +105,13 @@ DEMO_CUSTOMER = "CUST-0001"
 
 MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill stops it
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
-MAX_RESPONSE_BYTES = 8 * 1024 * 1024
-REQUEST_TIMEOUT_S = 60.0
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
+REQUEST_TIMEOUT_S = 60.0  # a total deadline per request, from connect to the last byte
+TURN_TIMEOUT_S = 300.0  # a total deadline per turn: rounds, retries and tools together
+MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
+MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
+TOOL_WORKERS = 4  # calls of one reply run concurrently, this many at a time
+TOOL_TIMEOUT_S = 30.0  # a call not done by then is answered {"error":"timeout"}
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
 APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
@@ -122,6 +134,9 @@ class Settings:
     model: str = DEFAULT_MODEL
     api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
     timeout: float = REQUEST_TIMEOUT_S
+    max_retries: int = MAX_RETRIES
+    max_retry_wait: float = MAX_RETRY_WAIT_S
+    max_response_bytes: int = MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         parts = urllib.parse.urlsplit(self.base_url)
@@ -136,15 +151,18 @@ class Settings:
             raise ConfigError("OPENAI_API_KEY is not set (required for api.openai.com)")
         if not self.model:
             raise ConfigError("the model name is empty")
+        if self.timeout <= 0 or self.max_retries < 0 or self.max_retry_wait < 0:
+            raise ConfigError("timeouts must be positive and retries not negative")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str], timeout: float = REQUEST_TIMEOUT_S) -> Settings:
-        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does)."""
+    def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
+        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
+        `choices` sets the other fields (timeout=, max_retries=, …)."""
         return cls(
             base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
             model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
             api_key=environ.get("OPENAI_API_KEY") or None,
-            timeout=timeout,
+            **choices,
         )
 
 
@@ -764,19 +782,122 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
         return None  # urllib then raises HTTPError with the 3xx status
 
 
+class _TimedResponse(http.client.HTTPResponse):
+    """An HTTPResponse that keeps its socket, so that each read waits only until the deadline.
+
+    subtle: urllib's timeout bounds each socket read, not the request; a server trickling one
+    byte a second would never trip it.
+    """
+
+    def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.socket = sock
+
+    def wait_until(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        self.socket.settimeout(remaining)
+
+
+class _TimedHTTPConnection(http.client.HTTPConnection):
+    response_class = _TimedResponse
+
+
+class _TimedHTTPSConnection(http.client.HTTPSConnection):
+    response_class = _TimedResponse
+
+
+class _TimedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_TimedHTTPConnection, req)
+
+
+class _TimedHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, context: ssl.SSLContext) -> None:
+        super().__init__(context=context)
+        self.tls_context = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_TimedHTTPSConnection, req, context=self.tls_context)
+
+
+class _RetryableError(ApiError):
+    """A failure worth another try: no response at all, or 408, 409, 429, 5xx."""
+
+    def __init__(self, message: str, status: int | None, wait_hint: float | None) -> None:
+        super().__init__(message, status)
+        self.wait_hint = wait_hint  # seconds the server asked for, if it did
+
+
+_log = logging.getLogger("function_calling")
+
+
 class ChatClient:
-    """Sends chat-completions requests with urllib; every failure becomes one ApiError."""
+    """Sends chat-completions requests with urllib; every failure becomes one ApiError.
 
-    def __init__(self, settings: Settings) -> None:
+    Only the HTTP request is retried, never a tool: a reply is parsed once it has arrived whole.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        sleep: Callable[[float], None] = time.sleep,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
         self.settings = settings
-        self._opener = urllib.request.build_opener(_RefuseRedirects)
+        self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
+        self._jitter = jitter
+        self._opener = urllib.request.build_opener(
+            _RefuseRedirects, _TimedHTTPHandler, _TimedHTTPSHandler(ssl.create_default_context())
+        )
 
-    def complete(self, messages: Sequence[str], tools_json: str = "[]") -> Reply:
-        """One model call: POST the conversation, return the parsed reply."""
-        body = self._post(_request_body(self.settings.model, messages, tools_json))
-        return parse_reply(body)
+    def complete(
+        self, messages: Sequence[str], tools_json: str = "[]", deadline: float | None = None
+    ) -> Reply:
+        """One model call: POST the conversation (retrying what may be retried before
+        `deadline`, a time.monotonic() value), return the parsed reply."""
+        body = _request_body(self.settings.model, messages, tools_json)
+        turn_deadline = deadline if deadline is not None else math.inf
+        if time.monotonic() >= turn_deadline:
+            raise ApiError("the turn's deadline passed before the model could be asked again")
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                return replace(parse_reply(self._post(body, turn_deadline)), retries=attempt)
+            except _RetryableError as failure:
+                if attempt == self.settings.max_retries:
+                    raise ApiError(
+                        f"{failure} (gave up after {attempt} retries)", failure.status
+                    ) from None
+                wait = self._retry_wait(failure, attempt, turn_deadline)
+                _log.warning(
+                    "%s; retry %d of %d in %.1f s",
+                    failure,
+                    attempt + 1,
+                    self.settings.max_retries,
+                    wait,
+                )
+                self._sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _post(self, body: bytes) -> bytes:
+    def _retry_wait(self, failure: _RetryableError, attempt: int, turn_deadline: float) -> float:
+        """The server's hint if it gave one, else exponential backoff with jitter (as the
+        official SDKs do: 0.5 s doubling to 8 s, less up to a quarter)."""
+        if failure.wait_hint is not None and failure.wait_hint > self.settings.max_retry_wait:
+            raise ApiError(
+                f"{failure}; the server asks to wait {failure.wait_hint:.0f} s, more than the"
+                f" {self.settings.max_retry_wait:.0f} s cap on retry waits",
+                failure.status,
+            )
+        wait = failure.wait_hint
+        if wait is None:
+            wait = min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * self._jitter())
+        if time.monotonic() + wait >= turn_deadline:
+            raise ApiError(f"{failure}; a retry would pass the turn's deadline", failure.status)
+        return wait
+
+    def _post(self, body: bytes, turn_deadline: float) -> bytes:
+        deadline = min(time.monotonic() + self.settings.timeout, turn_deadline)
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.settings.api_key:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
@@ -784,15 +905,27 @@ class ChatClient:
         # the scheme was checked in Settings: only http and https get here
         request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
         try:
-            with self._opener.open(request, timeout=self.settings.timeout) as response:
-                return _read_capped(response, MAX_RESPONSE_BYTES)
+            response = self._opener.open(request, timeout=max(deadline - time.monotonic(), 0.001))
         except urllib.error.HTTPError as exc:
-            raise self._status_error(exc) from None
+            raise self._status_error(exc, deadline) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-            raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
+            # nothing arrived: as the official SDKs do, a connection failure or a timeout
+            # before any response is retried
+            raise _RetryableError(
+                f"could not reach the model API: {_transport_reason(exc)}", None, None
+            ) from None
+        with response:
+            try:
+                return _read_body(response, deadline, self.settings.max_response_bytes)
+            except (http.client.HTTPException, OSError) as exc:  # part of a reply: not retried
+                raise ApiError(
+                    f"the reply from the model API broke off: {_transport_reason(exc)}"
+                ) from None
 
-    def _status_error(self, exc: urllib.error.HTTPError) -> ApiError:
+    def _status_error(self, exc: urllib.error.HTTPError, deadline: float) -> ApiError:
         try:  # subtle: an HTTPError holds the open connection; read what we show, then close it
+            if isinstance(exc.fp, _TimedResponse):
+                exc.fp.wait_until(deadline)
             body = exc.read(4096)
         except (OSError, http.client.HTTPException):
             body = b""
@@ -805,7 +938,10 @@ class ChatClient:
                 exc.code,
             )
         text = self._redact(" ".join(body.decode("utf-8", "replace").split()))
-        return ApiError(f"the model API answered HTTP {exc.code}: {_cut(text, 300)}", exc.code)
+        message = f"the model API answered HTTP {exc.code}: {_cut(text, 300)}"
+        if _should_retry(exc.code, exc.headers):
+            return _RetryableError(message, exc.code, _retry_after(exc.headers))
+        return ApiError(message, exc.code)
 
     def _redact(self, text: str) -> str:
         """A server may echo the request back; the key must not travel on in an error."""
@@ -813,17 +949,41 @@ class ChatClient:
         return text.replace(key, "[redacted]") if key else text
 
 
-def _read_capped(response: http.client.HTTPResponse, limit: int) -> bytes:
-    """Read the whole body, refusing to hold more than `limit` bytes."""
+def _should_retry(status: int, headers: Message) -> bool:
+    """408, 409, 429 and 5xx are worth another try, unless the server says otherwise."""
+    verdict = (headers.get("x-should-retry") or "").strip().lower()
+    if verdict in ("true", "false"):
+        return verdict == "true"
+    return status in (408, 409, 429) or status >= 500
+
+
+def _retry_after(headers: Message) -> float | None:
+    """The wait a server asks for: retry-after-ms, else Retry-After in seconds or as a date."""
+    with suppress(TypeError, ValueError):
+        return max(float(headers.get("retry-after-ms") or "x") / 1000, 0.0)
+    value = headers.get("retry-after") or ""
+    with suppress(ValueError):
+        return max(float(value), 0.0)
+    with suppress(TypeError, ValueError, IndexError):
+        return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    return None
+
+
+def _read_body(response: _TimedResponse, deadline: float, limit: int) -> bytes:
+    """Read the whole body before the deadline, refusing to hold more than `limit` bytes."""
     chunks: list[bytes] = []
     size = 0
-    while chunk := response.read(min(65536, limit + 1 - size)):
+    while True:
+        response.wait_until(deadline)
+        chunk = response.read1(65536)  # read1: returns what has arrived, not a full buffer
+        if not chunk:
+            break
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
             raise ApiError(f"the model API sent more than {limit} bytes; refusing to read on")
-    # subtle: read(n) returns what arrived when the server hangs up early; only the
-    # remaining Content-Length tells a complete body from a cut one
+    # subtle: a read returns what arrived when the server hangs up early; only the remaining
+    # Content-Length tells a complete body from a cut one
     if response.length:
         raise http.client.IncompleteRead(b"".join(chunks), response.length)
     return b"".join(chunks)
@@ -834,7 +994,7 @@ def _transport_reason(exc: BaseException) -> str:
     if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
         exc = exc.reason
     if isinstance(exc, TimeoutError):
-        return "timed out"
+        return "timed out (no complete reply before the deadline)"
     if isinstance(exc, http.client.IncompleteRead):
         return "the connection closed before the reply was complete"
     if isinstance(exc, http.client.RemoteDisconnected):
@@ -868,35 +1028,43 @@ class Reply:
     content: str | None
     tool_calls: tuple[ToolCall, ...]
     usage: Mapping[str, Any]
+    finish_reason: str | None = None
+    refusal: str | None = None
+    retries: int = 0  # how many times the request was retried before this reply came
 
 
 def parse_reply(body: bytes) -> Reply:
-    """Read choices[0].message from a chat-completions body; ApiError if it is not usable."""
+    """Read choices[0] from a chat-completions body; ApiError if it is not usable."""
     try:
         text = body.decode("utf-8")
         document = json.loads(text)
     except (ValueError, RecursionError):
-        raise ApiError(
-            f"the model API sent a reply that is not JSON: {_cut(_printable(body), 120)}"
-        ) from None
-    message = _first_message(document)
+        snippet = _cut(_printable(body), 120)
+        raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
+    choice = _first_choice(document)
+    message = choice["message"]
     start, end = _raw_span(text, ("choices", 0, "message"))
-    content = message.get("content")
     reply = Reply(
         message_json=text[start:end],
-        content=content if isinstance(content, str) else None,
+        content=_text_or_none(message.get("content")),
+        # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
+        # no value at all have been recorded beside real tool calls
         tool_calls=_parse_tool_calls(message.get("tool_calls")),
-        usage=document.get("usage") if isinstance(document.get("usage"), dict) else {},
+        usage=document["usage"] if isinstance(document.get("usage"), dict) else {},
+        finish_reason=_text_or_none(choice.get("finish_reason")),
+        refusal=_text_or_none(message.get("refusal")),
     )
-    if not reply.tool_calls and not reply.content:
-        refusal = message.get("refusal")
-        if isinstance(refusal, str) and refusal:
-            raise ApiError(f"the model refused: {_cut(refusal, 300)}")
+    cut_short = reply.finish_reason in ("length", "content_filter")
+    if not (reply.tool_calls or reply.content or reply.refusal or cut_short):
         raise ApiError("the model API sent a reply with neither text nor tool calls")
     return reply
 
 
-def _first_message(document: Any) -> dict[str, Any]:
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _first_choice(document: Any) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ApiError("the model API sent JSON that is not an object")
     error = document.get("error")
@@ -906,10 +1074,10 @@ def _first_message(document: Any) -> dict[str, Any]:
     choices = document.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ApiError("the model API sent a reply without choices")
-    message = choices[0].get("message")
-    if not isinstance(message, dict):
+    if not isinstance(choices[0].get("message"), dict):
         raise ApiError("the model API sent a choice without a message")
-    return message
+    choice: dict[str, Any] = choices[0]
+    return choice
 
 
 def _parse_tool_calls(raw: Any) -> tuple[ToolCall, ...]:
@@ -1069,7 +1237,6 @@ _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
     "repeated_calls": "the same calls as the previous reply; the turn was stopped",
     "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
-    "turn_ended": "an earlier call failed and ended the turn",
     "audit_failed": "the audit log could not be written",
 }
 
@@ -1080,6 +1247,16 @@ def skip_call(
     """A call that will not run still gets its tool message and its audit line."""
     _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
     return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
+
+
+def timed_out_call(
+    call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
+) -> ToolResult:
+    """A call with no result in time is answered without one; the tool may still finish
+    later, and then writes its own audit line with its real outcome."""
+    _audit_call(audit, call, context, round_number, "timeout", time.monotonic() - timeout, {})
+    message = f"the tool gave no result within {timeout:g} s; try again later or ask the user"
+    return ToolResult(call, _error_content("timeout", message), "timeout")
 
 
 def _not_run_content(reason: str) -> str:
@@ -1122,9 +1299,11 @@ GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
 class TurnResult:
     """How one turn ended, and every message of the conversation, as sent on the wire.
 
-    stop_reason: "answered" or "returned_direct" (a return-direct tool's output is the
-    answer); a guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a
-    failure: "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show).
+    stop_reason: "answered", "returned_direct" (a return-direct tool's output is the answer)
+    or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
+    or "filtered" (stopped by the provider's content filter), with whatever text came; a
+    guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
+    "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show).
     messages: raw JSON texts, system prompt first; pass them as `history` to go on talking.
     Every assistant message with tool_calls is followed by one tool message per call, in order,
     whatever happened to the call, so the history is always valid to send again.
@@ -1137,6 +1316,7 @@ class TurnResult:
     tool_calls: int
     error: str | None = None
     usage: Mapping[str, int] = field(default_factory=dict)
+    retries: int = 0  # HTTP requests sent again (429, 5xx, no response); tools never rerun
 
 
 class ToolLoop:
@@ -1152,9 +1332,14 @@ class ToolLoop:
         system_prompt: str = SYSTEM_PROMPT,
         max_rounds: int = MAX_ROUNDS,
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
+        turn_timeout: float = TURN_TIMEOUT_S,
+        tool_workers: int = TOOL_WORKERS,
+        tool_timeout: float = TOOL_TIMEOUT_S,
     ) -> None:
-        if max_rounds < 1 or max_calls_per_reply < 1:
-            raise ConfigError("max_rounds and max_calls_per_reply must be at least 1")
+        if min(max_rounds, max_calls_per_reply, tool_workers) < 1:
+            raise ConfigError("max_rounds, max_calls_per_reply and tool_workers must be >= 1")
+        if min(turn_timeout, tool_timeout) <= 0:
+            raise ConfigError("turn_timeout and tool_timeout must be positive")
         self.client = client
         self.tools = tool_table(tools)
         _require_approval_step(self.tools.values(), approvals)
@@ -1163,27 +1348,29 @@ class ToolLoop:
         self.system_prompt = system_prompt
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
+        self.turn_timeout = turn_timeout
+        self.tool_workers = tool_workers
+        self.tool_timeout = tool_timeout
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
 
     def run(
         self, user_message: str, context: ToolContext, history: Sequence[str] = ()
     ) -> TurnResult:
         """One turn. Never raises for the model's or the network's faults: see stop_reason."""
-        turn = _Turn(list(history) or [_message("system", self.system_prompt)], time.monotonic())
+        turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.messages.append(_message("user", user_message))
         while True:
             turn.rounds += 1
             try:
-                reply = self.client.complete(turn.messages, self._tools_json)
+                reply = self.client.complete(turn.messages, self._tools_json, turn.deadline)
             except ApiError as exc:
                 return self._finish(turn, context, "api_error", error=str(exc))
             turn.add_reply(reply)
             if not reply.tool_calls:
-                return self._finish(turn, context, "answered", answer=reply.content)
+                return self._finish(turn, context, *_ending(reply))
             guard = self._guard(turn)
             try:
-                calls = self._run_calls(reply.tool_calls, context, turn.rounds, guard)
-                results = turn.add_results(calls)
+                results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
             except AuditError as exc:  # fail closed: no unaudited result goes back
                 turn.close_open_calls("audit_failed")
                 return self._finish(turn, context, "audit_failed", error=str(exc))
@@ -1205,21 +1392,27 @@ class ToolLoop:
         return None
 
     def _run_calls(
-        self, calls: Sequence[ToolCall], context: ToolContext, round_number: int, guard: str | None
+        self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
     ) -> Iterator[ToolResult]:
-        """Run the calls in order. After a guard, past the per-reply cap, or after an
-        infrastructure failure, calls are answered and audited but not run."""
-        skip_reason = guard
+        """Answer every call, in call order. The calls run concurrently, `tool_workers` at a
+        time; after a guard, past the per-reply cap, or past `tool_timeout` a call is answered
+        and audited without its result."""
+        runnable = [] if guard else list(calls[: self.max_calls_per_reply])
+        deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
+
+        def run_one(call: ToolCall) -> ToolResult:
+            return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
+
+        running = _start_calls(runnable, run_one, self.tool_workers)
         for position, call in enumerate(calls):
-            over_cap = position >= self.max_calls_per_reply
-            reason = skip_reason or ("too_many_calls" if over_cap else None)
-            if reason:
-                yield skip_call(call, reason, context, self.audit, round_number)
+            if position >= len(running):
+                yield skip_call(call, guard or "too_many_calls", context, self.audit, turn.rounds)
                 continue
-            result = dispatch(call, self.tools, context, self.audit, round_number, self.approvals)
-            if result.ends_turn:
-                skip_reason = "turn_ended"
-            yield result
+            try:
+                yield running[position].result(timeout=max(deadline - time.monotonic(), 0))
+            except concurrent.futures.TimeoutError:
+                running[position].cancel()  # a call still queued never starts
+                yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
 
     def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
         """Return-direct only when every call is return-direct and succeeded; a rejected call
@@ -1250,6 +1443,7 @@ class ToolLoop:
             tool_calls=turn.tool_calls,
             error=error,
             usage=dict(turn.usage),
+            retries=turn.retries,
         )
         try:
             self._audit_turn(turn, context, result)
@@ -1265,6 +1459,7 @@ class ToolLoop:
             stop_reason=result.stop_reason,
             rounds=turn.rounds,
             tool_calls=turn.tool_calls,
+            retries=turn.retries,
             duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
             usage=result.usage,
         )
@@ -1275,8 +1470,10 @@ class _Turn:
     """The loop's working state for one turn."""
 
     messages: list[str]
-    started: float
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
     rounds: int = 0
+    retries: int = 0
     tool_calls: int = 0
     failed_tool: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
@@ -1288,10 +1485,15 @@ class _Turn:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
         self.open_calls = list(reply.tool_calls)
         self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
+        self.retries += reply.retries
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = reply.usage.get(key)
             if isinstance(count, int) and not isinstance(count, bool):
                 self.usage[key] = self.usage.get(key, 0) + count
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
 
     @property
     def repeats_previous_calls(self) -> bool:
@@ -1314,6 +1516,52 @@ class _Turn:
         for call in self.open_calls:
             self.messages.append(_tool_message(call.id, _not_run_content(reason)))
         self.open_calls = []
+
+
+def _ending(reply: Reply) -> tuple[str, str | None]:
+    """How a reply without tool calls ends the turn: an answer, or plainly not one."""
+    if reply.finish_reason == "length":
+        return "incomplete", reply.content  # cut at the token limit: not a whole answer
+    if reply.finish_reason == "content_filter":
+        return "filtered", reply.content
+    if reply.content is None:
+        return "refused", reply.refusal
+    return "answered", reply.content
+
+
+def _start_calls(
+    calls: Sequence[ToolCall], run_one: Callable[[ToolCall], ToolResult], workers: int
+) -> list[concurrent.futures.Future[ToolResult]]:
+    """Start the calls on up to `workers` daemon threads; one future per call, in order.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so one hung tool
+    would keep the process alive. A daemon thread nobody waits for is abandoned instead.
+    """
+    futures: list[concurrent.futures.Future[ToolResult]] = [
+        concurrent.futures.Future() for _ in calls
+    ]
+    queue: SimpleQueue[tuple[ToolCall, concurrent.futures.Future[ToolResult]]] = SimpleQueue()
+    for item in zip(calls, futures, strict=True):
+        queue.put(item)
+    for _ in range(min(workers, len(calls))):
+        threading.Thread(target=_call_worker, args=(queue, run_one), daemon=True).start()
+    return futures
+
+
+def _call_worker(
+    queue: SimpleQueue[tuple[ToolCall, concurrent.futures.Future[ToolResult]]],
+    run_one: Callable[[ToolCall], ToolResult],
+) -> None:
+    while True:
+        try:
+            call, future = queue.get_nowait()
+        except Empty:
+            return
+        if future.set_running_or_notify_cancel():  # False: abandoned before it started
+            try:
+                future.set_result(run_one(call))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the loop's thread
+                future.set_exception(exc)
 
 
 def _call_signature(calls: Sequence[ToolCall]) -> tuple[tuple[str, str], ...]:
@@ -1647,6 +1895,13 @@ def _build_parser() -> argparse.ArgumentParser:
     talk.add_argument(
         "--max-rounds", type=_positive_int, default=MAX_ROUNDS, help="model calls per turn (8)"
     )
+    talk.add_argument(
+        "--timeout", type=_seconds, default=REQUEST_TIMEOUT_S, help="one request's deadline (60)"
+    )
+    talk.add_argument(
+        "--turn-timeout", type=_seconds, default=TURN_TIMEOUT_S, help="one turn's deadline (300)"
+    )
+    talk.add_argument("--retries", type=_count, default=MAX_RETRIES, help="retries per request (2)")
     human = argparse.ArgumentParser(add_help=False)
     human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
     human.add_argument(
@@ -1684,6 +1939,22 @@ def _printable_id(text: str) -> str:
     return text
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0; got {text!r}")
+    return seconds
+
+
+def _count(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more; got {text!r}")
+    return int(text)
+
+
 def _positive_int(text: str) -> int:
     if not text.isascii() or not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more; got {text!r}")
@@ -1716,9 +1987,14 @@ def _open_shop(args: argparse.Namespace) -> _Shop:
 
 
 def _conversation(args: argparse.Namespace, shop: _Shop) -> ToolLoop:
-    client = ChatClient(Settings.from_env(os.environ))
+    settings = Settings.from_env(os.environ, timeout=args.timeout, max_retries=args.retries)
     return ToolLoop(
-        client, shop.tools, shop.audit, approvals=shop.approvals, max_rounds=args.max_rounds
+        ChatClient(settings),
+        shop.tools,
+        shop.audit,
+        approvals=shop.approvals,
+        max_rounds=args.max_rounds,
+        turn_timeout=args.turn_timeout,
     )
 
 
@@ -1761,9 +2037,14 @@ def _read_lines(stream: TextIO) -> Iterator[str]:
 
 def _report(result: TurnResult) -> int:
     """Print what the user should see of a turn and choose the exit code."""
-    if result.stop_reason in ("answered", "returned_direct"):
+    if result.stop_reason in ("answered", "returned_direct", "refused"):
         print(result.answer, flush=True)
         return EXIT_OK
+    if result.stop_reason in _CUT_SHORT:
+        if result.answer:
+            print(result.answer, flush=True)
+        print(f"error: {_CUT_SHORT[result.stop_reason]}", file=sys.stderr)
+        return EXIT_FAILED
     if result.stop_reason in GUARD_STOPS:
         print(result.answer, flush=True)
         print(f"stopped: {_GUARD_NOTES[result.stop_reason]}", file=sys.stderr)
@@ -1771,6 +2052,11 @@ def _report(result: TurnResult) -> int:
     print(f"error: {result.error}", file=sys.stderr)
     return EXIT_FAILED
 
+
+_CUT_SHORT = {
+    "incomplete": "the answer was cut short at the model's token limit (finish_reason length)",
+    "filtered": "the provider's content filter stopped the answer (finish_reason content_filter)",
+}
 
 _GUARD_NOTES = {
     "round_cap": "the round cap was reached",

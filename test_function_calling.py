@@ -71,6 +71,7 @@ class LoopTestCase(unittest.TestCase):
         self.audit_path = self.data_dir / "audit.log"
         self.audit = AuditLog(self.audit_path)
         self.approvals = Approvals(self.store, self.audit)
+        self.sleeps: list[float] = []  # the waits a client was asked to make between retries
 
     def run_turn(
         self,
@@ -80,17 +81,27 @@ class LoopTestCase(unittest.TestCase):
         max_rounds: int = fc.MAX_ROUNDS,
         tools: Sequence[Tool] | None = None,
         history: Sequence[str] = (),
+        client: dict[str, Any] | None = None,
+        loop: dict[str, Any] | None = None,
     ) -> tuple[TurnResult, list[RecordedRequest]]:
+        """One turn against a scripted server. Requests are not retried unless `client` asks
+        (max_retries=…), so each scripted reply is seen exactly once."""
         with ScriptedChatServer(script) as server:
-            settings = Settings(base_url=server.base_url, model="test-model", api_key=FAKE_KEY)
-            loop = ToolLoop(
-                ChatClient(settings),
+            settings = Settings(
+                base_url=server.base_url,
+                model="test-model",
+                api_key=FAKE_KEY,
+                **{"max_retries": 0, **(client or {})},
+            )
+            tool_loop = ToolLoop(
+                ChatClient(settings, sleep=self.sleeps.append),
                 tools or self.tools,
                 self.audit,
                 approvals=self.approvals,
                 max_rounds=max_rounds,
+                **(loop or {}),
             )
-            result = loop.run(question, ToolContext(customer_id=customer), history)
+            result = tool_loop.run(question, ToolContext(customer_id=customer), history)
         return result, server.requests
 
     def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
@@ -450,7 +461,9 @@ class AuditTest(LoopTestCase):
             ("listRecentOrders", "{not json"),
         ]
         result, _ = self.run_turn([tool_call_reply(calls), text_reply("ok")])
-        records = self.audit_records()
+        ids = call_ids(result.messages[2])
+        by_call = {r["tool_call_id"]: r for r in self.audit_records()}  # written as calls finish
+        records = [by_call[call_id] for call_id in ids]
         self.assertEqual(
             [r["outcome"] for r in records],
             [
@@ -461,7 +474,6 @@ class AuditTest(LoopTestCase):
             ],
         )
         self.assertEqual([(r["tool"], r["arguments"]) for r in records], calls)
-        ids = call_ids(result.messages[2])
         for record, call_id in zip(records, ids, strict=True):
             self.assertEqual(record["tool_call_id"], call_id)
             self.assertEqual(record["customer_id"], DEMO_CUSTOMER)
@@ -699,8 +711,12 @@ class ReplyErrorTest(LoopTestCase):
         self.assertEqual(elsewhere.requests, [])
 
     def test_a_reply_over_the_size_cap_is_an_error(self) -> None:
-        with mock.patch.object(fc, "MAX_RESPONSE_BYTES", 1000):
-            self.assert_api_error(text_reply("x" * 2000), "more than 1000 bytes")
+        result, _ = self.run_turn([text_reply("x" * 2000)], client={"max_response_bytes": 1000})
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("more than 1000 bytes", result.error or "")
+
+    def test_a_9_mib_reply_is_refused_by_the_default_8_mib_cap(self) -> None:
+        self.assert_api_error(text_reply("x" * (9 * 1024 * 1024)), "more than 8388608 bytes")
 
     def test_an_api_error_mid_turn_keeps_the_transcript(self) -> None:
         result, _ = self.run_turn(
@@ -753,17 +769,20 @@ def raw_server(respond: Callable[[socket.socket], None]) -> Iterator[str]:
 
 
 class TransportTest(LoopTestCase):
-    def turn_against(self, base_url: str, timeout: float = 5.0) -> TurnResult:
-        client = ChatClient(
-            Settings(base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout)
+    def turn_against(self, base_url: str, timeout: float = 5.0, retries: int = 0) -> TurnResult:
+        settings = Settings(
+            base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout, max_retries=retries
         )
+        client = ChatClient(settings, sleep=self.sleeps.append)
         return ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
             "hi", ToolContext(DEMO_CUSTOMER)
         )
 
-    def assert_transport_error(self, result: TurnResult, fragment: str) -> None:
+    def assert_transport_error(
+        self, result: TurnResult, fragment: str, kind: str = "could not reach the model API"
+    ) -> None:
         self.assertEqual(result.stop_reason, "api_error")
-        self.assertIn("could not reach the model API", result.error or "")
+        self.assertIn(kind, result.error or "")
         self.assertIn(fragment, result.error or "")
         self.assertNotIn("127.0.0.1", result.error or "")
 
@@ -783,7 +802,12 @@ class TransportTest(LoopTestCase):
     def test_a_body_cut_short_is_an_api_error(self) -> None:
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
         with raw_server(lambda connection: connection.sendall(head + b'{"choices":')) as url:
-            self.assert_transport_error(self.turn_against(url), "before the reply was complete")
+            self.assert_transport_error(
+                self.turn_against(url, retries=2),
+                "before the reply was complete",
+                kind="the reply from the model API broke off",  # after a response: no retry
+            )
+        self.assertEqual(self.sleeps, [])
 
     def test_a_server_that_never_answers_times_out(self) -> None:
         with raw_server(lambda connection: time.sleep(1.0)) as url:
@@ -816,26 +840,25 @@ class LoopTest(LoopTestCase):
     ) -> None:
         calls = [
             ("getOrderStatus", '{"orderId":"ORD-1001"}'),
-            ("getOrderStatus", '{"orderId":"ORD-1002"}'),
+            ("listRecentOrders", '{"limit":1}'),
         ]
         result, requests = self.run_turn(
-            [tool_call_reply(calls), text_reply("never sent")], tools=[FailingTool()]
+            [tool_call_reply(calls), text_reply("never sent")], tools=[FailingTool(), self.tools[1]]
         )
         self.assertEqual((result.stop_reason, len(requests)), ("tool_failed", 1))
         self.assertIsNone(result.answer)
         self.assertNotIn("hunter2", result.error or "")
         self.assertNotIn("hunter2", "".join(result.messages))
         assert_every_call_answered_once_in_order(self, result.messages)
-        failed, skipped = (json.loads(json.loads(m)["content"]) for m in result.messages[-2:])
+        failed, sibling = (json.loads(json.loads(m)["content"]) for m in result.messages[-2:])
         self.assertEqual(
             failed, {"error": "tool_failed", "message": "the tool failed; the turn was stopped"}
         )
-        self.assertEqual(skipped["error"], "not_run")
-        first, second = self.audit_records()
-        self.assertEqual(
-            (first["outcome"], second["outcome"]), ("error:exception", "skipped:turn_ended")
-        )
-        self.assertIn("hunter2", first["error"])
+        self.assertEqual(sibling["count"], 1)  # ran beside it, concurrently: its result is kept
+        outcomes = {r["tool"]: r for r in self.audit_records()}
+        self.assertEqual(outcomes["getOrderStatus"]["outcome"], "error:exception")
+        self.assertEqual(outcomes["listRecentOrders"]["outcome"], "ok")
+        self.assertIn("hunter2", outcomes["getOrderStatus"]["error"])
 
     def test_a_model_correcting_itself_after_a_rejection_gets_its_answer(self) -> None:
         result, requests = self.run_turn(
@@ -1075,8 +1098,10 @@ class ApprovalTest(LoopTestCase):
         first, second = self.results_for(
             "requestShippingRefund", ['{"orderId":"ORD-1003"}', '{"orderId":"ORD-1003"}']
         )
-        self.assertEqual(first["status"], "requires_approval")
-        self.assert_rejected(second, "tool_error", "already waiting")
+        filed, refused = sorted((first, second), key=lambda r: "error" in r)  # run concurrently
+        self.assertEqual(filed["status"], "requires_approval")
+        self.assert_rejected(refused, "tool_error", "already waiting")
+        self.assertEqual(len(self.approvals.pending()), 1)
 
     def test_an_already_refunded_order_is_not_eligible(self) -> None:
         told = self.propose()
@@ -1387,7 +1412,7 @@ class CliTest(LoopTestCase):
         self.assertEqual(len(self.audit_records()), 1)
 
     def test_ask_exits_1_with_one_clear_line_on_http_500(self) -> None:
-        done, _ = self.ask([ScriptedReply(b'{"error":"boom"}', status=500)])
+        done, _ = self.ask([ScriptedReply(b'{"error":"boom"}', status=500)], "--retries", "0")
         self.assertEqual(done.returncode, 1)
         self.assertEqual(done.stderr.count("\n"), 1)
         self.assertIn("error: the model API answered HTTP 500", done.stderr)
