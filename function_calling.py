@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import email.utils
 import getpass
 import hashlib
 import hmac
 import http.client
 import http.server
-import email.utils
 import json
 import logging
 import math
@@ -60,8 +60,8 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
-from email.message import Message
 from datetime import datetime, timezone
+from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any, ClassVar, TextIO, TypeAlias
@@ -2334,7 +2334,8 @@ class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(reply.body)))
         self.end_headers()
-        self.wfile.write(reply.body)
+        with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
+            self.wfile.write(reply.body)
 
     do_GET = do_POST  # noqa: N815 (http.server's naming)
 

@@ -8,6 +8,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 
 from __future__ import annotations
 
+import email.utils
 import io
 import json
 import logging
@@ -22,7 +23,7 @@ import threading
 import time
 import unittest
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout
+from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 from typing import Any, ClassVar
 from unittest import mock
@@ -52,6 +53,12 @@ HERE = Path(__file__).resolve().parent
 MODULE = HERE / "function_calling.py"
 FAKE_KEY = "sk-test-FAKEKEY0123456789abcdef"
 OTHER_CUSTOMER = "CUST-0002"
+NO_ARGUMENTS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+    "required": [],
+    "additionalProperties": False,
+}
 
 
 def setUpModule() -> None:
@@ -103,6 +110,15 @@ class LoopTestCase(unittest.TestCase):
             )
             result = tool_loop.run(question, ToolContext(customer_id=customer), history)
         return result, server.requests
+
+    def turn_against(self, base_url: str, timeout: float = 5.0, retries: int = 0) -> TurnResult:
+        settings = Settings(
+            base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout, max_retries=retries
+        )
+        client = ChatClient(settings, sleep=self.sleeps.append)
+        return ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
+            "hi", ToolContext(DEMO_CUSTOMER)
+        )
 
     def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
         """Ask for `tool` once per arguments text in one reply; the results the model got back."""
@@ -769,15 +785,6 @@ def raw_server(respond: Callable[[socket.socket], None]) -> Iterator[str]:
 
 
 class TransportTest(LoopTestCase):
-    def turn_against(self, base_url: str, timeout: float = 5.0, retries: int = 0) -> TurnResult:
-        settings = Settings(
-            base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout, max_retries=retries
-        )
-        client = ChatClient(settings, sleep=self.sleeps.append)
-        return ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
-            "hi", ToolContext(DEMO_CUSTOMER)
-        )
-
     def assert_transport_error(
         self, result: TurnResult, fragment: str, kind: str = "could not reach the model API"
     ) -> None:
@@ -812,6 +819,432 @@ class TransportTest(LoopTestCase):
     def test_a_server_that_never_answers_times_out(self) -> None:
         with raw_server(lambda connection: time.sleep(1.0)) as url:
             self.assert_transport_error(self.turn_against(url, timeout=0.2), "timed out")
+
+
+class RetryTest(LoopTestCase):
+    retrying: ClassVar[dict[str, Any]] = {"max_retries": 2}
+
+    def test_a_429_with_retry_after_1_is_retried_once_after_1_second(self) -> None:
+        limited = ScriptedReply(b'{"error":{"message":"slow down"}}', 429, (("Retry-After", "1"),))
+        with self.assertLogs("function_calling", logging.WARNING) as logged:
+            result, requests = self.run_turn([limited, text_reply("ok")], client=self.retrying)
+        self.assertEqual((result.stop_reason, result.retries, len(requests)), ("answered", 1, 2))
+        self.assertEqual(self.sleeps, [1.0])
+        (line,) = logged.output
+        self.assertIn("HTTP 429", line)
+        self.assertIn("retry 1 of 2 in 1.0 s", line)
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["retries"], 1)
+
+    def test_a_retry_really_waits_what_the_server_asked(self) -> None:
+        limited = ScriptedReply(b"{}", 429, (("Retry-After", "1"),))
+        with ScriptedChatServer([limited, text_reply("ok")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))  # real sleep
+            started = time.monotonic()
+            with self.assertLogs("function_calling", logging.WARNING):
+                reply = client.complete([fc.canonical_json({"role": "user", "content": "hi"})])
+            waited = time.monotonic() - started
+        self.assertEqual((reply.content, reply.retries), ("ok", 1))
+        self.assertGreaterEqual(waited, 0.95)  # a lower bound only: these machines are noisy
+
+    def test_retry_after_ms_and_an_http_date_are_honoured(self) -> None:
+        in_two_seconds = email.utils.formatdate(time.time() + 2, usegmt=True)
+        replies: list[fc.ScriptItem] = [
+            ScriptedReply(b"{}", 503, (("retry-after-ms", "250"),)),
+            ScriptedReply(b"{}", 503, (("Retry-After", in_two_seconds),)),
+            text_reply("ok"),
+        ]
+        with self.assertLogs("function_calling", logging.WARNING):
+            result, _ = self.run_turn(replies, client=self.retrying)
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(self.sleeps[0], 0.25)
+        self.assertTrue(0 < self.sleeps[1] <= 2.0, self.sleeps)
+
+    def test_a_wait_longer_than_the_cap_fails_at_once_naming_it(self) -> None:
+        busy = ScriptedReply(b"{}", 429, (("Retry-After", "120"),))
+        result, requests = self.run_turn([busy, text_reply("never")], client=self.retrying)
+        self.assertEqual((result.stop_reason, len(requests), self.sleeps), ("api_error", 1, []))
+        self.assertIn("asks to wait 120 s, more than the 60 s cap", result.error or "")
+
+    def test_three_500s_exhaust_two_retries_with_growing_jittered_waits(self) -> None:
+        broken = [ScriptedReply(b'{"error":"down"}', 500) for _ in range(3)]
+        with self.assertLogs("function_calling", logging.WARNING) as logged:
+            result, requests = self.run_turn([*broken, text_reply("never")], client=self.retrying)
+        self.assertEqual(
+            (result.stop_reason, len(requests), len(logged.output)), ("api_error", 3, 2)
+        )
+        self.assertIn("gave up after 2 retries", result.error or "")
+        first, second = self.sleeps
+        self.assertTrue(0.375 <= first <= 0.5 and 0.75 <= second <= 1.0, self.sleeps)
+
+    def test_other_4xx_are_not_retried_and_x_should_retry_overrides(self) -> None:
+        cases = [
+            (ScriptedReply(b"{}", 400), 1),
+            (ScriptedReply(b"{}", 404), 1),
+            (ScriptedReply(b"{}", 500, (("x-should-retry", "false"),)), 1),
+            (ScriptedReply(b"{}", 400, (("x-should-retry", "true"),)), 2),
+            (ScriptedReply(b"{}", 408), 2),
+            (ScriptedReply(b"{}", 409), 2),
+        ]
+        for reply, expected_requests in cases:
+            with (
+                self.subTest(status=reply.status, headers=reply.headers),
+                self.assertLogs("function_calling", logging.DEBUG) as logged,
+            ):
+                logging.getLogger("function_calling").debug("so the capture is never empty")
+                _, requests = self.run_turn([reply, text_reply("ok")], client=self.retrying)
+            self.assertEqual(len(requests), expected_requests)
+            self.assertEqual(len(logged.output), expected_requests)  # one warning per retry
+
+    def test_a_refused_connection_is_retried(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            port = probe.getsockname()[1]
+        with self.assertLogs("function_calling", logging.WARNING):
+            result = self.turn_against(f"http://127.0.0.1:{port}/v1", retries=2)
+        self.assertIn("refused", result.error or "")
+        self.assertIn("gave up after 2 retries", result.error or "")
+        self.assertEqual(len(self.sleeps), 2)
+
+    def test_a_retry_never_runs_a_tool_twice(self) -> None:
+        script: list[fc.ScriptItem] = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+            ScriptedReply(b"{}", 503),
+            text_reply("It shipped."),
+        ]
+        with self.assertLogs("function_calling", logging.WARNING):
+            result, requests = self.run_turn(script, client=self.retrying)
+        self.assertEqual((result.stop_reason, result.retries, len(requests)), ("answered", 1, 3))
+        self.assertEqual(requests[1].body, requests[2].body)  # the same request, sent again
+        self.assertEqual(len(self.audit_records()), 1)
+
+    def test_no_retry_waits_past_the_turns_deadline(self) -> None:
+        busy = ScriptedReply(b"{}", 429, (("Retry-After", "5"),))
+        result, requests = self.run_turn(
+            [busy, text_reply("never")], client=self.retrying, loop={"turn_timeout": 2.0}
+        )
+        self.assertEqual((result.stop_reason, len(requests), self.sleeps), ("api_error", 1, []))
+        self.assertIn("would pass the turn's deadline", result.error or "")
+
+
+class DeadlineTest(LoopTestCase):
+    def test_headers_then_a_stall_end_at_the_request_deadline(self) -> None:
+        def stall(connection: socket.socket) -> None:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(5)
+
+        with raw_server(stall) as url:
+            started = time.monotonic()
+            result = self.turn_against(url, timeout=0.3)
+            elapsed = time.monotonic() - started
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("broke off: timed out", result.error or "")
+        self.assertLess(elapsed, 4)  # well before the server's 5 s stall ends
+
+    def test_a_server_trickling_a_byte_at_a_time_cannot_outlast_the_deadline(self) -> None:
+        def trickle(connection: socket.socket) -> None:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            with suppress(OSError):
+                for _ in range(1000):
+                    connection.sendall(b" ")
+                    time.sleep(0.02)  # every read gets a byte well within any read timeout
+
+        with raw_server(trickle) as url:
+            started = time.monotonic()
+            result = self.turn_against(url, timeout=0.5)
+            elapsed = time.monotonic() - started
+        self.assertIn("timed out", result.error or "")
+        self.assertLess(elapsed, 10)  # the whole trickle would take 20 s
+
+    def test_the_turn_has_a_deadline_of_its_own(self) -> None:
+        def slow(reply: bytes) -> fc.ScriptItem:
+            def answer(request: RecordedRequest) -> bytes:
+                time.sleep(0.2)
+                return reply
+
+            return answer
+
+        result, requests = self.run_turn(
+            [slow(r) for r in alternating_lookups(8)], loop={"turn_timeout": 0.5}
+        )
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("deadline", result.error or "")
+        self.assertLess(len(requests), 8)
+        assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_the_cli_takes_a_request_deadline(self) -> None:
+        def stall(connection: socket.socket) -> None:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+            time.sleep(5)
+
+        with raw_server(stall) as url:
+            done = self.cli("ask", "hi", "--timeout", "0.3", env={"OPENAI_BASE_URL": url})
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("timed out", done.stderr)
+        self.assertEqual(self.cli("ask", "hi", "--timeout", "0").returncode, 2)
+        self.assertEqual(self.cli("ask", "hi", "--retries", "-1").returncode, 2)
+
+
+class KeyLeakTest(LoopTestCase):
+    def test_a_server_echoing_our_headers_never_gets_the_key_into_errors_logs_or_audit(
+        self,
+    ) -> None:
+        def echo(request: RecordedRequest) -> ScriptedReply:
+            return ScriptedReply(json.dumps(dict(request.headers)).encode(), status=503)
+
+        with self.assertLogs("function_calling", logging.DEBUG) as logged:
+            result, requests = self.run_turn(
+                [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), echo, echo, echo],
+                client={"max_retries": 2},
+            )
+        self.assertEqual(requests[1].headers["authorization"], f"Bearer {FAKE_KEY}")
+        self.assertIn("[redacted]", result.error or "")
+        for text in (result.error or "", "\n".join(logged.output), self.audit_path.read_text()):
+            self.assertNotIn(FAKE_KEY, text)
+            self.assertNotIn(FAKE_KEY[8:], text)
+
+
+class FinishReasonTest(LoopTestCase):
+    def ending(self, message: dict[str, Any], finish_reason: str | None) -> TurnResult:
+        choice: dict[str, Any] = {"index": 0, "message": message}
+        if finish_reason is not None:
+            choice["finish_reason"] = finish_reason
+        body = json.dumps({"choices": [choice]}).encode()
+        result, _ = self.run_turn([body])
+        return result
+
+    def test_a_reply_cut_at_the_token_limit_is_reported_incomplete(self) -> None:
+        result = self.ending({"role": "assistant", "content": "Your order is"}, "length")
+        self.assertEqual((result.stop_reason, result.answer), ("incomplete", "Your order is"))
+
+    def test_a_filtered_reply_is_reported_filtered(self) -> None:
+        result = self.ending({"role": "assistant", "content": None}, "content_filter")
+        self.assertEqual((result.stop_reason, result.answer), ("filtered", None))
+
+    def test_a_refusal_is_shown_as_the_answer(self) -> None:
+        result = self.ending({"role": "assistant", "content": None, "refusal": "I can't."}, "stop")
+        self.assertEqual((result.stop_reason, result.answer), ("refused", "I can't."))
+
+    def test_a_reply_with_neither_text_nor_tool_calls_is_a_clear_error(self) -> None:
+        for message in ({"role": "assistant"}, {"role": "assistant", "content": ""}):
+            with self.subTest(message=message):
+                result = self.ending(message, "stop")
+                self.assertEqual(result.stop_reason, "api_error")
+                self.assertIn("neither text nor tool calls", result.error or "")
+
+    def test_the_cli_exits_0_for_a_refusal_and_1_for_incomplete_or_filtered(self) -> None:
+        def body(message: dict[str, Any], finish_reason: str) -> bytes:
+            return json.dumps(
+                {"choices": [{"message": message, "finish_reason": finish_reason}]}
+            ).encode()
+
+        refusal = body({"role": "assistant", "content": None, "refusal": "I can't help."}, "stop")
+        cut = body({"role": "assistant", "content": "Your order"}, "length")
+        filtered = body({"role": "assistant", "content": None}, "content_filter")
+        for reply, code, out, err in (
+            (refusal, 0, "I can't help.\n", ""),
+            (cut, 1, "Your order\n", "token limit"),
+            (filtered, 1, "", "content filter"),
+        ):
+            with self.subTest(code=code, err=err), ScriptedChatServer([reply]) as server:
+                done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": server.base_url})
+                self.assertEqual((done.returncode, done.stdout), (code, out))
+                self.assertIn(err, done.stderr)
+
+
+def reply_with_call(call: dict[str, Any], **message: Any) -> bytes:
+    """A chat-completions body whose one tool call is spelled exactly as given."""
+    body = {
+        "choices": [{"index": 0, "message": {"role": "assistant", **message, "tool_calls": [call]}}]
+    }
+    return json.dumps(body).encode()
+
+
+class ProviderQuirkTest(LoopTestCase):
+    def test_tool_calls_are_read_whatever_finish_reason_says(self) -> None:
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+        }
+        for finish_reason in ("stop", "", "eos_token", None, "absent"):
+            with self.subTest(finish_reason=finish_reason):
+                choice: dict[str, Any] = {"message": {"role": "assistant", "tool_calls": [call]}}
+                if finish_reason != "absent":
+                    choice["finish_reason"] = finish_reason
+                body = json.dumps({"choices": [choice]}).encode()
+                _, requests = self.run_turn([body, text_reply("ok")])
+                self.assertEqual(tool_results(requests[1])[0]["found"], True)
+
+    def test_arguments_as_an_object_are_used(self) -> None:
+        function = {"name": "getOrderStatus", "arguments": {"orderId": "ORD-1001"}}
+        body = reply_with_call({"id": "c1", "type": "function", "function": function})
+        _, requests = self.run_turn([body, text_reply("ok")])
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+        (record,) = self.audit_records()
+        self.assertEqual(record["arguments"], '{"orderId": "ORD-1001"}')
+
+    def test_arguments_empty_null_or_missing_mean_an_empty_object(self) -> None:
+        for function in (
+            {"name": "getOrderStatus", "arguments": ""},
+            {"name": "getOrderStatus", "arguments": None},
+            {"name": "getOrderStatus"},
+        ):
+            with self.subTest(function=function):
+                self.audit_path.unlink(missing_ok=True)
+                body = reply_with_call({"id": "c1", "type": "function", "function": function})
+                _, requests = self.run_turn([body, text_reply("ok")])
+                (record,) = self.audit_records()
+                self.assertEqual(record["arguments"], "{}")
+                (result,) = tool_results(requests[1])
+                self.assert_rejected(result, "invalid_arguments", "orderId: required")
+
+    def test_type_may_be_missing_and_content_empty_null_or_absent(self) -> None:
+        call = {
+            "id": "c1",
+            "function": {"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+        }
+        for content in ({"content": ""}, {"content": None}, {}):
+            with self.subTest(content=content):
+                _, requests = self.run_turn([reply_with_call(call, **content), text_reply("ok")])
+                self.assertEqual(tool_results(requests[1])[0]["found"], True)
+
+    def test_text_beside_tool_calls_stays_in_the_transcript(self) -> None:
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+        }
+        result, requests = self.run_turn(
+            [reply_with_call(call, content="Let me check."), text_reply("ok")]
+        )
+        self.assertEqual(requests[1].json()["messages"][2]["content"], "Let me check.")
+        self.assertEqual(json.loads(result.messages[2])["content"], "Let me check.")
+
+    def test_reasoning_fields_and_vendor_keys_travel_back_untouched(self) -> None:
+        message = (
+            b'{"role":"assistant","content":null,"reasoning_content":"Think \\u2026",'
+            b'"reasoning":null,"reasoning_details":[{"type":"reasoning.encrypted","data":"AAE="}],'
+            b'"extra_content":{"google":{"thought_signature":"c2ln"}},"x_vendor":{"n":1.50},'
+            b'"tool_calls":[{"id":"c1","type":"function","function":{"name":"getOrderStatus",'
+            b'"arguments":"{\\"orderId\\":\\"ORD-1001\\"}"}}]}'
+        )
+        body = b'{"choices":[{"message":' + message + b',"finish_reason":"tool_calls"}]}'
+        _, requests = self.run_turn([body, text_reply("ok")])
+        self.assertIn(message, requests[1].body)
+
+    def test_a_tool_call_id_that_is_not_a_string_is_a_clear_error(self) -> None:
+        body = reply_with_call(
+            {"id": 7, "type": "function", "function": {"name": "getOrderStatus"}}
+        )
+        result, _ = self.run_turn([body])
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("without an id", result.error or "")
+
+
+PROVIDER_REPLIES = HERE.parent / "shared" / "provider-replies"
+
+
+class ProviderConformanceTest(LoopTestCase):
+    """Real replies recorded against some twenty providers, replayed through the loop."""
+
+    def test_every_recorded_reply_completes_a_turn_with_a_byte_exact_echo(self) -> None:
+        folder = PROVIDER_REPLIES / "responses"
+        if not folder.is_dir():
+            self.skipTest(f"{folder} is not here (it is never committed)")
+        recordings = sorted(p for p in folder.glob("*.json") if ".next-request" not in p.name)
+        self.assertGreater(len(recordings), 0)
+        for path in recordings:
+            with self.subTest(recording=path.name):
+                self.assert_replays(path.read_bytes())
+
+    def assert_replays(self, recorded: bytes) -> None:
+        question = "Please use the tools."
+        result, requests = self.run_turn([recorded, text_reply("done")], question=question)
+        self.assertEqual(result.stop_reason, "answered")
+        sent = requests[1].json()["messages"]
+        expected = json.loads(recorded)["choices"][0]["message"]
+        # Cut the echoed message out of the request bytes, between the user message and the
+        # first tool message (both of which we write compactly), and find it in the recording.
+        user = json.dumps({"role": "user", "content": question}, separators=(",", ":")).encode()
+        first_tool = json.dumps(sent[3], separators=(",", ":")).encode()
+        body = requests[1].body
+        start = body.index(user + b",") + len(user) + 1
+        echoed = body[start : body.index(b"," + first_tool, start)]
+        self.assertIn(echoed, recorded)
+        self.assertEqual(json.loads(echoed), expected)
+        ids = [call["id"] for call in expected["tool_calls"]]
+        self.assertEqual([m["tool_call_id"] for m in sent[3:]], ids)
+        self.assertEqual([m["role"] for m in sent[3:]], ["tool"] * len(ids))
+
+
+class BarrierTool(Tool):
+    """Waits until `parties` calls are running at once: proves concurrency, no stopwatch."""
+
+    name = "waitForOthers"
+    description = "Waits. Use it in tests. Returns {ok}."
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
+
+    def __init__(self, parties: int) -> None:
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        self.barrier.wait()  # BrokenBarrierError if the calls do not run together
+        return {"ok": True}
+
+
+class HangingTool(Tool):
+    """Never answers until the test lets it go."""
+
+    name = "hang"
+    description = "Hangs. Use it in tests. Returns {ok}."
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        self.release.wait(30)
+        return {"ok": "late"}
+
+
+class ConcurrencyTest(LoopTestCase):
+    def test_four_calls_of_one_reply_run_at_the_same_time(self) -> None:
+        tool = BarrierTool(4)
+        result, requests = self.run_turn(
+            [tool_call_reply([("waitForOthers", "{}")] * 4), text_reply("ok")], tools=[tool]
+        )
+        self.assertEqual(tool_results(requests[1]), [{"ok": True}] * 4)
+        self.assertEqual(result.stop_reason, "answered")
+
+    def test_no_more_than_the_worker_count_run_at_once(self) -> None:
+        tool = BarrierTool(3)
+        _, requests = self.run_turn(
+            [tool_call_reply([("waitForOthers", "{}")] * 3), text_reply("ok")],
+            tools=[tool],
+            loop={"tool_workers": 2, "tool_timeout": 0.5},
+        )
+        results = tool_results(requests[1])
+        self.assertNotEqual(results, [{"ok": True}] * 3)  # three never met with two workers
+
+    def test_a_hung_tool_times_out_while_the_others_results_are_used_in_call_order(self) -> None:
+        hanging = HangingTool()
+        self.addCleanup(hanging.release.set)
+        calls = [
+            ("getOrderStatus", '{"orderId":"ORD-1001"}'),
+            ("hang", "{}"),
+            ("getOrderStatus", '{"orderId":"ORD-1003"}'),
+        ]
+        result, requests = self.run_turn(
+            [tool_call_reply(calls), text_reply("Two of three.")],
+            tools=[*self.tools, hanging],
+            loop={"tool_timeout": 0.3},
+        )
+        first, hung, third = tool_results(requests[1])
+        self.assertEqual((first["orderId"], third["orderId"]), ("ORD-1001", "ORD-1003"))
+        self.assertEqual(hung["error"], "timeout")
+        self.assertEqual(result.stop_reason, "answered")
+        outcomes = sorted(r["outcome"] for r in self.audit_records())
+        self.assertEqual(outcomes, ["ok", "ok", "timeout"])
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -906,12 +1339,7 @@ class BigTool(Tool):
 
     name = "dumpEverything"
     description = "Returns a lot. Use it when asked for everything. Returns a blob."
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {},
-        "required": [],
-        "additionalProperties": False,
-    }
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         return {"blob": "x" * 100_000}
