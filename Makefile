@@ -9,7 +9,7 @@ RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint
+.PHONY: run demo test test-all lint bench
 
 # With a key, ask the real model; without one, run the offline scripted demo.
 run:
@@ -30,6 +30,10 @@ test:
 # The same on every Python 3.10+ found on PATH or in pyenv, then a total line.
 test-all:
 	@bash .ci/test-all
+
+# Speed as ratios against baselines measured in the same run (skipped by `make test`).
+bench:
+	@FUNCTION_CALLING_BENCH=1 $(PYTHON) test_function_calling.py Benchmarks 2>&1
 
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(SOURCES)

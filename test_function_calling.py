@@ -9,6 +9,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 from __future__ import annotations
 
 import email.utils
+import http.client
 import io
 import json
 import logging
@@ -16,6 +17,7 @@ import os
 import pwd
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1994,6 +1996,75 @@ class CliTest(LoopTestCase):
         lines = (self.data_dir / "kept" / "audit.log").read_text(encoding="ascii").splitlines()
         self.assertEqual(sum('"event":"tool_call"' in line for line in lines), 5)
         self.assertEqual(sum('"event":"approval_decision"' in line for line in lines), 2)
+
+
+# ---------------------------------------------------------------------------------- benchmarks
+
+
+class SleepyTool(Tool):
+    """A tool that takes 300 ms, as a slow backend would."""
+
+    name = "slowLookup"
+    description = "Sleeps 300 ms. Use it in benchmarks. Returns {ok}."
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        time.sleep(0.3)
+        return {"ok": True}
+
+
+@unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
+class Benchmarks(LoopTestCase):
+    """Speed as ratios against a baseline measured in the same run: `make bench`."""
+
+    def test_a_loop_round_costs_little_more_than_a_bare_post(self) -> None:
+        rounds = 300
+        with ScriptedChatServer([text_reply("ok")] * (2 * rounds + 1)) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="bench"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+            body = server.requests[0].body
+            port = int(server.base_url.split(":")[2].split("/")[0])
+            loop_times, bare_times = [], []
+            for _ in range(rounds):  # interleaved, so drift hits both alike
+                loop_times.append(timed(lambda: loop.run("warm up", ToolContext(DEMO_CUSTOMER))))
+                bare_times.append(timed(lambda: bare_post(port, body)))
+        loop_ms, bare_ms = statistics.median(loop_times), statistics.median(bare_times)
+        report(
+            f"one loop round / a bare http.client POST of the same body = {loop_ms / bare_ms:.2f}"
+            f" (medians {loop_ms:.2f} ms / {bare_ms:.2f} ms over {rounds})"
+        )
+
+    def test_four_slow_tools_take_about_as_long_as_one(self) -> None:
+        def turn_with(calls: int) -> float:
+            script = [tool_call_reply([("slowLookup", "{}")] * calls), text_reply("ok")]
+            return timed(lambda: self.run_turn(script, tools=[SleepyTool()]))
+
+        one = statistics.median(turn_with(1) for _ in range(3))
+        four = statistics.median(turn_with(4) for _ in range(3))
+        report(f"a reply with 4 calls of a 300 ms tool / with 1 call = {four / one:.2f}")
+        self.assertLess(four / one, 4)  # not a timing goal: proof they did not run one by one
+
+
+def timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return (time.perf_counter() - started) * 1000
+
+
+def bare_post(port: int, body: bytes) -> bytes:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        return connection.getresponse().read()
+    finally:
+        connection.close()
+
+
+def report(line: str) -> None:
+    print(f"\nbench: {line}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------ summary runner
