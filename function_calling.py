@@ -33,8 +33,10 @@ boundary) · the loop · the CLI · the scripted server used by `demo` and the t
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import email.utils
+import errno
 import getpass
 import hashlib
 import hmac
@@ -50,6 +52,7 @@ import secrets
 import socket
 import sqlite3
 import ssl
+import statistics
 import sys
 import tempfile
 import threading
@@ -65,6 +68,11 @@ from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any, ClassVar, TextIO, TypeAlias
+
+if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
+    fcntl = None
+else:
+    import fcntl
 
 __all__ = [
     "ApiError",
@@ -688,29 +696,106 @@ class OrderStore:
 # ------------------------------------------------------------------------------------- audit
 
 AUDIT_LOGGER = "function_calling.audit"
+GENESIS = "0" * 64  # the "prev" of the first record
 
 
 class AuditFileHandler(logging.Handler):
-    """Appends each audit record as exactly one JSON line, with one os.write through O_APPEND.
+    """Appends each audit record as one hash-chained JSON line.
 
-    A failed write raises instead of being reported and dropped, as logging usually does: a
-    tool result must not reach the model unless its audit line is on disk.
+    Each line is {"seq": N, "prev": SHA-256 of line N-1's bytes, …the record}. The append is
+    one os.write through O_APPEND, under this handler's lock (threads) and an flock (other
+    processes: a `chat` and an `approve` share the log), then fsync'ed unless told otherwise.
+    A process that opens an existing log continues its chain from the last line. A failed
+    write raises instead of being reported and dropped, as logging usually does: a tool result
+    must not reach the model unless its audit line is on disk.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
         super().__init__(level=logging.INFO)
         self.path = path
+        self.fsync = fsync
+        self.head_file = head_file
+        self._tail = (-1, 0, GENESIS)  # (file size, seq, hash) after our last append
 
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "audit", {"event": record.getMessage()})
-        # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
-        line = (json.dumps(fields, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            if os.write(fd, line) != len(line):
-                raise OSError("short write to the audit log")
+            with _exclusive_lock(fd):
+                seq, prev = self._chain_tail(fd)
+                # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
+                line = json.dumps(
+                    {"seq": seq + 1, "prev": prev, **fields},
+                    ensure_ascii=True,
+                    separators=(",", ":"),
+                ).encode("ascii")
+                if os.write(fd, line + b"\n") != len(line) + 1:
+                    raise OSError(errno.EIO, "short write")
+                if self.fsync:
+                    os.fsync(fd)
+                head = hashlib.sha256(line).hexdigest()
+                self._tail = (os.fstat(fd).st_size, seq + 1, head)
+                if self.head_file:
+                    _write_head(self.head_file, seq + 1, head, self.fsync)
         finally:
             os.close(fd)
+
+    def _chain_tail(self, fd: int) -> tuple[int, str]:
+        """The seq and hash of the last line, from our cache unless the file has grown."""
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0, GENESIS
+        cached_size, seq, head = self._tail
+        if size == cached_size:
+            return seq, head
+        last = _last_line(fd, size)
+        try:
+            seq = json.loads(last)["seq"]
+        except (ValueError, KeyError, TypeError):
+            raise AuditError(
+                "the audit log's last line is not a record; run verify-audit"
+            ) from None
+        return seq, hashlib.sha256(last).hexdigest()
+
+
+@contextmanager
+def _exclusive_lock(fd: int) -> Iterator[None]:
+    """An advisory lock over the whole file, against other processes (POSIX only)."""
+    if fcntl is None:  # pragma: no cover -- Windows: threads are still serialized
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _last_line(fd: int, size: int) -> bytes:
+    """The last line's bytes, without its newline, read backwards from the end."""
+    if os.pread(fd, 1, size - 1) != b"\n":
+        raise AuditError("the audit log ends with a partial line; run verify-audit")
+    start = size - 1
+    while start > 0:
+        block_start = max(start - 65536, 0)
+        block = os.pread(fd, start - block_start, block_start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            start = block_start + newline + 1
+            break
+        start = block_start
+    return os.pread(fd, size - 1 - start, start)
+
+
+def _write_head(head_file: Path, seq: int, head: str, fsync: bool) -> None:
+    """Anchor the head elsewhere: `seq hash`, replaced atomically."""
+    temporary = head_file.with_name(head_file.name + ".tmp")
+    with open(temporary, "w", encoding="ascii") as out:
+        out.write(f"{seq} {head}\n")
+        if fsync:
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(temporary, head_file)
 
 
 class AuditLog:
@@ -718,17 +803,22 @@ class AuditLog:
 
     Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
     The records never reach the root logger: they may hold exception text meant for operators.
+    fsync=False trades durability for speed (see `make bench`); head_file, if given, receives
+    the chain's head after every append, to anchor it where the log's writer cannot reach.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
         self.path = path.resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         logging.getLogger(AUDIT_LOGGER).propagate = False
         digest = hashlib.sha256(str(self.path).encode("utf-8", "replace")).hexdigest()[:16]
         self._logger = logging.getLogger(AUDIT_LOGGER).getChild(digest)
         self._logger.setLevel(logging.INFO)
-        if not any(isinstance(h, AuditFileHandler) for h in self._logger.handlers):
-            self._logger.addHandler(AuditFileHandler(self.path))
+        handlers = [h for h in self._logger.handlers if isinstance(h, AuditFileHandler)]
+        if not handlers:  # one handler per file in a process, so one lock and one cached tail
+            self._logger.addHandler(AuditFileHandler(self.path, fsync, head_file))
+        elif (handlers[0].fsync, handlers[0].head_file) != (fsync, head_file):
+            raise ConfigError("this audit log is already open with other fsync/head_file options")
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one record now, or raise AuditError (which names no path)."""
@@ -739,6 +829,103 @@ class AuditLog:
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
             raise AuditError(f"the audit log could not be written ({reason})") from None
+
+
+@dataclass(frozen=True)
+class AuditCheck:
+    """What verify_audit found: how many records, the head hash, and the first break."""
+
+    records: int
+    head: str
+    broken_line: int | None = None
+    problem: str | None = None
+
+
+def verify_audit(path: Path) -> AuditCheck:
+    """Walk the chain: every line's seq follows the last, and its prev is the SHA-256 of the
+    previous line's exact bytes. Returns the first break, if any, with a reason."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    partial = lines.pop()  # b"" when the file ends with a newline, as it should
+    seqs = [_seq_of(line) for line in lines]
+    prev = GENESIS
+    for number, (line, seq) in enumerate(zip(lines, seqs, strict=True), start=1):
+        problem = _link_problem(number, line, seq, prev, seqs)
+        if problem:
+            return AuditCheck(number - 1, prev, *problem)
+        prev = hashlib.sha256(line).hexdigest()
+    if partial:
+        return AuditCheck(len(lines), prev, len(lines) + 1, "partial last line (no newline)")
+    return AuditCheck(len(lines), prev)
+
+
+def _seq_of(line: bytes) -> int | None:
+    try:
+        seq = json.loads(line)["seq"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _link_problem(
+    number: int, line: bytes, seq: int | None, prev: str, seqs: Sequence[int | None]
+) -> tuple[int, str] | None:
+    """(broken line, why) if line `number` does not follow the chain so far."""
+    if seq != number:
+        return number, _order_problem(number, seq, seqs)
+    if json.loads(line).get("prev") == prev:
+        return None
+    if number == 1:
+        return 1, "edited: the first record does not start the chain"
+    return number - 1, f"edited: its hash no longer matches the prev of line {number}"
+
+
+def _order_problem(number: int, seq: int | None, seqs: Sequence[int | None]) -> str:
+    """Why line `number` holds `seq` where record `number` belongs."""
+    if seq is None:
+        return "edited: not a record with a seq"
+    if seq < number:
+        return f"out of order: seq {seq} again, after {number - 1} (moved or inserted)"
+    if number in seqs[number:]:
+        return f"out of order: seq {seq} where {number} belongs"
+    return f"missing: record {number} is gone (found seq {seq})"
+
+
+def audit_stats(path: Path) -> dict[str, Any]:
+    """The figures the seeds say to alert on, read from the log itself."""
+    records = [r for r in map(_record_or_none, path.read_bytes().splitlines()) if r]
+    turns = [r for r in records if r.get("event") == "turn"]
+    calls = [r for r in records if r.get("event") == "tool_call"]
+    ran = [c for c in calls if not str(c.get("outcome")).startswith("skipped:")]
+    failed = [c for c in ran if _is_tool_error(str(c.get("outcome")))]
+    rounds = sorted(int(t.get("rounds", 0)) for t in turns)
+    tokens: dict[str, int] = {}
+    for turn in turns:
+        for key, count in (turn.get("usage") or {}).items():
+            tokens[key] = tokens.get(key, 0) + int(count)
+    return {
+        "turns": len(turns),
+        "rounds_median": statistics.median(rounds) if rounds else 0,
+        "rounds_max": rounds[-1] if rounds else 0,
+        "tool_calls": dict(sorted(collections.Counter(str(c.get("tool")) for c in ran).items())),
+        "tool_errors": len(failed),
+        "tool_error_rate": len(failed) / len(ran) if ran else 0.0,
+        "stop_reasons": dict(collections.Counter(str(t.get("stop_reason")) for t in turns)),
+        "guards": {g: sum(t.get("stop_reason") == g for t in turns) for g in GUARD_STOPS},
+        "tokens": tokens,
+        "retries": sum(int(t.get("retries", 0)) for t in turns),
+    }
+
+
+def _record_or_none(line: bytes) -> dict[str, Any] | None:
+    with suppress(ValueError):
+        record = json.loads(line)
+        return record if isinstance(record, dict) else None
+    return None  # an edited line: verify-audit names it; the figures skip it
+
+
+def _is_tool_error(outcome: str) -> bool:
+    return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"
 
 
 def _utc_now() -> str:
@@ -1459,6 +1646,8 @@ class ToolLoop:
             stop_reason=result.stop_reason,
             rounds=turn.rounds,
             tool_calls=turn.tool_calls,
+            tool_errors=turn.tool_errors,
+            guard=result.stop_reason if result.stop_reason in GUARD_STOPS else None,
             retries=turn.retries,
             duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
             usage=result.usage,
@@ -1475,6 +1664,7 @@ class _Turn:
     rounds: int = 0
     retries: int = 0
     tool_calls: int = 0
+    tool_errors: int = 0
     failed_tool: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
     open_calls: list[ToolCall] = field(default_factory=list)  # asked for, not yet answered
@@ -1506,6 +1696,7 @@ class _Turn:
             self.messages.append(_tool_message(result.call.id, result.content))
             self.open_calls.remove(result.call)
             self.tool_calls += 1
+            self.tool_errors += _is_tool_error(result.outcome)
             if result.ends_turn:
                 self.failed_tool = result.call.name
             added.append(result)
@@ -1930,6 +2121,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "reject", parents=[human, data], help="close a pending write unrun"
     )
     reject.set_defaults(command=_cmd_reject)
+    log = argparse.ArgumentParser(add_help=False)
+    log.add_argument("path", nargs="?", type=Path, help="the audit log (default: the data dir's)")
+    verify = commands.add_parser("verify-audit", parents=[log, data], help="check the hash chain")
+    anchor = verify.add_mutually_exclusive_group()
+    anchor.add_argument("--expect-head", metavar="HASH", help="a head recorded earlier")
+    anchor.add_argument("--head-file", type=Path, help="a file holding `seq hash`")
+    verify.set_defaults(command=_cmd_verify_audit)
+    stats = commands.add_parser("stats", parents=[log, data], help="turns, rounds, errors, tokens")
+    stats.set_defaults(command=_cmd_stats)
     return parser
 
 
@@ -1977,10 +2177,13 @@ class _Shop:
     approvals: Approvals
 
 
+def _data_dir(args: argparse.Namespace) -> Path:
+    chosen: Path | None = args.data_dir
+    return chosen or Path(os.environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR)
+
+
 def _open_shop(args: argparse.Namespace) -> _Shop:
-    data_dir: Path = args.data_dir or Path(
-        os.environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR
-    )
+    data_dir = _data_dir(args)
     store = OrderStore(data_dir / "orders.db")
     audit = AuditLog(data_dir / "audit.log")
     return _Shop(demo_tools(store), audit, Approvals(store, audit))
@@ -2087,6 +2290,68 @@ def _cmd_approve(args: argparse.Namespace) -> int:
 def _cmd_reject(args: argparse.Namespace) -> int:
     _open_shop(args).approvals.reject(args.action_id, args.operator)
     print(f"rejected {args.action_id} by {args.operator}; nothing was run")
+    return EXIT_OK
+
+
+def _audit_path(args: argparse.Namespace) -> Path:
+    chosen: Path | None = args.path
+    return chosen or _data_dir(args) / "audit.log"
+
+
+def _cmd_verify_audit(args: argparse.Namespace) -> int:
+    """Exit 0 and "N records, head H" when intact; 1 naming the first broken line."""
+    path = _audit_path(args)
+    if not path.is_file():
+        raise ConfigError(f"no audit log at {path}")
+    check = verify_audit(path)
+    if check.problem:
+        print(f"{path}: line {check.broken_line}: {check.problem}", file=sys.stderr)
+        return EXIT_FAILED
+    expected = _expected_head(args)
+    if expected and expected != check.head and expected not in _chain_hashes(path):
+        print(
+            f"{path}: the expected head {expected} is not in the log: records were cut"
+            " from the end, or the log was rewritten",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print(f"{check.records} records, head {check.head}")
+    return EXIT_OK
+
+
+def _expected_head(args: argparse.Namespace) -> str | None:
+    if args.head_file:
+        try:
+            return str(args.head_file.read_text(encoding="ascii").split()[1])
+        except (OSError, IndexError, UnicodeDecodeError):
+            raise ConfigError(f"cannot read a head from {args.head_file}") from None
+    expected: str | None = args.expect_head
+    return expected
+
+
+def _chain_hashes(path: Path) -> set[str]:
+    return {hashlib.sha256(line).hexdigest() for line in path.read_bytes().splitlines()}
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    path = _audit_path(args)
+    if not path.is_file():
+        raise ConfigError(f"no audit log at {path}")
+    check = verify_audit(path)
+    if check.problem:
+        print(f"warning: the chain breaks at line {check.broken_line}", file=sys.stderr)
+    figures = audit_stats(path)
+    by_tool = ", ".join(f"{tool} {count}" for tool, count in figures["tool_calls"].items())
+    calls = sum(figures["tool_calls"].values())
+    tokens = ", ".join(f"{kind} {count}" for kind, count in figures["tokens"].items())
+    print(f"turns            {figures['turns']}")
+    print(f"rounds per turn  median {figures['rounds_median']:g}, max {figures['rounds_max']}")
+    print(f"tool calls       {calls}" + (f" ({by_tool})" if by_tool else ""))
+    print(f"tool error rate  {figures['tool_errors']}/{calls} = {figures['tool_error_rate']:.1%}")
+    print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
+    print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
+    print(f"tokens           {tokens or 'none reported'}")
+    print(f"retries          {figures['retries']}")
     return EXIT_OK
 
 

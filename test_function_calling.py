@@ -9,6 +9,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import http.client
 import io
 import json
@@ -565,6 +566,201 @@ class AuditTest(LoopTestCase):
         log = self.audit_path.read_text(encoding="ascii")
         self.assertIn('"stop_reason":"api_error"', log)
         self.assertNotIn(FAKE_KEY, log)
+
+
+APPEND_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import function_calling as fc
+log = fc.AuditLog(Path(sys.argv[2]), fsync=False)
+for i in range(int(sys.argv[4])):
+    log.record("test", writer=sys.argv[3], i=i)
+"""
+
+
+class AuditChainTest(LoopTestCase):
+    """The log proves its own integrity: every tampering below is caught and named."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        for i in range(6):
+            self.audit.record("test", i=i)
+        self.lines = self.audit_path.read_bytes().splitlines(keepends=True)
+
+    def verify(self, *extra: str) -> subprocess.CompletedProcess[str]:
+        return self.cli("verify-audit", str(self.audit_path), *extra)
+
+    def rewrite(self, lines: Sequence[bytes]) -> None:
+        self.audit_path.write_bytes(b"".join(lines))
+
+    def assert_broken(self, line: int, why: str, *extra: str) -> None:
+        done = self.verify(*extra)
+        self.assertEqual(done.returncode, 1, done.stdout)
+        self.assertIn(f": line {line}: {why}", done.stderr)
+
+    def test_an_intact_log_verifies_with_its_count_and_head(self) -> None:
+        head = hashlib.sha256(self.lines[-1].rstrip(b"\n")).hexdigest()
+        done = self.verify()
+        self.assertEqual((done.returncode, done.stdout), (0, f"6 records, head {head}\n"))
+
+    def test_the_chain_can_be_checked_in_ten_lines_of_ones_own(self) -> None:
+        prev, count = "0" * 64, 0  # the README's recipe, verbatim
+        for count, line in enumerate(self.audit_path.read_bytes().split(b"\n")[:-1], start=1):
+            record = json.loads(line)
+            assert record["seq"] == count and record["prev"] == prev, f"broken at line {count}"
+            prev = hashlib.sha256(line).hexdigest()
+        self.assertEqual((count, prev), (6, fc.verify_audit(self.audit_path).head))
+
+    def test_an_edited_byte_is_caught(self) -> None:
+        self.rewrite([*self.lines[:2], self.lines[2].replace(b'"i":2', b'"i":7'), *self.lines[3:]])
+        self.assert_broken(3, "edited")
+
+    def test_a_deleted_line_is_caught(self) -> None:
+        self.rewrite([*self.lines[:2], *self.lines[3:]])
+        self.assert_broken(3, "missing: record 3 is gone")
+
+    def test_two_swapped_lines_are_caught(self) -> None:
+        self.rewrite([*self.lines[:2], self.lines[3], self.lines[2], *self.lines[4:]])
+        self.assert_broken(3, "out of order")
+
+    def test_an_inserted_line_with_a_recomputed_hash_is_caught(self) -> None:
+        prev = hashlib.sha256(self.lines[1].rstrip(b"\n")).hexdigest()
+        forged = json.dumps({"seq": 3, "prev": prev, "event": "approval_decision"}).encode() + b"\n"
+        self.rewrite([*self.lines[:2], forged, *self.lines[2:]])
+        self.assert_broken(4, "out of order: seq 3 again")
+
+    def test_a_forged_line_chained_to_the_wrong_predecessor_is_caught(self) -> None:
+        wrong = hashlib.sha256(self.lines[0].rstrip(b"\n")).hexdigest()
+        forged = json.dumps({"seq": 3, "prev": wrong, "event": "forged"}).encode() + b"\n"
+        self.rewrite([*self.lines[:2], forged, *self.lines[3:]])
+        self.assert_broken(2, "edited: its hash no longer matches the prev of line 3")
+
+    def test_a_partial_last_line_is_caught(self) -> None:
+        self.rewrite([*self.lines, b'{"seq":7,"prev":"ab'])
+        self.assert_broken(7, "partial last line")
+
+    def test_a_log_cut_short_is_caught_only_against_a_head_kept_elsewhere(self) -> None:
+        head = hashlib.sha256(self.lines[-1].rstrip(b"\n")).hexdigest()
+        self.rewrite(self.lines[:4])
+        self.assertEqual(self.verify().returncode, 0)  # from inside, a cut log looks whole
+        done = self.verify("--expect-head", head)
+        self.assertEqual(done.returncode, 1)
+        self.assertIn(f"the expected head {head} is not in the log", done.stderr)
+
+    def test_an_anchored_head_may_be_older_than_the_log(self) -> None:
+        old_head = hashlib.sha256(self.lines[3].rstrip(b"\n")).hexdigest()
+        self.assertEqual(self.verify("--expect-head", old_head).returncode, 0)
+
+    def test_a_head_file_written_elsewhere_anchors_the_chain(self) -> None:
+        path, head_file = self.data_dir / "anchored.log", self.data_dir / "elsewhere.head"
+        log = AuditLog(path, head_file=head_file)
+        for i in range(3):
+            log.record("test", i=i)
+        seq, head = head_file.read_text().split()
+        self.assertEqual((seq, head), ("3", fc.verify_audit(path).head))
+        self.assertEqual(
+            self.cli("verify-audit", str(path), "--head-file", str(head_file)).returncode, 0
+        )
+        path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:2]))
+        self.assertEqual(
+            self.cli("verify-audit", str(path), "--head-file", str(head_file)).returncode, 1
+        )
+
+    def test_appending_to_a_log_with_a_partial_last_line_fails_closed(self) -> None:
+        self.rewrite([*self.lines, b'{"seq":7'])
+        result, requests = self.run_turn(
+            [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("never")]
+        )
+        self.assertEqual((result.stop_reason, len(requests)), ("audit_failed", 1))
+        self.assertIn("partial line", result.error or "")
+
+    def test_two_threads_writing_at_once_leave_a_valid_chain(self) -> None:
+        path = self.data_dir / "threads.log"
+        log = AuditLog(path, fsync=False)
+        start = threading.Barrier(2)
+
+        def write(writer: str) -> None:
+            start.wait()
+            for i in range(200):
+                log.record("test", writer=writer, i=i)
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assert_chain_holds(path, {"a": 200, "b": 200})
+
+    def test_two_processes_writing_at_once_leave_a_valid_chain(self) -> None:
+        path = self.data_dir / "processes.log"
+        writers = [
+            subprocess.Popen([sys.executable, "-c", APPEND_SCRIPT, str(HERE), str(path), w, "300"])
+            for w in "ab"
+        ]
+        self.assertEqual([w.wait(timeout=60) for w in writers], [0, 0])
+        self.assert_chain_holds(path, {"a": 300, "b": 300})
+
+    def test_a_restarted_process_continues_the_chain(self) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", APPEND_SCRIPT, str(HERE), str(self.audit_path), "later", "2"],
+            check=True,
+        )
+        self.assertEqual(done.returncode, 0)
+        self.audit.record("test", i="after the other process")  # this process picks up too
+        check = fc.verify_audit(self.audit_path)
+        self.assertEqual((check.problem, check.records), (None, 9))
+
+    def assert_chain_holds(self, path: Path, expected: dict[str, int]) -> None:
+        check = fc.verify_audit(path)
+        self.assertIsNone(check.problem, check)
+        records = [json.loads(line) for line in path.read_bytes().splitlines()]
+        for writer, count in expected.items():
+            mine = [r["i"] for r in records if r["writer"] == writer]
+            self.assertEqual(mine, list(range(count)))  # every record, in each writer's order
+
+    def test_stats_answer_from_the_log(self) -> None:
+        self.audit_path.unlink()
+        self.run_turn(  # 2 rounds, 2 calls, 1 rejected
+            [
+                tool_call_reply(
+                    [("getOrderStatus", '{"orderId":"1001"}'), ("listRecentOrders", '{"limit":2}')]
+                ),
+                text_reply("ok"),
+            ]
+        )
+        same = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        self.run_turn([same, tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])])
+        self.run_turn([text_reply("hello")])  # 1 round, no calls
+        done = self.cli("stats", str(self.audit_path))
+        self.assertEqual(done.returncode, 0)
+        self.assertEqual(
+            done.stdout.splitlines(),
+            [
+                "turns            3",
+                "rounds per turn  median 2, max 2",
+                "tool calls       3 (getOrderStatus 2, listRecentOrders 1)",
+                "tool error rate  1/3 = 33.3%",
+                "guards fired     round_cap 0, repeated_calls 1",
+                "stop reasons     answered 2, repeated_calls 1",
+                "tokens           prompt_tokens 50, completion_tokens 25, total_tokens 75",
+                "retries          0",
+            ],
+        )
+
+    def test_no_secret_ever_reaches_the_log(self) -> None:
+        def echo(request: RecordedRequest) -> ScriptedReply:
+            return ScriptedReply(json.dumps(dict(request.headers)).encode(), status=400)
+
+        with ScriptedChatServer(
+            [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), echo]
+        ) as server:
+            env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
+            self.cli("ask", "Where is ORD-1001?", env=env)
+        log = self.audit_path.read_text(encoding="ascii")
+        self.assertIn('"stop_reason":"api_error"', log)
+        self.assertNotIn(FAKE_KEY, log)
+        self.assertNotIn(FAKE_KEY[8:], log)
 
 
 # ------------------------------------------------------------------------- request and reply
@@ -2044,6 +2240,19 @@ class Benchmarks(LoopTestCase):
         four = statistics.median(turn_with(4) for _ in range(3))
         report(f"a reply with 4 calls of a 300 ms tool / with 1 call = {four / one:.2f}")
         self.assertLess(four / one, 4)  # not a timing goal: proof they did not run one by one
+
+    def test_audit_appends_per_second_with_and_without_fsync(self) -> None:
+        appends, rates = 500, {}
+        for fsync in (True, False):
+            log = AuditLog(self.data_dir / f"bench-{fsync}.log", fsync=fsync)
+            started = time.perf_counter()
+            for i in range(appends):
+                log.record("bench", i=i)
+            rates[fsync] = appends / (time.perf_counter() - started)
+        report(
+            f"audit appends per second: fsync on {rates[True]:.0f}, off {rates[False]:.0f};"
+            f" on / off = {rates[True] / rates[False]:.3f}"
+        )
 
 
 def timed(action: Callable[[], object]) -> float:
