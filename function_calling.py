@@ -33,6 +33,7 @@ boundary) · the loop · the CLI · the scripted server used by `demo` and the t
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import concurrent.futures
 import email.utils
@@ -94,12 +95,14 @@ __all__ = [
     "ToolLoop",
     "TurnResult",
     "check_argument_names",
+    "delta_chunk",
     "demo_tools",
     "main",
     "parse_arguments",
     "require_choice",
     "require_integer",
     "require_pattern",
+    "stream_reply",
     "text_reply",
     "tool_call_reply",
 ]
@@ -947,7 +950,9 @@ def _tool_message(tool_call_id: str, content: str) -> str:
     return _compact({"role": "tool", "tool_call_id": tool_call_id, "content": content})
 
 
-def _request_body(model: str, messages: Sequence[str], tools_json: str) -> bytes:
+def _request_body(
+    model: str, messages: Sequence[str], tools_json: str, stream: bool = False
+) -> bytes:
     """The request body as bytes, built from JSON texts rather than from dicts.
 
     The messages are spliced in as the texts they already are: that is what keeps an echoed
@@ -956,6 +961,8 @@ def _request_body(model: str, messages: Sequence[str], tools_json: str) -> bytes
     body = '{"model":' + json.dumps(model) + ',"messages":[' + ",".join(messages) + "]"
     if tools_json != "[]":  # some servers reject tool_choice when no tools are offered
         body += ',"tools":' + tools_json + ',"tool_choice":"auto"'
+    if stream:  # include_usage: without it OpenAI sends no token counts in a stream
+        body += ',"stream":true,"stream_options":{"include_usage":true}'
     return (body + "}").encode("utf-8")
 
 
@@ -1040,17 +1047,22 @@ class ChatClient:
         )
 
     def complete(
-        self, messages: Sequence[str], tools_json: str = "[]", deadline: float | None = None
+        self,
+        messages: Sequence[str],
+        tools_json: str = "[]",
+        deadline: float | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Reply:
         """One model call: POST the conversation (retrying what may be retried before
-        `deadline`, a time.monotonic() value), return the parsed reply."""
-        body = _request_body(self.settings.model, messages, tools_json)
+        `deadline`, a time.monotonic() value), return the parsed reply. With `on_text`, the
+        reply is streamed and each piece of its text is handed to on_text as it arrives."""
+        body = _request_body(self.settings.model, messages, tools_json, on_text is not None)
         turn_deadline = deadline if deadline is not None else math.inf
         if time.monotonic() >= turn_deadline:
             raise ApiError("the turn's deadline passed before the model could be asked again")
         for attempt in range(self.settings.max_retries + 1):
             try:
-                return replace(parse_reply(self._post(body, turn_deadline)), retries=attempt)
+                return replace(self._post(body, turn_deadline, on_text), retries=attempt)
             except _RetryableError as failure:
                 if attempt == self.settings.max_retries:
                     raise ApiError(
@@ -1083,7 +1095,9 @@ class ChatClient:
             raise ApiError(f"{failure}; a retry would pass the turn's deadline", failure.status)
         return wait
 
-    def _post(self, body: bytes, turn_deadline: float) -> bytes:
+    def _post(
+        self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
+    ) -> Reply:
         deadline = min(time.monotonic() + self.settings.timeout, turn_deadline)
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.settings.api_key:
@@ -1101,13 +1115,26 @@ class ChatClient:
             raise _RetryableError(
                 f"could not reach the model API: {_transport_reason(exc)}", None, None
             ) from None
+        # From here on a response has begun: nothing is retried, so no text is printed twice.
         with response:
             try:
-                return _read_body(response, deadline, self.settings.max_response_bytes)
-            except (http.client.HTTPException, OSError) as exc:  # part of a reply: not retried
+                return self._read_reply(response, deadline, on_text)
+            except (http.client.HTTPException, OSError) as exc:
                 raise ApiError(
                     f"the reply from the model API broke off: {_transport_reason(exc)}"
                 ) from None
+
+    def _read_reply(
+        self, response: _TimedResponse, deadline: float, on_text: Callable[[str], None] | None
+    ) -> Reply:
+        chunks = _chunks(response, deadline, self.settings.max_response_bytes)
+        content_type = response.headers.get("Content-Type") or ""
+        if on_text and content_type.startswith("text/event-stream"):
+            return read_stream(chunks, on_text)
+        reply = parse_reply(b"".join(chunks))
+        if on_text and reply.content:  # a server that ignored "stream": the text, at once
+            on_text(reply.content)
+        return reply
 
     def _status_error(self, exc: urllib.error.HTTPError, deadline: float) -> ApiError:
         try:  # subtle: an HTTPError holds the open connection; read what we show, then close it
@@ -1156,24 +1183,22 @@ def _retry_after(headers: Message) -> float | None:
     return None
 
 
-def _read_body(response: _TimedResponse, deadline: float, limit: int) -> bytes:
-    """Read the whole body before the deadline, refusing to hold more than `limit` bytes."""
-    chunks: list[bytes] = []
+def _chunks(response: _TimedResponse, deadline: float, limit: int) -> Iterator[bytes]:
+    """The body as it arrives, before the deadline, refusing to read past `limit` bytes."""
     size = 0
     while True:
         response.wait_until(deadline)
         chunk = response.read1(65536)  # read1: returns what has arrived, not a full buffer
         if not chunk:
             break
-        chunks.append(chunk)
         size += len(chunk)
         if size > limit:
             raise ApiError(f"the model API sent more than {limit} bytes; refusing to read on")
+        yield chunk
     # subtle: a read returns what arrived when the server hangs up early; only the remaining
     # Content-Length tells a complete body from a cut one
     if response.length:
-        raise http.client.IncompleteRead(b"".join(chunks), response.length)
-    return b"".join(chunks)
+        raise http.client.IncompleteRead(b"", response.length)
 
 
 def _transport_reason(exc: BaseException) -> str:
@@ -1229,16 +1254,23 @@ def parse_reply(body: bytes) -> Reply:
         snippet = _cut(_printable(body), 120)
         raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
     choice = _first_choice(document)
-    message = choice["message"]
     start, end = _raw_span(text, ("choices", 0, "message"))
+    usage = document["usage"] if isinstance(document.get("usage"), dict) else {}
+    return _reply_from(text[start:end], choice["message"], choice.get("finish_reason"), usage)
+
+
+def _reply_from(
+    message_json: str, message: Mapping[str, Any], finish_reason: Any, usage: Mapping[str, Any]
+) -> Reply:
+    """A Reply from a message (and its exact JSON text), or ApiError if it says nothing."""
     reply = Reply(
-        message_json=text[start:end],
+        message_json=message_json,
         content=_text_or_none(message.get("content")),
         # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
         # no value at all have been recorded beside real tool calls
         tool_calls=_parse_tool_calls(message.get("tool_calls")),
-        usage=document["usage"] if isinstance(document.get("usage"), dict) else {},
-        finish_reason=_text_or_none(choice.get("finish_reason")),
+        usage=usage,
+        finish_reason=_text_or_none(finish_reason),
         refusal=_text_or_none(message.get("refusal")),
     )
     cut_short = reply.finish_reason in ("length", "content_filter")
@@ -1339,6 +1371,213 @@ def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecode
 
 def _printable(body: bytes) -> str:
     return " ".join(body.decode("utf-8", "replace").split())
+
+
+# -------------------------------------------------------------------------------- the stream
+# With "stream": true the reply arrives as server-sent events, each `data:` a chunk whose
+# choices[0].delta carries a piece of the message. There is no message text to echo, so the
+# message is rebuilt from the deltas: every field they carried is kept (role, content,
+# tool_calls, refusal, reasoning fields, signatures, vendor extras), pieces of text joined,
+# objects merged, list items joined by their "index". That is the faithful equivalent of the
+# byte-exact echo: the same fields and values, in a spelling of our own, since the server
+# never wrote the whole message down.
+
+# Fields whose string values arrive in pieces; any other string field sent again unchanged
+# (role, type, a "channel" tag) is a repeat, and sent again changed is a further piece.
+_TEXT_PIECES = frozenset(
+    {"content", "refusal", "reasoning_content", "reasoning", "arguments", "text"}
+)
+
+
+def read_stream(chunks: Iterable[bytes], on_text: Callable[[str], None]) -> Reply:
+    """Assemble a streamed reply, handing each piece of text to on_text as it arrives."""
+    message = _StreamedMessage()
+    for data in _sse_data(chunks):
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data)
+        except (ValueError, RecursionError):
+            raise ApiError(
+                f"the stream carried an event that is not JSON: {_cut(data, 120)}"
+            ) from None
+        text = message.add(chunk)
+        if text:
+            on_text(text)
+    return message.reply()
+
+
+def _sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
+    endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
+    such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
+    `retry:`; a blank line ends an event."""
+    decoder = codecs.getincrementaldecoder("utf-8")()  # a character may span two chunks
+    pending = ""
+    data: list[str] = []
+    for chunk in chunks:
+        lines, pending = _complete_lines(pending + decoder.decode(chunk))
+        for line in lines:
+            if line:
+                _take_field(line, data)
+            elif data:
+                yield "\n".join(data)
+                data = []
+    _take_field(pending, data)
+    if data:  # the spec drops an event without its blank line; a server closing after it means it
+        yield "\n".join(data)
+
+
+def _complete_lines(text: str) -> tuple[list[str], str]:
+    """Split off the complete lines; a trailing CR waits, since an LF may follow it."""
+    held = "\r" if text.endswith("\r") else ""
+    *lines, rest = re.split(r"\r\n|\r|\n", text[: len(text) - len(held)])
+    return lines, rest + held
+
+
+def _take_field(line: str, data: list[str]) -> None:
+    name, _, value = line.partition(":")
+    if name == "data":
+        data.append(value[1:] if value.startswith(" ") else value)
+
+
+class _StreamedMessage:
+    """The assistant message a stream's deltas describe, with its finish_reason and usage."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+        self.finish_reason: Any = None
+        self.usage: dict[str, Any] = {}
+
+    def add(self, chunk: Any) -> str | None:
+        """Take one chunk; returns its piece of text, if it carried one."""
+        if not isinstance(chunk, dict):
+            raise ApiError("the stream carried an event that is not an object")
+        error = chunk.get("error")
+        if error:
+            detail = error.get("message") if isinstance(error, dict) else error
+            raise ApiError(f"the model API reported an error mid-stream: {_cut(str(detail), 300)}")
+        if isinstance(chunk.get("usage"), dict):  # often a last chunk whose choices are []
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []  # [] in a first chunk of filter results, too
+        choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+        if choice is None:
+            return None
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta") or {}
+        for key, value in delta.items():
+            if key == "tool_calls":
+                self._add_calls(value or [])
+            else:
+                self.fields[key] = _merged(key, self.fields.get(key), value)
+        text = delta.get("content")
+        return text if isinstance(text, str) else None
+
+    def _add_calls(self, pieces: Any) -> None:
+        if not isinstance(pieces, list):
+            raise ApiError("the stream carried tool_calls that is not a list")
+        for position, piece in enumerate(pieces):
+            if not isinstance(piece, dict):
+                raise ApiError("the stream carried a tool call that is not an object")
+            call = self._call_for(piece, position, len(pieces))
+            for key, value in piece.items():
+                if key == "id":  # repeated on every delta by some servers: the first one holds
+                    call[key] = value if not call.get(key) else call[key]
+                elif key != "index":
+                    call[key] = _merged(key, call.get(key), value)
+
+    def _call_for(self, piece: dict[str, Any], position: int, count: int) -> dict[str, Any]:
+        """Which call a delta piece belongs to: by index; else by id; else by position."""
+        index = piece.get("index")
+        if isinstance(index, int) and not isinstance(index, bool):  # it may start at 1
+            return self._find_or_open("#index", index)
+        if isinstance(piece.get("id"), str) and piece["id"]:
+            return self._find_or_open("id", piece["id"])
+        target = None
+        if self.calls:
+            target = self.calls[position] if 1 < count <= len(self.calls) else self.calls[-1]
+        name = (piece.get("function") or {}).get("name")
+        if target is None or (name and _is_complete_call(target, name)):
+            return self._open({})  # a whole new call, sent without index or id
+        return target
+
+    def _find_or_open(self, key: str, value: Any) -> dict[str, Any]:
+        for call in self.calls:
+            if call.get(key) == value:
+                return call
+        return self._open({key: value})
+
+    def _open(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(call)
+        return call
+
+    def reply(self) -> Reply:
+        """The assembled message as a Reply; the same checks as a whole reply gets."""
+        message: dict[str, Any] = {"role": "assistant", **self.fields}
+        if self.calls:
+            message["tool_calls"] = [_finished_call(call) for call in self.calls]
+        return _reply_from(_compact(message), message, self.finish_reason, self.usage)
+
+
+def _merged(key: str, old: Any, new: Any) -> Any:
+    """One delta's value joined to what earlier deltas carried for the same key."""
+    if old is None:
+        return new
+    if new is None:
+        return old
+    if isinstance(old, str) and isinstance(new, str):
+        return old + new if key in _TEXT_PIECES or old != new else old
+    if isinstance(old, dict) and isinstance(new, dict):
+        joined = dict(old)
+        for inner_key, value in new.items():
+            joined[inner_key] = _merged(inner_key, joined.get(inner_key), value)
+        return joined
+    if isinstance(old, list) and isinstance(new, list):
+        return _merged_list(old, new)
+    return new
+
+
+def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
+    """List items with an "index" join the item of the same index; others are appended."""
+    joined = list(old)
+    for item in new:
+        same = next(
+            (
+                i
+                for i, o in enumerate(joined)
+                if isinstance(item, dict)
+                and isinstance(o, dict)
+                and "index" in item
+                and o.get("index") == item["index"]
+            ),
+            None,
+        )
+        if same is None:
+            joined.append(item)
+        else:
+            joined[same] = _merged("", joined[same], item)
+    return joined
+
+
+def _is_complete_call(call: dict[str, Any], name: str) -> bool:
+    """Does a named piece without index or id start a new call after `call`?"""
+    function = call.get("function") or {}
+    if not function.get("name"):
+        return False
+    if function.get("name") != name:
+        return True
+    try:  # the same name again: a new call only if this one's arguments are already whole
+        json.loads(function.get("arguments") or "")
+    except ValueError:
+        return False
+    return True
+
+
+def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as the message will carry it: id first, type defaulting to "function"."""
+    finished = {key: value for key, value in call.items() if key != "#index"}
+    return {"id": finished.pop("id", None), "type": finished.pop("type", "function"), **finished}
 
 
 # -------------------------------------------------------------- dispatch (the trust boundary)
@@ -1541,15 +1780,22 @@ class ToolLoop:
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
 
     def run(
-        self, user_message: str, context: ToolContext, history: Sequence[str] = ()
+        self,
+        user_message: str,
+        context: ToolContext,
+        history: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
     ) -> TurnResult:
-        """One turn. Never raises for the model's or the network's faults: see stop_reason."""
+        """One turn. Never raises for the model's or the network's faults: see stop_reason.
+        With `on_text`, replies are streamed and their text handed over as it arrives."""
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.messages.append(_message("user", user_message))
         while True:
             turn.rounds += 1
             try:
-                reply = self.client.complete(turn.messages, self._tools_json, turn.deadline)
+                reply = self.client.complete(
+                    turn.messages, self._tools_json, turn.deadline, on_text
+                )
             except ApiError as exc:
                 return self._finish(turn, context, "api_error", error=str(exc))
             turn.add_reply(reply)
@@ -2093,6 +2339,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--turn-timeout", type=_seconds, default=TURN_TIMEOUT_S, help="one turn's deadline (300)"
     )
     talk.add_argument("--retries", type=_count, default=MAX_RETRIES, help="retries per request (2)")
+    talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
     human = argparse.ArgumentParser(add_help=False)
     human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
     human.add_argument(
@@ -2203,8 +2450,9 @@ def _conversation(args: argparse.Namespace, shop: _Shop) -> ToolLoop:
 
 def _cmd_ask(args: argparse.Namespace) -> int:
     shop = _open_shop(args)
-    result = _conversation(args, shop).run(args.question, ToolContext(customer_id=args.customer))
-    return _report(result)
+    printer = _Printer() if args.stream else None
+    context = ToolContext(customer_id=args.customer)
+    return _report(_conversation(args, shop).run(args.question, context, on_text=printer), printer)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -2217,9 +2465,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() == "/quit":
             break
         if line.strip():
-            result = loop.run(line, ToolContext(customer_id=args.customer), history)
+            printer = _Printer() if args.stream else None
+            context = ToolContext(customer_id=args.customer)
+            result = loop.run(line, context, history, on_text=printer)
             history = result.messages  # a turn a guard stopped ends; the chat goes on
-            worst = max(worst, _report(result), key=_EXIT_SEVERITY.__getitem__)
+            worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
     return worst
 
 
@@ -2238,13 +2488,34 @@ def _read_lines(stream: TextIO) -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
-def _report(result: TurnResult) -> int:
+class _Printer:
+    """Prints streamed text the moment it arrives (flushed), and can end its line."""
+
+    def __init__(self) -> None:
+        self.line_open = False
+
+    def __call__(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.line_open:
+            print(flush=True)
+            self.line_open = False
+
+
+def _report(result: TurnResult, printer: _Printer | None = None) -> int:
     """Print what the user should see of a turn and choose the exit code."""
+    streamed = printer is not None and result.stop_reason in ("answered", *_CUT_SHORT)
+    if printer:
+        printer.end_line()
     if result.stop_reason in ("answered", "returned_direct", "refused"):
-        print(result.answer, flush=True)
+        if not streamed:
+            print(result.answer, flush=True)
         return EXIT_OK
     if result.stop_reason in _CUT_SHORT:
-        if result.answer:
+        if result.answer and not streamed:
             print(result.answer, flush=True)
         print(f"error: {_CUT_SHORT[result.stop_reason]}", file=sys.stderr)
         return EXIT_FAILED
@@ -2518,9 +2789,11 @@ class RecordedRequest:
 
 @dataclass(frozen=True)
 class ScriptedReply:
-    """One scripted answer: status, raw body and headers, sent exactly as given."""
+    """One scripted answer: status, raw body and headers, sent exactly as given. A body of
+    several pieces (any iterable of bytes, a generator that pauses included) is sent piece
+    by piece, flushed, with no Content-Length: the way a stream arrives."""
 
-    body: bytes
+    body: bytes | Iterable[bytes]
     status: int = 200
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
 
@@ -2597,10 +2870,14 @@ class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(reply.status)
         for name, value in reply.headers:
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(reply.body)))
+        pieces = [reply.body] if isinstance(reply.body, bytes) else reply.body
+        if isinstance(reply.body, bytes):
+            self.send_header("Content-Length", str(len(reply.body)))
         self.end_headers()
         with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
-            self.wfile.write(reply.body)
+            for piece in pieces:
+                self.wfile.write(piece)
+                self.wfile.flush()
 
     do_GET = do_POST  # noqa: N815 (http.server's naming)
 
@@ -2620,6 +2897,24 @@ def tool_call_reply(calls: Sequence[tuple[str, str]], content: str | None = None
     ]
     message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
     return _completion(message, "tool_calls")
+
+
+def stream_reply(events: Iterable[dict[str, Any] | str]) -> ScriptedReply:
+    """A streamed reply: each event a chunk (a dict) or raw data (a str such as "[DONE]"),
+    sent as `data: …` and a blank line, one piece per event."""
+
+    def pieces() -> Iterator[bytes]:
+        for event in events:
+            data = event if isinstance(event, str) else json.dumps(event)
+            yield f"data: {data}\n\n".encode()
+
+    return ScriptedReply(pieces(), headers=(("Content-Type", "text/event-stream"),))
+
+
+def delta_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """A chat.completion.chunk carrying one delta of choices[0]."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    return {"object": "chat.completion.chunk", "choices": [choice]}
 
 
 def text_reply(text: str) -> bytes:

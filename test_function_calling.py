@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import socket
 import sqlite3
 import statistics
@@ -93,6 +94,7 @@ class LoopTestCase(unittest.TestCase):
         history: Sequence[str] = (),
         client: dict[str, Any] | None = None,
         loop: dict[str, Any] | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> tuple[TurnResult, list[RecordedRequest]]:
         """One turn against a scripted server. Requests are not retried unless `client` asks
         (max_retries=…), so each scripted reply is seen exactly once."""
@@ -111,7 +113,8 @@ class LoopTestCase(unittest.TestCase):
                 max_rounds=max_rounds,
                 **(loop or {}),
             )
-            result = tool_loop.run(question, ToolContext(customer_id=customer), history)
+            context = ToolContext(customer_id=customer)
+            result = tool_loop.run(question, context, history, on_text=on_text)
         return result, server.requests
 
     def turn_against(self, base_url: str, timeout: float = 5.0, retries: int = 0) -> TurnResult:
@@ -1443,6 +1446,379 @@ class ConcurrencyTest(LoopTestCase):
         self.assertEqual(result.stop_reason, "answered")
         outcomes = sorted(r["outcome"] for r in self.audit_records())
         self.assertEqual(outcomes, ["ok", "ok", "timeout"])
+
+
+def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return fc.delta_chunk(delta, finish_reason)
+
+
+def call_piece(**fields: Any) -> dict[str, Any]:
+    """A chunk whose delta carries one tool-call piece, spelled exactly as given."""
+    return chunk({"tool_calls": [fields]})
+
+
+def sse(body: bytes) -> ScriptedReply:
+    return ScriptedReply(body, headers=(("Content-Type", "text/event-stream"),))
+
+
+LOOKUP = '{"orderId":"ORD-1001"}'
+
+
+class StreamTest(LoopTestCase):
+    """`stream: true`: text handed over as it arrives, tool calls assembled from deltas."""
+
+    def stream_turn(
+        self, script: Sequence[fc.ScriptItem], **options: Any
+    ) -> tuple[TurnResult, list[RecordedRequest], list[str]]:
+        pieces: list[str] = []
+        result, requests = self.run_turn(script, on_text=pieces.append, **options)
+        return result, requests, pieces
+
+    def test_text_arrives_in_pieces_and_the_turn_counts_the_usage_chunk(self) -> None:
+        events: list[dict[str, Any] | str] = [
+            {"choices": [], "prompt_filter_results": [{"prompt_index": 0}]},  # Azure's first
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"content": "It "}),
+            chunk({"content": "shipped."}, "stop"),
+            {
+                "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+            },
+            "[DONE]",
+        ]
+        result, requests, pieces = self.stream_turn([fc.stream_reply(events)])
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "It shipped."))
+        self.assertEqual(pieces, ["It ", "shipped."])
+        self.assertEqual(
+            result.usage, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        )
+        body = requests[0].json()
+        self.assertEqual((body["stream"], body["stream_options"]), (True, {"include_usage": True}))
+
+    def test_sse_framing_as_the_spec_allows(self) -> None:
+        body = (
+            b": OPENROUTER PROCESSING\r\n\r\n"
+            b"event: message\r\nid: 1\r\nretry: 100\r\n"
+            b'data:{"choices":[{"index":0,"delta":{"content":"A"}}]}\r\n\r\n'  # no space
+            b'data: {"choices":[{"index":0,\n'  # one event over two data lines
+            b'data: "delta":{"content":"B"}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{"content":"C"}}]}\r\r'  # CR alone
+            b'data: {"choices":[{"index":0,"delta":{"content":"\xc3\xa9"}}]}\n\n'
+            b"data: [DONE]\n\n"
+        )
+        pieces: list[str] = []
+        with ScriptedChatServer([sse(body)]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            reply = client.complete(["{}"], on_text=pieces.append)
+        self.assertEqual((reply.content, pieces), ("ABCé", ["A", "B", "C", "é"]))
+
+    def test_a_character_split_between_two_network_reads_survives(self) -> None:
+        whole = b'data: {"choices":[{"index":0,"delta":{"content":"caf\xc3\xa9"}}]}\n\n'
+        cut = whole.index(b"\xa9")
+        reply = fc.read_stream([whole[:cut], whole[cut:]], lambda text: None)
+        self.assertEqual(reply.content, "café")
+
+    def test_a_stream_that_ends_without_done_still_completes(self) -> None:
+        result, _, _ = self.stream_turn([fc.stream_reply([chunk({"content": "Done."}, "stop")])])
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "Done."))
+
+    def test_an_error_in_the_middle_of_a_stream_is_a_clear_error(self) -> None:
+        events = [chunk({"content": "Your or"}), {"error": {"message": "upstream overloaded"}}]
+        result, _, pieces = self.stream_turn([fc.stream_reply(events)])
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("mid-stream: upstream overloaded", result.error or "")
+        self.assertEqual(pieces, ["Your or"])
+
+    def test_a_tool_call_in_many_pieces_is_assembled_and_run(self) -> None:
+        pieces = ['{"ord', 'erId"', ': "ORD', "-10", '01"}']
+        events: list[dict[str, Any] | str] = [
+            call_piece(
+                index=0,
+                id="c1",
+                type="function",
+                function={"name": "getOrderStatus", "arguments": ""},
+            ),
+            *(call_piece(index=0, function={"arguments": p}) for p in pieces),
+            chunk({}, "tool_calls"),
+            "[DONE]",
+        ]
+        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+        (record,) = self.audit_records()
+        self.assertEqual(record["arguments"], '{"orderId": "ORD-1001"}')
+        assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_ids_and_names_repeated_on_every_delta_and_an_index_starting_at_1(self) -> None:
+        function = {"name": "getOrderStatus"}
+        events = [
+            call_piece(index=1, id="c1", type="function", function={**function, "arguments": ""}),
+            call_piece(
+                index=1, id="c1", type="function", function={**function, "arguments": LOOKUP}
+            ),
+        ]
+        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(call_ids(result.messages[2]), ["c1"])
+        self.assertEqual(
+            json.loads(result.messages[2])["tool_calls"][0]["function"]["arguments"], LOOKUP
+        )
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+
+    def test_several_whole_calls_in_one_delta_without_index_are_told_apart_by_id(self) -> None:
+        calls = [
+            {
+                "id": "a",
+                "type": "function",
+                "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+            },
+            {
+                "id": "b",
+                "type": "function",
+                "function": {"name": "listRecentOrders", "arguments": '{"limit":1}'},
+            },
+        ]
+        result, requests, _ = self.stream_turn(
+            [fc.stream_reply([chunk({"tool_calls": calls}, "stop")]), text_reply("ok")]
+        )
+        self.assertEqual(call_ids(result.messages[2]), ["a", "b"])
+        status, listing = tool_results(requests[1])
+        self.assertEqual((status["found"], listing["count"]), (True, 1))
+
+    def test_pieces_without_index_or_id_continue_the_calls_by_position(self) -> None:
+        opened = [
+            {"id": "a", "function": {"name": "getOrderStatus", "arguments": ""}},
+            {"id": "b", "function": {"name": "listRecentOrders", "arguments": ""}},
+        ]
+        continued = [
+            {"function": {"arguments": LOOKUP}},
+            {"function": {"arguments": '{"limit":2}'}},
+        ]
+        events = [chunk({"tool_calls": opened}), chunk({"tool_calls": continued})]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        status, listing = tool_results(requests[1])
+        self.assertEqual((status["found"], listing["count"]), (True, 2))
+
+    def test_a_whole_call_without_index_in_one_delta_like_ollama(self) -> None:
+        whole = {
+            "id": "call_x",
+            "type": "function",
+            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+        }
+        events = [
+            chunk({"role": "assistant", "content": "", "tool_calls": [whole]}),
+            chunk({"content": ""}, "stop"),
+        ]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "call_x")
+
+    def test_a_no_argument_call_ending_with_empty_arguments_means_an_empty_object(self) -> None:
+        events = [
+            call_piece(index=0, id="c1", function={"name": "dumpEverything", "arguments": ""})
+        ]
+        _, requests, _ = self.stream_turn(
+            [fc.stream_reply(events), text_reply("ok")], tools=[BigTool()]
+        )
+        (record,) = self.audit_records()
+        self.assertEqual((record["arguments"], record["outcome"]), ("{}", "ok"))
+        self.assertIn("blob", tool_messages(requests[1])[0]["content"])
+
+    def test_an_empty_id_is_answered_with_the_same_empty_id(self) -> None:
+        events = [
+            call_piece(index=0, id="", function={"name": "getOrderStatus", "arguments": LOOKUP})
+        ]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "")
+
+    def test_text_reasoning_and_extras_beside_calls_are_kept_in_the_message(self) -> None:
+        events = [
+            chunk({"role": "assistant", "reasoning_content": "The user ", "channel": "analysis"}),
+            chunk({"reasoning_content": "wants a status.", "channel": "analysis"}),
+            chunk(
+                {"reasoning_details": [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}]}
+            ),
+            chunk({"content": "Checking"}),
+            chunk(
+                {
+                    "content": "…",
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "c1",
+                            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+                        }
+                    ],
+                }
+            ),
+        ]
+        _, requests, pieces = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(pieces, ["Checking", "…", "ok"])  # "ok": a plain reply, handed over whole
+        echoed = requests[1].json()["messages"][2]
+        self.assertEqual(echoed["reasoning_content"], "The user wants a status.")
+        self.assertEqual(echoed["channel"], "analysis")
+        self.assertEqual(
+            echoed["reasoning_details"],
+            [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}],
+        )
+        self.assertEqual(echoed["content"], "Checking…")
+        self.assertEqual(echoed["tool_calls"][0]["type"], "function")
+
+    def test_every_guard_holds_while_streaming(self) -> None:
+        def streamed(arguments: str) -> ScriptedReply:
+            return fc.stream_reply(
+                [
+                    call_piece(
+                        index=0,
+                        id="c" + arguments[-4:-2],
+                        function={"name": "getOrderStatus", "arguments": arguments},
+                    )
+                ]
+            )
+
+        lookups = [streamed(f'{{"orderId":"ORD-100{1 + n % 2}"}}') for n in range(10)]
+        result, requests, _ = self.stream_turn(lookups, max_rounds=3)
+        self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 3))
+        self.audit_path.unlink()
+        bad = streamed('{"orderId":"1001"}')
+        result, requests, _ = self.stream_turn([bad, streamed('{"orderId":"1001"}')])
+        self.assertEqual(result.stop_reason, "repeated_calls")
+        self.assertEqual(tool_results(requests[1])[0]["error"], "invalid_arguments")
+        self.assertEqual(
+            [r["outcome"] for r in self.audit_records()],
+            ["rejected:invalid_arguments", "skipped:repeated_calls"],
+        )
+
+    def test_a_retry_happens_only_before_the_first_byte(self) -> None:
+        limited = ScriptedReply(b"{}", 429, (("Retry-After", "0"),))
+        with self.assertLogs("function_calling", logging.WARNING):
+            result, requests, pieces = self.stream_turn(
+                [limited, fc.stream_reply([chunk({"content": "Hi."}, "stop")])],
+                client={"max_retries": 2},
+            )
+        self.assertEqual((result.retries, pieces, len(requests)), (1, ["Hi."], 2))
+
+    def test_a_stream_that_breaks_after_text_is_not_retried(self) -> None:
+        def broken() -> Iterator[bytes]:
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+            yield b'data: {"choices":[{"ind'  # and the server goes away
+
+        result, requests, pieces = self.stream_turn(
+            [sse(b"".join(broken())), fc.stream_reply([chunk({"content": "Hello"})])],
+            client={"max_retries": 2},
+        )
+        self.assertEqual((result.stop_reason, len(requests), pieces), ("api_error", 1, ["Hel"]))
+        self.assertIn("not JSON", result.error or "")
+
+    def test_a_server_that_ignores_stream_still_hands_over_its_text(self) -> None:
+        result, _, pieces = self.stream_turn([text_reply("Whole answer.")])
+        self.assertEqual((result.answer, pieces), ("Whole answer.", ["Whole answer."]))
+
+    def test_the_first_text_reaches_stdout_before_the_stream_ends(self) -> None:
+        seen_first = threading.Event()
+
+        def events() -> Iterator[dict[str, Any] | str]:
+            yield chunk({"role": "assistant", "content": "First"})
+            seen_first.wait(10)  # the rest only once the test has read "First" from stdout
+            for word in (" second", " third."):
+                time.sleep(0.2)
+                yield chunk({"content": word})
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(events())]) as server:
+            env = {
+                **os.environ,
+                "OPENAI_BASE_URL": server.base_url,
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+            }
+            env.pop("OPENAI_API_KEY", None)
+            process = subprocess.Popen(
+                [sys.executable, str(MODULE), "ask", "hi", "--stream"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert process.stdout is not None
+            first = process.stdout.read(5)
+            seen_first.set()
+            rest, errors = process.communicate(timeout=30)
+        self.assertEqual(first, b"First")
+        self.assertEqual(
+            (first + rest, errors, process.returncode), (b"First second third.\n", b"", 0)
+        )
+
+    def test_a_stall_after_the_first_chunk_ends_at_the_deadline_without_a_traceback(self) -> None:
+        def stall() -> Iterator[dict[str, Any] | str]:
+            yield chunk({"content": "Let me see"})
+            time.sleep(5)
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(stall())]) as server:
+            done = self.cli(
+                "ask",
+                "hi",
+                "--stream",
+                "--timeout",
+                "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(done.stdout, "Let me see\n")
+        self.assertEqual(done.stderr.count("\n"), 1)
+        self.assertIn("broke off: timed out", done.stderr)
+
+    def test_chat_streams_too(self) -> None:
+        replies = [
+            fc.stream_reply([chunk({"content": "One."}, "stop")]),
+            fc.stream_reply([chunk({"content": "Two."}, "stop")]),
+        ]
+        with ScriptedChatServer(replies) as server:
+            done = self.cli(
+                "chat", "--stream", env={"OPENAI_BASE_URL": server.base_url}, stdin="a\nb\n"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "One.\nTwo.\n"))
+
+
+def _first_interaction_next_requests() -> set[str]:
+    """Recordings whose .next-request.json answers this very reply (#1, raw), per the README."""
+    readme = PROVIDER_REPLIES / "README.md"
+    rows = readme.read_text(encoding="utf-8").splitlines() if readme.is_file() else []
+    pattern = re.compile(r"\| `([\w-]+)\.sse` \|.*`\1\.next-request\.json` \(#1, raw\)")
+    return {match[1] for row in rows if (match := pattern.match(row))}
+
+
+class StreamConformanceTest(LoopTestCase):
+    """Recorded streams from real servers, replayed through the loop."""
+
+    def test_every_recorded_stream_assembles_the_calls_its_server_meant(self) -> None:
+        folder = PROVIDER_REPLIES / "streams"
+        if not folder.is_dir():
+            self.skipTest(f"{folder} is not here (it is never committed)")
+        comparable = _first_interaction_next_requests()
+        recordings = sorted(folder.glob("*.sse"))
+        self.assertGreater(len(recordings), 0)
+        for path in recordings:
+            with self.subTest(recording=path.name):
+                self.audit_path.unlink(missing_ok=True)
+                result, requests = self.run_turn(
+                    [sse(path.read_bytes()), text_reply("done")], on_text=lambda t: None
+                )
+                self.assertEqual(result.stop_reason, "answered")
+                assistant = requests[1].json()["messages"][2]
+                ours = [
+                    (c["id"], c["function"]["name"], c["function"]["arguments"])
+                    for c in assistant["tool_calls"]
+                ]
+                self.assertGreater(len(ours), 0)
+                self.assertEqual(
+                    [m["tool_call_id"] for m in requests[1].json()["messages"][3:]],
+                    [c[0] for c in ours],
+                )
+                if path.stem in comparable:  # how another client assembled the same stream
+                    theirs = json.loads(path.with_suffix(".next-request.json").read_text())
+                    (sent,) = [m for m in theirs["messages"] if m.get("tool_calls")]
+                    expected = [
+                        (c["id"], c["function"]["name"], c["function"]["arguments"])
+                        for c in sent["tool_calls"]
+                    ]
+                    self.assertEqual(ours, expected)
 
 
 # ------------------------------------------------------------------------------------ the loop
