@@ -1042,9 +1042,12 @@ class ChatClient:
         self.settings = settings
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
         self._jitter = jitter
-        self._opener = urllib.request.build_opener(
-            _RefuseRedirects, _TimedHTTPHandler, _TimedHTTPSHandler(ssl.create_default_context())
-        )
+        handlers: list[urllib.request.BaseHandler] = [_RefuseRedirects(), _TimedHTTPHandler()]
+        if settings.base_url.startswith(
+            "https:"
+        ):  # loading the CA store takes ~50 ms: only if used
+            handlers.append(_TimedHTTPSHandler(ssl.create_default_context()))
+        self._opener = urllib.request.build_opener(*handlers)
 
     def complete(
         self,

@@ -950,9 +950,11 @@ class ReplyErrorTest(LoopTestCase):
 
 
 @contextmanager
-def raw_server(respond: Callable[[socket.socket], None]) -> Iterator[str]:
-    """A one-connection TCP server on 127.0.0.1 that reads the request, then misbehaves."""
+def raw_server(respond: Callable[[socket.socket, threading.Event], object]) -> Iterator[str]:
+    """A one-connection TCP server on 127.0.0.1 that reads the request, then misbehaves.
+    `respond` gets an event set when the test is done, so a stall need not outlast it."""
     listener = socket.create_server(("127.0.0.1", 0))
+    finished = threading.Event()
 
     def serve() -> None:
         try:
@@ -974,13 +976,14 @@ def raw_server(respond: Callable[[socket.socket], None]) -> Iterator[str]:
             )
             while len(body) < length:
                 body += connection.recv(65536)
-            respond(connection)
+            respond(connection, finished)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
     finally:
+        finished.set()
         listener.close()
         thread.join(timeout=10)
 
@@ -1000,16 +1003,20 @@ class TransportTest(LoopTestCase):
         self.assert_transport_error(self.turn_against(f"http://127.0.0.1:{port}/v1"), "refused")
 
     def test_a_connection_closed_without_a_reply_is_an_api_error(self) -> None:
-        with raw_server(lambda connection: None) as url:
+        with raw_server(lambda connection, finished: None) as url:
             self.assert_transport_error(self.turn_against(url), "closed the connection")
 
     def test_a_bad_status_line_is_an_api_error(self) -> None:
-        with raw_server(lambda connection: connection.sendall(b"HELLO THERE\r\n\r\n")) as url:
+        with raw_server(
+            lambda connection, finished: connection.sendall(b"HELLO THERE\r\n\r\n")
+        ) as url:
             self.assert_transport_error(self.turn_against(url), "BadStatusLine")
 
     def test_a_body_cut_short_is_an_api_error(self) -> None:
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
-        with raw_server(lambda connection: connection.sendall(head + b'{"choices":')) as url:
+        with raw_server(
+            lambda connection, finished: connection.sendall(head + b'{"choices":')
+        ) as url:
             self.assert_transport_error(
                 self.turn_against(url, retries=2),
                 "before the reply was complete",
@@ -1018,7 +1025,7 @@ class TransportTest(LoopTestCase):
         self.assertEqual(self.sleeps, [])
 
     def test_a_server_that_never_answers_times_out(self) -> None:
-        with raw_server(lambda connection: time.sleep(1.0)) as url:
+        with raw_server(lambda connection, finished: finished.wait(5)) as url:
             self.assert_transport_error(self.turn_against(url, timeout=0.2), "timed out")
 
 
@@ -1129,9 +1136,9 @@ class RetryTest(LoopTestCase):
 
 class DeadlineTest(LoopTestCase):
     def test_headers_then_a_stall_end_at_the_request_deadline(self) -> None:
-        def stall(connection: socket.socket) -> None:
+        def stall(connection: socket.socket, finished: threading.Event) -> None:
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
-            time.sleep(5)
+            finished.wait(5)
 
         with raw_server(stall) as url:
             started = time.monotonic()
@@ -1142,10 +1149,10 @@ class DeadlineTest(LoopTestCase):
         self.assertLess(elapsed, 4)  # well before the server's 5 s stall ends
 
     def test_a_server_trickling_a_byte_at_a_time_cannot_outlast_the_deadline(self) -> None:
-        def trickle(connection: socket.socket) -> None:
+        def trickle(connection: socket.socket, finished: threading.Event) -> None:
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
             with suppress(OSError):
-                for _ in range(1000):
+                while not finished.is_set():
                     connection.sendall(b" ")
                     time.sleep(0.02)  # every read gets a byte well within any read timeout
 
@@ -1154,7 +1161,7 @@ class DeadlineTest(LoopTestCase):
             result = self.turn_against(url, timeout=0.5)
             elapsed = time.monotonic() - started
         self.assertIn("timed out", result.error or "")
-        self.assertLess(elapsed, 10)  # the whole trickle would take 20 s
+        self.assertLess(elapsed, 4)  # the trickle goes on until the test ends
 
     def test_the_turn_has_a_deadline_of_its_own(self) -> None:
         def slow(reply: bytes) -> fc.ScriptItem:
@@ -1173,9 +1180,9 @@ class DeadlineTest(LoopTestCase):
         assert_every_call_answered_once_in_order(self, result.messages)
 
     def test_the_cli_takes_a_request_deadline(self) -> None:
-        def stall(connection: socket.socket) -> None:
+        def stall(connection: socket.socket, finished: threading.Event) -> None:
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
-            time.sleep(5)
+            finished.wait(5)
 
         with raw_server(stall) as url:
             done = self.cli("ask", "hi", "--timeout", "0.3", env={"OPENAI_BASE_URL": url})
@@ -2031,7 +2038,9 @@ class InjectingTool(Tool):
         return {"notes": self.INJECTION}
 
 
-class ApprovalTest(LoopTestCase):
+class ApprovalCase(LoopTestCase):
+    """A refund proposed through a turn, and ways to look into and tamper with the shop."""
+
     def propose(self, order_id: str = "ORD-1003") -> dict[str, Any]:
         """A turn in which the model asks for a refund; what it was told."""
         arguments = json.dumps({"orderId": order_id})
@@ -2046,6 +2055,8 @@ class ApprovalTest(LoopTestCase):
         with closing(sqlite3.connect(self.data_dir / "orders.db")) as db, db:
             db.execute(statement, params)
 
+
+class ApprovalTest(ApprovalCase):
     def test_a_refund_request_files_a_pending_action_and_refunds_nothing(self) -> None:
         told = self.propose()
         self.assertEqual(told["status"], "requires_approval")
@@ -2207,7 +2218,7 @@ class ApprovalTest(LoopTestCase):
         self.assertIn("no approval store", record["error"])
 
 
-class ApprovalCliTest(ApprovalTest):
+class ApprovalCliTest(ApprovalCase):
     def decide(self, *args: str) -> subprocess.CompletedProcess[str]:
         return self.cli(*args, "--data-dir", str(self.data_dir))
 
