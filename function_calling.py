@@ -20,14 +20,16 @@ Glossary: a *round* is one model call plus the tool calls it asked for; a *turn*
 message and all its rounds. A turn ends when a reply asks for no tool, or at the round cap.
 
 Run:  python function_calling.py demo            (offline: a scripted model on 127.0.0.1)
-      python function_calling.py ask "Where is my order ORD-1001?"
+      python function_calling.py ask "Where is my order ORD-1001?"   [--stream]
+      python function_calling.py chat | pending | approve ID | reject ID | verify-audit | stats
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
 
 Sections, in the order one request meets them: settings · errors · tools and validation · the
-data the tools touch · audit · the request · the transport · the reply · dispatch (the trust
-boundary) · the loop · the CLI · the scripted server used by `demo` and the tests.
+data the tools touch · audit · the request · the transport · the reply · the stream · dispatch
+(the trust boundary) · the loop · approvals (the human side of writes) · the CLI · the scripted
+server used by `demo` and the tests.
 """
 
 from __future__ import annotations
@@ -1545,22 +1547,22 @@ def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
     """List items with an "index" join the item of the same index; others are appended."""
     joined = list(old)
     for item in new:
-        same = next(
-            (
-                i
-                for i, o in enumerate(joined)
-                if isinstance(item, dict)
-                and isinstance(o, dict)
-                and "index" in item
-                and o.get("index") == item["index"]
-            ),
-            None,
-        )
-        if same is None:
+        position = _same_index(joined, item)
+        if position is None:
             joined.append(item)
         else:
-            joined[same] = _merged("", joined[same], item)
+            joined[position] = _merged("", joined[position], item)
     return joined
+
+
+def _same_index(items: Sequence[Any], item: Any) -> int | None:
+    """Where the item with the same "index" as `item` sits, if it has one and it is there."""
+    if not isinstance(item, dict) or "index" not in item:
+        return None
+    for position, other in enumerate(items):
+        if isinstance(other, dict) and other.get("index") == item["index"]:
+            return position
+    return None
 
 
 def _is_complete_call(call: dict[str, Any], name: str) -> bool:
