@@ -1191,7 +1191,7 @@ def _retry_after(headers: Message) -> float | None:
 def _chunks(response: _TimedResponse, deadline: float, limit: int) -> Iterator[bytes]:
     """The body as it arrives, before the deadline, refusing to read past `limit` bytes."""
     size = 0
-    while True:
+    while not response.isclosed():  # http.client closes it once the whole body is in
         response.wait_until(deadline)
         chunk = response.read1(65536)  # read1: returns what has arrived, not a full buffer
         if not chunk:
