@@ -2676,9 +2676,13 @@ class _CountingResult(unittest.TextTestResult):
         self.passed += 1
 
 
+def _counting_result(stream: Any, descriptions: bool, verbosity: int) -> _CountingResult:
+    return _CountingResult(stream, descriptions, verbosity)
+
+
 def _run_with_summary() -> int:
     """Run the suite and end with 'N passed, N failed[, N skipped]' on its own line."""
-    runner = unittest.TextTestRunner(resultclass=_CountingResult, verbosity=1)
+    runner = unittest.TextTestRunner(resultclass=_counting_result, verbosity=1)
     program = unittest.main(module=__name__, exit=False, testRunner=runner)
     result = program.result
     assert isinstance(result, _CountingResult)
