@@ -572,11 +572,16 @@ class AuditTest(LoopTestCase):
 
 
 APPEND_SCRIPT = """
-import sys
+import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import function_calling as fc
 log = fc.AuditLog(Path(sys.argv[2]), fsync=False)
+gate = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+if gate:  # say we are ready, then wait for the start: the writers must overlap
+    gate.with_name(gate.name + "." + sys.argv[3]).touch()
+    while not gate.exists():
+        time.sleep(0.001)
 for i in range(int(sys.argv[4])):
     log.record("test", writer=sys.argv[3], i=i)
 """
@@ -696,13 +701,14 @@ class AuditChainTest(LoopTestCase):
         self.assert_chain_holds(path, {"a": 200, "b": 200})
 
     def test_two_processes_writing_at_once_leave_a_valid_chain(self) -> None:
-        path = self.data_dir / "processes.log"
-        writers = [
-            subprocess.Popen([sys.executable, "-c", APPEND_SCRIPT, str(HERE), str(path), w, "300"])
-            for w in "ab"
-        ]
+        path, gate = self.data_dir / "processes.log", self.data_dir / "go"
+        command = [sys.executable, "-c", APPEND_SCRIPT, str(HERE), str(path)]
+        writers = [subprocess.Popen([*command, w, "1000", str(gate)]) for w in "ab"]
+        while not all(gate.with_name(f"go.{w}").exists() for w in "ab"):
+            time.sleep(0.001)
+        gate.touch()  # both are waiting for this: now they write at the same time
         self.assertEqual([w.wait(timeout=60) for w in writers], [0, 0])
-        self.assert_chain_holds(path, {"a": 300, "b": 300})
+        self.assert_chain_holds(path, {"a": 1000, "b": 1000})
 
     def test_a_restarted_process_continues_the_chain(self) -> None:
         done = subprocess.run(
