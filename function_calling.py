@@ -754,13 +754,10 @@ class AuditFileHandler(logging.Handler):
         if size == cached_size:
             return seq, head
         last = _last_line(fd, size)
-        try:
-            seq = json.loads(last)["seq"]
-        except (ValueError, KeyError, TypeError):
-            raise AuditError(
-                "the audit log's last line is not a record; run verify-audit"
-            ) from None
-        return seq, hashlib.sha256(last).hexdigest()
+        last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
+        if last_seq is None:
+            raise AuditError("the audit log's last line is not a record; run verify-audit")
+        return last_seq, hashlib.sha256(last).hexdigest()
 
 
 @contextmanager
