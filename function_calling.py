@@ -34,10 +34,12 @@ data the tools touch · audit · the audit chain · the request · the transport
 stream · dispatch (the trust boundary) · the loop · approvals (the human side of writes) · the
 CLI · the scripted server used by `demo` and the tests.
 
-First reading, the whole mechanism (about 1,000 lines): tools and validation, the request, the
-reply (the verbatim echo), dispatch, the loop, then approvals. Hardening a first reading may
-skip: the transport (deadlines, retries, redirects), the stream (server-sent events and calls
-assembled from deltas), and the audit chain (hash-chained appends, the tail, verification).
+First reading, the whole mechanism (about 1,000 lines, this docstring included): settings,
+errors, tools and validation, the request, the reply, dispatch, the loop. The reply holds the
+verbatim echo; for tools that write, approvals come next. Hardening a first reading may skip:
+the transport (deadlines, retries, redirects), the stream (server-sent events, calls assembled
+from deltas), the workers (calls of one reply at once) and the audit chain (hash-chained
+appends, the tail, verification).
 """
 
 from __future__ import annotations
