@@ -2821,6 +2821,19 @@ SHOP_ROUND_CAP_ANSWER = (
 
 ORDER_ID = re.compile(r"ORD-[0-9]{4}")
 ORDER_STATUSES = ("ALL", "SHIPPED", "PROCESSING", "DELIVERED")
+# The arguments of the tools that take one order: what the model reads, enforced by ORDER_ID.
+ONE_ORDER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "orderId": {
+            "type": "string",
+            "pattern": "^ORD-[0-9]{4}$",
+            "description": "an order id: ORD- and four digits, e.g. ORD-1001",
+        },
+    },
+    "required": ["orderId"],
+    "additionalProperties": False,
+}
 
 
 class GetOrderStatus(Tool):
@@ -2834,18 +2847,7 @@ class GetOrderStatus(Tool):
         '{"orderId","found":true,"status","updated","note"}, or {"orderId","found":false} '
         "when the customer has no such order."
     )
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {
-            "orderId": {
-                "type": "string",
-                "pattern": "^ORD-[0-9]{4}$",
-                "description": "an order id: ORD- and four digits, e.g. ORD-1001",
-            },
-        },
-        "required": ["orderId"],
-        "additionalProperties": False,
-    }
+    parameters: ClassVar[dict[str, Any]] = ONE_ORDER
 
     def __init__(self, store: OrderStore) -> None:
         self.store = store
@@ -2906,18 +2908,7 @@ class RequestShippingRefund(Tool):
         'orderId, exactly ORD- and four digits. Returns {"status":"requires_approval",'
         '"approvalId","orderId","amount","currency","expiresAt"}.'
     )
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {
-            "orderId": {
-                "type": "string",
-                "pattern": "^ORD-[0-9]{4}$",
-                "description": "the late order's id: ORD- and four digits, e.g. ORD-1003",
-            },
-        },
-        "required": ["orderId"],
-        "additionalProperties": False,
-    }
+    parameters: ClassVar[dict[str, Any]] = ONE_ORDER
 
     def __init__(self, store: OrderStore) -> None:
         self.store = store

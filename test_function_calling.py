@@ -3083,15 +3083,20 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertEqual(done.returncode, 1)
         self.assertIn("not carried out: T-000123: already closed", done.stderr)
 
-    def test_the_readme_test_file_passes(self) -> None:
-        done = subprocess.run(
-            [sys.executable, "-m", "unittest", "-q", "test_my_app"],
+    def in_folder(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`python3 ARGS` in the folder, in a clean environment."""
+        return subprocess.run(
+            [sys.executable, *args],
+            env={"PATH": os.environ.get("PATH", "")},
             cwd=self.folder,
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
+
+    def test_the_readme_test_file_passes(self) -> None:
+        done = self.in_folder("-m", "unittest", "-q", "test_my_app")
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertIn("Ran 3 tests", done.stderr)
 
@@ -3101,14 +3106,7 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertTrue(scripts)
         for code in scripts:
             with self.subTest(code=code[:60]):
-                done = subprocess.run(
-                    [sys.executable, "-c", code],
-                    cwd=self.folder,
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
+                done = self.in_folder("-c", code)
                 self.assertEqual(done.returncode, 0, done.stderr)
 
     def test_the_readme_uses_only_the_public_surface(self) -> None:
