@@ -430,11 +430,8 @@ class Database:
     """The data directory's SQLite database, shared by its components, each with its own
     tables and its own schema version (so your tables and the approvals' never collide)."""
 
-    def __init__(self, path: Path, create: bool = True) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path.resolve()
-        if not create and not self.path.is_file():
-            # a mistyped --data-dir must not quietly start an empty one
-            raise ConfigError(f"no database at {self.path}; check --data-dir")
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def install(
@@ -2321,7 +2318,10 @@ def _data_dir(args: argparse.Namespace) -> Path:
 def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     """The data directory; with create=False it must hold a database already."""
     directory = _data_dir(args)
-    database = Database(directory / app.database, create=create)
+    path = directory / app.database
+    if not create and not path.is_file():  # a mistyped --data-dir must not start an empty one
+        raise ConfigError(f"no database at {path.resolve()}; check --data-dir")
+    database = Database(path)
     audit = AuditLog(directory / "audit.log")
     return _Workspace(directory, database, audit, Approvals(database, audit))
 
@@ -2791,8 +2791,8 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
 
 # >>> EXAMPLE: a small shop. Everything from this line to the "<<< EXAMPLE" line is the worked
 # example (three tools over SQLite, one of them a write behind a human, the prompt, the demo
-# turns) and nothing above depends on it. To make this file yours, delete it in one cut:
-#     sed -i '/^# >>> EXAMPLE/,/^# <<< EXAMPLE/d' function_calling.py
+# turns) and nothing above depends on it. To make this file yours, delete it in one cut,
+#     sed '/^# >>> EXAMPLE/,/^# <<< EXAMPLE/d' function_calling.py > cut.py
 # and give main() an App of your own (README: "Make it yours").
 
 __all__ += [  # extended here, so that the cut takes these names with it

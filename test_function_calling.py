@@ -2557,7 +2557,7 @@ class DatabaseTest(LoopTestCase):
                 " '2999-01-01T00:00:00Z')"
             )
             db.commit()
-        database = Database(old / SHOP.database, create=False)
+        database = Database(old / SHOP.database)
         approvals = Approvals(database, self.audit)
         fc.shop_tools(database)
         self.assertEqual([a.action_id for a in approvals.pending()], ["appr-0"])
@@ -3122,6 +3122,11 @@ class MakeItYoursTest(HelpDeskCase):
     def test_a_copy_with_the_example_cut_out_still_runs_the_recipe(self) -> None:
         module = self.folder / "function_calling.py"
         kept = cut_example(module.read_text())
+        if shutil.which("sed"):  # the README's own command leaves exactly that
+            sed = ["sed", "/^# >>> EXAMPLE/,/^# <<< EXAMPLE/d", str(module)]
+            self.assertEqual(
+                subprocess.run(sed, capture_output=True, text=True, check=True).stdout, kept
+            )
         module.write_text(kept)
         example = EXAMPLE_CUT.search(MODULE.read_text())
         assert example is not None
