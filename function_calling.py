@@ -50,11 +50,13 @@ import collections
 import concurrent.futures
 import email.utils
 import errno
+import functools
 import getpass
 import hashlib
 import hmac
 import http.client
 import http.server
+import io
 import json
 import logging
 import math
@@ -784,35 +786,80 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
         return None  # urllib then raises HTTPError with the 3xx status
 
 
-class _TimedResponse(http.client.HTTPResponse):
-    """An HTTPResponse that keeps its socket, so that each read waits only until the deadline.
+# subtle: urllib's timeout bounds each socket operation, not the request: a server that sends
+# its status line, a header, a "100 Continue", a chunk-size line or a trailer one byte at a
+# time, each within the timeout, would never trip it. So every read from the socket goes
+# through _DeadlineReader, which first shrinks the socket's timeout to what is left of the
+# request's deadline; http.client parses everything (status line, headers, interim responses,
+# chunk framing, trailers, error bodies, the body) from that one reader.
 
-    subtle: urllib's timeout bounds each socket read, not the request; a server trickling one
-    byte a second would never trip it.
-    """
 
-    def __init__(self, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
-        super().__init__(sock, *args, **kwargs)
-        self.socket = sock
+class _DeadlineReader(io.RawIOBase):
+    """The raw stream http.client reads a response from: no read may end past `deadline`."""
 
-    def wait_until(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.sock = sock
+        self.raw = sock.makefile("rb", buffering=0)  # counted by the socket, as http.client's is
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
-        self.socket.settimeout(remaining)
+        self.sock.settimeout(remaining)
+        return self.raw.readinto(buffer)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """What an HTTPResponse is built on: a socket whose makefile() reads by the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self.sock, self.deadline))
 
 
 class _TimedHTTPConnection(http.client.HTTPConnection):
-    response_class = _TimedResponse
+    """A connection whose request and response must both be done by `deadline`."""
+
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def send(self, data: Any) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        if self.sock is not None:  # None: not connected yet; connect() sets the timeout
+            self.sock.settimeout(remaining)  # a server that stops reading cannot stall us
+        super().send(data)
+
+    # http.client builds its response by calling self.response_class(self.sock, …)
+    def response_class(  # type: ignore[override]  # a method where http.client has a class
+        self, sock: socket.socket, *args: Any, **kwargs: Any
+    ) -> http.client.HTTPResponse:
+        reader = _DeadlineSocket(sock, self.deadline)
+        return http.client.HTTPResponse(reader, *args, **kwargs)  # type: ignore[arg-type]
 
 
-class _TimedHTTPSConnection(http.client.HTTPSConnection):
-    response_class = _TimedResponse
+class _TimedHTTPSConnection(_TimedHTTPConnection, http.client.HTTPSConnection):
+    pass
 
 
 class _TimedHTTPHandler(urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_TimedHTTPConnection, req)
+        deadline: float = getattr(req, "deadline")  # noqa: B009 -- set by ChatClient._post
+        return self.do_open(functools.partial(_TimedHTTPConnection, deadline=deadline), req)
 
 
 class _TimedHTTPSHandler(urllib.request.HTTPSHandler):
@@ -821,7 +868,9 @@ class _TimedHTTPSHandler(urllib.request.HTTPSHandler):
         self.tls_context = context
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_TimedHTTPSConnection, req, context=self.tls_context)
+        deadline: float = getattr(req, "deadline")  # noqa: B009 -- set by ChatClient._post
+        connection = functools.partial(_TimedHTTPSConnection, deadline=deadline)
+        return self.do_open(connection, req, context=self.tls_context)
 
 
 class _RetryableError(ApiError):
@@ -916,10 +965,11 @@ class ChatClient:
         url = self.settings.base_url + "/chat/completions"
         # the scheme was checked in Settings: only http and https get here
         request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
+        request.deadline = deadline  # type: ignore[attr-defined]  # read by _TimedHTTPHandler
         try:
             response = self._opener.open(request, timeout=max(deadline - time.monotonic(), 0.001))
         except urllib.error.HTTPError as exc:
-            raise self._status_error(exc, deadline) from None
+            raise self._status_error(exc) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
             # nothing arrived: as the official SDKs do, a connection failure or a timeout
             # before any response is retried
@@ -929,16 +979,16 @@ class ChatClient:
         # From here on a response has begun: nothing is retried, so no text is printed twice.
         with response:
             try:
-                return self._read_reply(response, deadline, on_text)
+                return self._read_reply(response, on_text)
             except (http.client.HTTPException, OSError) as exc:
                 raise ApiError(
                     f"the reply from the model API broke off: {_transport_reason(exc)}"
                 ) from None
 
     def _read_reply(
-        self, response: _TimedResponse, deadline: float, on_text: Callable[[str], None] | None
+        self, response: http.client.HTTPResponse, on_text: Callable[[str], None] | None
     ) -> Reply:
-        chunks = _chunks(response, deadline, self.settings.max_response_bytes)
+        chunks = _chunks(response, self.settings.max_response_bytes)
         content_type = response.headers.get("Content-Type") or ""
         if on_text and content_type.startswith("text/event-stream"):
             return read_stream(chunks, on_text)
@@ -947,11 +997,11 @@ class ChatClient:
             on_text(reply.content)
         return reply
 
-    def _status_error(self, exc: urllib.error.HTTPError, deadline: float) -> ApiError:
+    def _status_error(self, exc: urllib.error.HTTPError) -> ApiError:
         try:  # subtle: an HTTPError holds the open connection; read what we show, then close it
-            if isinstance(exc.fp, _TimedResponse):
-                exc.fp.wait_until(deadline)
-            body = exc.read(4096)
+            body = exc.read(4096)  # by the request's deadline, like every other read
+        except TimeoutError:
+            body = b"(its body did not arrive before the deadline: timed out)"
         except (OSError, http.client.HTTPException):
             body = b""
         finally:
@@ -994,11 +1044,10 @@ def _retry_after(headers: Message) -> float | None:
     return None
 
 
-def _chunks(response: _TimedResponse, deadline: float, limit: int) -> Iterator[bytes]:
-    """The body as it arrives, before the deadline, refusing to read past `limit` bytes."""
+def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
+    """The body as it arrives (each read by the deadline), refusing to read past `limit` bytes."""
     size = 0
     while not response.isclosed():  # http.client closes it once the whole body is in
-        response.wait_until(deadline)
         chunk = response.read1(65536)  # read1: returns what has arrived, not a full buffer
         if not chunk:
             break

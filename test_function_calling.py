@@ -1203,6 +1203,65 @@ class DeadlineTest(LoopTestCase):
         self.assertEqual(self.cli("ask", "hi", "--retries", "-1").returncode, 2)
 
 
+def trickler(
+    head: bytes, piece: bytes, every: float = 0.05
+) -> Callable[[socket.socket, threading.Event], None]:
+    """A server that sends `head`, then `piece` again and again, each well within any
+    per-read timeout, until the test is done (or 12 s pass)."""
+
+    def respond(connection: socket.socket, finished: threading.Event) -> None:
+        with suppress(OSError):
+            connection.sendall(head)
+            stop = time.monotonic() + 12
+            while not finished.is_set() and time.monotonic() < stop:
+                connection.sendall(piece)
+                time.sleep(every)
+
+    return respond
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+class EveryByteDeadlineTest(LoopTestCase):
+    """The request's deadline counts every byte read, not only the body's."""
+
+    def assert_ends_at_the_deadline(
+        self, respond: Callable[[socket.socket, threading.Event], None]
+    ) -> None:
+        with raw_server(respond) as url:
+            started = time.monotonic()
+            result = self.turn_against(url, timeout=0.5)
+            elapsed = time.monotonic() - started
+        self.assertEqual(result.stop_reason, "api_error", result.answer)
+        self.assertIn("timed out", result.error or "")
+        self.assertLess(elapsed, 6)  # a generous bound: the server would go on for 12 s
+
+    def test_a_status_line_sent_a_byte_at_a_time(self) -> None:
+        self.assert_ends_at_the_deadline(trickler(b"HTTP/1.1 200 O", b"K"))
+
+    def test_a_header_line_that_grows_forever(self) -> None:
+        self.assert_ends_at_the_deadline(trickler(b"HTTP/1.1 200 OK\r\nX-Long: ", b"a"))
+
+    def test_header_lines_sent_one_at_a_time(self) -> None:
+        self.assert_ends_at_the_deadline(trickler(b"HTTP/1.1 200 OK\r\n", b"X-One: more\r\n", 0.1))
+
+    def test_endless_interim_responses(self) -> None:
+        self.assert_ends_at_the_deadline(trickler(b"", b"HTTP/1.1 100 Continue\r\n\r\n"))
+
+    def test_an_error_body_sent_a_byte_at_a_time(self) -> None:
+        head = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 100000\r\n\r\n"
+        self.assert_ends_at_the_deadline(trickler(head, b"x"))
+
+    def test_a_chunk_size_line_sent_a_byte_at_a_time(self) -> None:
+        self.assert_ends_at_the_deadline(trickler(CHUNKED + b"1", b"0"))
+
+    def test_chunked_trailers_that_never_end(self) -> None:
+        reply = text_reply("an answer that must not count")
+        head = CHUNKED + b"%x\r\n%s\r\n0\r\n" % (len(reply), reply)
+        self.assert_ends_at_the_deadline(trickler(head, b"X-Trailer: more\r\n"))
+
+
 class KeyLeakTest(LoopTestCase):
     def test_a_server_echoing_our_headers_never_gets_the_key_into_errors_logs_or_audit(
         self,
