@@ -68,7 +68,6 @@ import shlex
 import socket
 import sqlite3
 import ssl
-import statistics
 import sys
 import tempfile
 import threading
@@ -654,29 +653,30 @@ class AuditCheck:
     problem: str | None = None
 
 
+_HEAD = re.compile(r"[0-9a-f]{64}")
+
+
 def verify_audit(path: Path, expected_head: str | None = None) -> AuditCheck:
     """Walk the chain: every line's seq follows the last, and its prev is the SHA-256 of the
     previous line's exact bytes; and, if given, a head kept elsewhere is still in it. Returns
-    the first break, if any, with a reason."""
-    lines = path.read_bytes().split(b"\n")
-    partial = lines.pop()  # b"" when the file ends with a newline, as it should
-    records = [_record_or_none(line) for line in lines]
-    seqs = [_seq_of(record) for record in records]
-    prev, heads = GENESIS, set()
-    for number, (line, record) in enumerate(zip(lines, records, strict=True), start=1):
-        problem = _link_problem(number, record, prev, seqs)
-        if problem:
-            return AuditCheck(number - 1, prev, *problem)
-        prev = hashlib.sha256(line).hexdigest()
-        heads.add(prev)
-    if partial:
-        return AuditCheck(len(lines), prev, len(lines) + 1, "partial last line (no newline)")
-    if expected_head and expected_head not in heads:  # an anchored head may be older
+    the first break, if any, with a reason. Reads the log line by line: its memory does not
+    grow with the log (ConfigError if `expected_head` is not a SHA-256 in hex)."""
+    if expected_head is not None and not _HEAD.fullmatch(expected_head):
+        raise ConfigError("an expected head is 64 hexadecimal digits (lowercase)")
+    prev, count, anchored = GENESIS, 0, expected_head is None
+    with open(path, "rb") as log:
+        for number, line in enumerate(log, start=1):
+            if not line.endswith(b"\n"):
+                return AuditCheck(count, prev, number, "partial last line (no newline)")
+            problem = _link_problem(number, _record_or_none(line), prev, path)
+            if problem:
+                return AuditCheck(count, prev, *problem)
+            prev, count = hashlib.sha256(line[:-1]).hexdigest(), number
+            anchored = anchored or prev == expected_head  # an anchored head may be older
+    if not anchored:
         cut = f"cut short: the expected head {expected_head} is not in the log (records were"
-        return AuditCheck(
-            len(lines), prev, len(lines) + 1, cut + " cut from the end, or rewritten)"
-        )
-    return AuditCheck(len(lines), prev)
+        return AuditCheck(count, prev, count + 1, cut + " cut from the end, or rewritten)")
+    return AuditCheck(count, prev)
 
 
 def _seq_of(record: Mapping[str, Any] | None) -> int | None:
@@ -685,11 +685,12 @@ def _seq_of(record: Mapping[str, Any] | None) -> int | None:
 
 
 def _link_problem(
-    number: int, record: Mapping[str, Any] | None, prev: str, seqs: Sequence[int | None]
+    number: int, record: Mapping[str, Any] | None, prev: str, path: Path
 ) -> tuple[int, str] | None:
     """(broken line, why) if line `number` does not follow the chain so far."""
-    if record is None or seqs[number - 1] != number:
-        return number, _order_problem(number, seqs[number - 1], seqs)
+    seq = _seq_of(record)
+    if record is None or seq != number:
+        return number, _order_problem(number, seq, path)
     if record.get("prev") == prev:
         return None
     if number == 1:
@@ -697,45 +698,89 @@ def _link_problem(
     return number - 1, f"edited: its hash no longer matches the prev of line {number}"
 
 
-def _order_problem(number: int, seq: int | None, seqs: Sequence[int | None]) -> str:
+def _order_problem(number: int, seq: int | None, path: Path) -> str:
     """Why line `number` holds `seq` where record `number` belongs."""
     if seq is None:
         return "edited: not a record with a seq"
     if seq < number:
         return f"out of order: seq {seq} again, after {number - 1} (moved or inserted)"
-    if number in seqs[number:]:
+    if _seq_further_on(path, number):
         return f"out of order: seq {seq} where {number} belongs"
     return f"missing: record {number} is gone (found seq {seq})"
 
 
+def _seq_further_on(path: Path, seq: int) -> bool:
+    """Is record `seq` somewhere after line `seq`? A second pass, only once a break is found."""
+    with open(path, "rb") as log:
+        return any(
+            _seq_of(_record_or_none(line)) == seq
+            for number, line in enumerate(log, start=1)
+            if number > seq
+        )
+
+
+MAX_TOOLS_COUNTED = 1000  # distinct tool names `stats` counts one by one; the rest as "(other)"
+
+
 def audit_stats(path: Path) -> dict[str, Any]:
-    """The figures the seeds say to alert on, read from the log itself."""
-    records = [r for r in map(_record_or_none, path.read_bytes().splitlines()) if r]
-    turns = [r for r in records if r.get("event") == "turn"]
-    calls = [r for r in records if r.get("event") == "tool_call"]
-    ran = [c for c in calls if not str(c.get("outcome")).startswith("skipped:")]
-    failed = [c for c in ran if _is_tool_error(str(c.get("outcome")))]
-    rounds = sorted(int(t.get("rounds", 0)) for t in turns)
-    tokens: dict[str, int] = {}
-    for turn in turns:
-        for key, count in (turn.get("usage") or {}).items():
-            tokens[key] = tokens.get(key, 0) + int(count)
+    """The figures the seeds say to alert on, read from the log itself, line by line (memory
+    bounded whatever the log's size; lines that are not records are skipped)."""
+    rounds: collections.Counter[int] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    stops: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
+    failed = retries = 0
+    with open(path, "rb") as log:
+        for record in filter(None, map(_record_or_none, log)):
+            if record.get("event") == "turn":
+                rounds[_count_in(record.get("rounds"))] += 1
+                stops[str(record.get("stop_reason"))] += 1
+                retries += _count_in(record.get("retries"))
+                usage = record.get("usage")
+                for key, count in usage.items() if isinstance(usage, dict) else ():
+                    tokens[str(key)] += _count_in(count)
+            elif record.get("event") == "tool_call":
+                outcome = str(record.get("outcome"))
+                if outcome.startswith("skipped:"):
+                    continue
+                tool = str(record.get("tool"))
+                calls[tool if tool in calls or len(calls) < MAX_TOOLS_COUNTED else "(other)"] += 1
+                failed += _is_tool_error(outcome)
+    ran = sum(calls.values())
     return {
-        "turns": len(turns),
-        "rounds_median": statistics.median(rounds) if rounds else 0,
-        "rounds_max": rounds[-1] if rounds else 0,
-        "tool_calls": dict(sorted(collections.Counter(str(c.get("tool")) for c in ran).items())),
-        "tool_errors": len(failed),
-        "tool_error_rate": len(failed) / len(ran) if ran else 0.0,
-        "stop_reasons": dict(collections.Counter(str(t.get("stop_reason")) for t in turns)),
-        "guards": {g: sum(t.get("stop_reason") == g for t in turns) for g in GUARD_STOPS},
-        "tokens": tokens,
-        "retries": sum(int(t.get("retries", 0)) for t in turns),
+        "turns": sum(rounds.values()),
+        "rounds_median": _median(rounds),
+        "rounds_max": max(rounds, default=0),
+        "tool_calls": dict(sorted(calls.items())),
+        "tool_errors": failed,
+        "tool_error_rate": failed / ran if ran else 0.0,
+        "stop_reasons": dict(stops),
+        "guards": {guard: stops[guard] for guard in GUARD_STOPS},
+        "tokens": dict(tokens),
+        "retries": retries,
     }
 
 
+def _count_in(value: Any) -> int:
+    """A count from a record, or 0 for anything that is not one (an edited line, say)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _median(histogram: Mapping[int, int]) -> float:
+    """The median of values given as {value: how many times}, without listing them."""
+    total = sum(histogram.values())
+    middle = ((total - 1) // 2, total // 2)  # the two middle positions (one, when odd)
+    found: list[int] = []
+    seen = 0
+    for value in sorted(histogram):
+        seen += histogram[value]
+        while len(found) < 2 and middle[len(found)] < seen:
+            found.append(value)
+    return (found[0] + found[1]) / 2 if found else 0
+
+
 def _record_or_none(line: bytes) -> dict[str, Any] | None:
-    with suppress(ValueError):
+    with suppress(ValueError, RecursionError):  # RecursionError: nested beyond json's reach
         record = json.loads(line)
         return record if isinstance(record, dict) else None
     return None  # an edited line: verify-audit names it; the figures skip it
@@ -1539,6 +1584,22 @@ def skip_call(
     return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
 
 
+def skip_calls(
+    calls: Sequence[ToolCall], reason: str, context: ToolContext, audit: AuditLog, round_number: int
+) -> None:
+    """Many calls that will not run, audited as one line: how many, and a digest of their ids."""
+    ids = [call.id for call in calls]
+    audit.record(
+        "tool_calls_skipped",
+        turn_id=context.turn_id,
+        round=round_number,
+        customer_id=context.customer_id,
+        reason=reason,
+        count=len(ids),
+        tool_call_ids_sha256=hashlib.sha256(canonical_json(ids).encode()).hexdigest(),
+    )
+
+
 def timed_out_call(
     call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
 ) -> ToolResult:
@@ -1704,15 +1765,24 @@ class ToolLoop:
             return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
 
         running = _start_calls(runnable, run_one, self.tool_workers)
-        for position, call in enumerate(calls):
-            if position >= len(running):
-                yield skip_call(call, guard or "too_many_calls", context, self.audit, turn.rounds)
-                continue
+        for call, future in zip(calls, running, strict=False):
             try:
-                yield running[position].result(timeout=max(deadline - time.monotonic(), 0))
+                yield future.result(timeout=max(deadline - time.monotonic(), 0))
             except concurrent.futures.TimeoutError:
-                running[position].cancel()  # a call still queued never starts
+                future.cancel()  # a call still queued never starts
                 yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
+        not_run = calls[len(running) :]
+        # subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
+        # valid), but only as many are audited one by one as could have run, the rest together
+        named, counted = not_run[: self.max_calls_per_reply], not_run[self.max_calls_per_reply :]
+        reason = guard or "too_many_calls"
+        for call in named:
+            yield skip_call(call, reason, context, self.audit, turn.rounds)
+        if counted:
+            skip_calls(counted, reason, context, self.audit, turn.rounds)
+            yield from (
+                ToolResult(call, _not_run_content(reason), f"skipped:{reason}") for call in counted
+            )
 
     def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
         """Return-direct only when every call is return-direct and succeeded; a rejected call
@@ -1772,13 +1842,13 @@ class _Turn:
     tool_errors: int = 0
     failed_tool: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
-    open_calls: list[ToolCall] = field(default_factory=list)  # asked for, not yet answered
+    open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
     calls_before: tuple[tuple[str, str], ...] = ()
 
     def add_reply(self, reply: Reply) -> None:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
-        self.open_calls = list(reply.tool_calls)
+        self.open_calls = collections.deque(reply.tool_calls)
         self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
         self.retries += reply.retries
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
@@ -1799,7 +1869,7 @@ class _Turn:
         added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
-            self.open_calls.remove(result.call)
+            self.open_calls.popleft()  # results come in call order (ToolLoop._run_calls)
             self.tool_calls += 1
             self.tool_errors += _is_tool_error(result.outcome)
             if result.ends_turn:
@@ -1811,7 +1881,7 @@ class _Turn:
         """Answer every call still open, so the transcript stays valid to send again."""
         for call in self.open_calls:
             self.messages.append(_tool_message(call.id, _not_run_content(reason)))
-        self.open_calls = []
+        self.open_calls.clear()
 
 
 def _ending(reply: Reply) -> tuple[str, str | None]:
@@ -2176,7 +2246,12 @@ def _pending_action(row: Sequence[Any]) -> PendingAction:
 
 
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
-    """What an approval is bound to: this customer, this tool, these exact arguments."""
+    """What an approval is bound to: this customer, this tool, these exact arguments.
+
+    A plain SHA-256, not a signature: it catches a row changed by mistake or by a half-done
+    edit, but anyone who can write the database can recompute it (and could as well insert
+    a change directly). It is not tamper-proof; the database's permissions are what guard it.
+    """
     return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import email.utils
+import functools
 import hashlib
 import http.client
 import io
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 import unittest
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -732,6 +734,53 @@ class AuditChainTest(LoopTestCase):
         for writer, count in expected.items():
             mine = [r["i"] for r in records if r["writer"] == writer]
             self.assertEqual(mine, list(range(count)))  # every record, in each writer's order
+
+    def test_a_line_nested_too_deep_to_parse_is_named_not_crashed_on(self) -> None:
+        deep = b"[" * 100_000 + b"]" * 100_000
+        self.rewrite([*self.lines[:3], deep + b"\n", *self.lines[3:]])
+        self.assert_broken(4, "edited: not a record with a seq")
+        self.rewrite([*self.lines, deep + b"\n"])
+        self.assert_broken(7, "edited: not a record with a seq")
+        with self.assertRaisesRegex(fc.AuditError, "last line is not a record"):
+            self.audit.record("after", i=7)  # a clear refusal, not a RecursionError
+        self.assertEqual(self.cli("stats", str(self.audit_path)).returncode, 0)
+
+    def test_an_empty_or_malformed_expected_head_is_a_usage_error(self) -> None:
+        for head in ("", "abc", "G" * 64):
+            with self.subTest(head=head):
+                done = self.verify("--expect-head", head)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn("64 hexadecimal digits", done.stderr)
+        head_file = self.data_dir / "head"
+        head_file.write_text("6 \n")
+        self.assertEqual(self.verify("--head-file", str(head_file)).returncode, 2)
+
+    def test_verifying_and_counting_hold_memory_that_does_not_grow_with_the_log(self) -> None:
+        def peak(action: Callable[[], object]) -> int:
+            tracemalloc.start()
+            try:
+                action()
+                return tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+
+        record = json.dumps({"event": "tool_call", "tool": "t", "outcome": "ok", "pad": "x" * 300})
+        peaks: dict[int, tuple[int, int]] = {}
+        for count in (2_000, 20_000):
+            log = self.data_dir / f"big-{count}.log"
+            prev, lines = fc.GENESIS, []
+            for seq in range(1, count + 1):
+                line = (f'{{"seq":{seq},"prev":"{prev}",' + record[1:]).encode()
+                prev = hashlib.sha256(line).hexdigest()
+                lines.append(line + b"\n")
+            log.write_bytes(b"".join(lines))
+            del lines
+            peaks[count] = (
+                peak(functools.partial(fc.verify_audit, log, expected_head=prev)),
+                peak(functools.partial(fc.audit_stats, log)),
+            )
+        for small, large in zip(peaks[2_000], peaks[20_000], strict=True):
+            self.assertLess(large, 2 * small + 65536, peaks)  # ten times the log, not the memory
 
     def test_stats_answer_from_the_log(self) -> None:
         self.audit_path.unlink()
@@ -2077,6 +2126,44 @@ class GuardTest(LoopTestCase):
         outcomes = [r["outcome"] for r in self.audit_records()]
         self.assertEqual(outcomes, ["ok"] * 16 + ["skipped:too_many_calls"] * 4)
         assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_a_reply_of_100000_calls_is_bounded_in_time_and_audit_bytes(self) -> None:
+        count = 100_000
+        calls = [
+            {
+                "id": f"c{n}",
+                "type": "function",
+                "function": {"name": "listRecentOrders", "arguments": "{}"},
+            }
+            for n in range(count)
+        ]
+        flood = fc._completion(
+            {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        )
+        started = time.monotonic()
+        result, requests = self.run_turn(
+            [flood, text_reply("ok")],
+            client={"max_response_bytes": 16 * 1024 * 1024},
+            loop={"turn_timeout": 30},
+        )
+        elapsed = time.monotonic() - started
+        self.assertEqual(result.stop_reason, "answered", result.error)
+        self.assertLess(elapsed, 30)  # the turn's deadline: nothing overran it
+        self.assertLess(self.audit_path.stat().st_size, 64 * 1024)  # not a line per call
+        records = self.audit_records("tool_calls_skipped")
+        self.assertEqual(len(records), 1)
+        skipped_ids = [f"c{n}" for n in range(2 * fc.MAX_CALLS_PER_REPLY, count)]
+        self.assertEqual(
+            (records[0]["count"], records[0]["reason"], records[0]["tool_call_ids_sha256"]),
+            (
+                len(skipped_ids),
+                "too_many_calls",
+                hashlib.sha256(fc.canonical_json(skipped_ids).encode()).hexdigest(),
+            ),
+        )
+        self.assertEqual(len(self.audit_records()), 2 * fc.MAX_CALLS_PER_REPLY)  # 16 run, 16 named
+        assert_every_call_answered_once_in_order(self, result.messages)
+        self.assertEqual(len(tool_messages(requests[1])), count)
 
     def test_a_huge_result_is_cut_with_a_visible_marker(self) -> None:
         _, requests = self.run_turn(
