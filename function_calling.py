@@ -110,6 +110,7 @@ __all__ = [
     "ToolError",
     "ToolLoop",
     "TurnResult",
+    "audit_disagreements",
     "audit_stats",
     "canonical_json",
     "check_argument_names",
@@ -288,8 +289,8 @@ class Tool:
         """Writers only: re-check, then make the change. Only Approvals.approve calls this.
 
         `db` is the approval's open transaction on the data directory's database: a change
-        written through it commits together with the action's status and its audit line, or
-        not at all. A change made elsewhere (an HTTP API) cannot join that transaction: send
+        written through it commits together with the action's status, or not at all, and
+        the audit log says which (Approvals). A change made elsewhere (an HTTP API) cannot join that transaction: send
         `context.approval_id` as its idempotency key, so that a second approval attempt after
         a failed commit cannot apply it twice (README: "Writes wait for a human").
         """
@@ -418,7 +419,8 @@ def _shown(value: Any) -> str:
 # ------------------------------------------------------------------ the data the tools touch
 # One SQLite file in the data directory. The approvals keep their table in it; a tool whose
 # data lives there too gets the strongest promise this file makes about writes: an approved
-# change, the action's status and its audit line commit together, or not at all.
+# change and the action's status commit together, or not at all, between the decision's
+# intent line and its outcome line (Approvals).
 
 _SCHEMA_VERSIONS = """
 CREATE TABLE IF NOT EXISTS schema_versions (
@@ -577,8 +579,12 @@ class AuditFileHandler(logging.Handler):
                     ensure_ascii=True,
                     separators=(",", ":"),
                 ).encode("ascii")
+                size = os.fstat(fd).st_size
                 if os.write(fd, line + b"\n") != len(line) + 1:
-                    raise OSError(errno.EIO, "short write")
+                    os.ftruncate(fd, size)  # a full disk must not leave half a line behind
+                    raise OSError(
+                        errno.ENOSPC, "short write: the disk or a file-size limit is full"
+                    )
                 if self.fsync:
                     os.fsync(fd)
                 head = hashlib.sha256(line).hexdigest()
@@ -1529,13 +1535,22 @@ def dispatch(
     - The model's arguments never touch ToolContext: identity comes from our side only.
     """
     started = time.monotonic()
-    content, outcome, detail = _execute(call, tools, context, approvals)
-    _audit_call(audit, call, context, round_number, outcome, started, detail)
+
+    def record(outcome: str, detail: Mapping[str, str]) -> None:
+        _audit_call(audit, call, context, round_number, outcome, started, detail)
+
+    content, outcome, detail = _execute(call, tools, context, approvals, record)
+    if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
+        record(outcome, detail)
     return ToolResult(call, content, outcome)
 
 
 def _execute(
-    call: ToolCall, tools: Mapping[str, Tool], context: ToolContext, approvals: Approvals | None
+    call: ToolCall,
+    tools: Mapping[str, Tool],
+    context: ToolContext,
+    approvals: Approvals | None,
+    record: Callable[[str, Mapping[str, str]], None],
 ) -> tuple[str, str, dict[str, str]]:
     """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
     tool = tools.get(call.name)
@@ -1549,8 +1564,13 @@ def _execute(
             return _cap_result(_compact(result)), "ok", {}
         if approvals is None:  # fail closed: a write with nobody to approve it never runs
             raise RuntimeError(f"{tool.name} writes, but there is no approval store")
-        proposal = approvals.propose(tool, args, context, result)
+        # the request and its audit line are filed together, or neither is
+        proposal = approvals.propose(
+            tool, args, context, result, lambda detail: record("proposed", detail)
+        )
         return _compact(proposal), "proposed", {"approval_id": proposal["approvalId"]}
+    except AuditError:
+        raise  # fail closed: the proposal was withdrawn, and no result may go back
     except ToolError as exc:
         return _error_content(exc.code, str(exc)), f"rejected:{exc.code}", {}
     except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators only
@@ -2022,6 +2042,15 @@ CREATE TABLE IF NOT EXISTS pending_actions (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
     ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+-- A filing or decision under way: written before its first audit line, gone after its last.
+-- A row a crash left behind is what tells the next run there is something to settle.
+CREATE TABLE IF NOT EXISTS in_flight (
+    intent_id   TEXT PRIMARY KEY,    -- named by this step's audit lines
+    action_id   TEXT NOT NULL,
+    step        TEXT NOT NULL CHECK (step IN ('propose', 'approve', 'reject')),
+    operator    TEXT,
+    result_json TEXT                 -- set in the decision's own transaction: it committed
+);
 """
 
 
@@ -2043,8 +2072,22 @@ class PendingAction:
 class Approvals:
     """The human side of every write, for any tool with `writes = True`. The model can only
     file a request; no tool approves or executes anything. A human lists, approves or rejects
-    on the command line, and approving re-checks everything and applies the change once, in
-    one transaction with the action's status and its audit line.
+    on the command line, and approving re-checks everything and applies the change once.
+
+    Each step is written ahead, as a database's own log is, so that the audit log and the
+    database never disagree about an action, wherever the process dies:
+
+    - filing: the action and an in_flight row commit together; its tool_call line follows;
+      then the row goes. If the line cannot be written the action is withdrawn at once.
+    - deciding: an in_flight row; an approval_intent line; the change, the action's status and
+      the row's result_json in one transaction; an approval_decision line; the row goes.
+
+    A crash leaves an in_flight row, and the next filing or decision settles it first (see
+    _settle): a filing whose line is not in the log is withdrawn; a decision whose transaction
+    committed (result_json is set) gets its missing line now, marked recovered; one that did
+    not commit gets a line saying nothing was applied. Filings and decisions in one data
+    directory take turns under an flock beside the database, so that settling never takes
+    another process's step in progress for a crash, and the lock dies with its process.
     """
 
     def __init__(
@@ -2059,12 +2102,109 @@ class Approvals:
         self.audit = audit
         self.ttl_seconds = ttl_seconds
         self.clock = clock
+        self._lock_path = database.path.with_name(database.path.name + ".approvals-lock")
 
     def propose(
-        self, tool: Tool, args: Mapping[str, Any], context: ToolContext, summary: Mapping[str, Any]
+        self,
+        tool: Tool,
+        args: Mapping[str, Any],
+        context: ToolContext,
+        summary: Mapping[str, Any],
+        record: Callable[[Mapping[str, str]], None] | None = None,
     ) -> dict[str, Any]:
-        """File a validated, eligible request; returns what the model is told."""
+        """File a validated, eligible request and its audit line: both or neither. `record`
+        writes the line (dispatch writes the call's own); by default, a tool_call line here.
+        Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
+        with self._one_at_a_time():
+            told = self._file(action_id, tool, args, context, summary)
+            try:
+                if record is None:
+                    self.audit.record(
+                        "tool_call",
+                        turn_id=context.turn_id,
+                        customer_id=context.customer_id,
+                        tool=tool.name,
+                        arguments=canonical_json(args),
+                        outcome="proposed",
+                        approval_id=action_id,
+                    )
+                else:
+                    record({"approval_id": action_id})
+            except BaseException:
+                self._withdraw(action_id)  # no audit line, no action
+                raise
+            self._settled(action_id)
+        return told
+
+    def pending(self) -> list[PendingAction]:
+        """Open actions, oldest first: filed with their audit line, and not expired. Settles
+        what a crash left half done first, unless a filing or decision is under way."""
+        with _turn_lock(self._lock_path, wait=False) as ours:
+            if ours:
+                self._settle()
+        with closing(self.database.connect_read_only()) as db:
+            rows = db.execute(
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
+                " WHERE status = 'pending' AND expires_at > ?"
+                " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
+                " ORDER BY created_at, action_id",
+                (_iso(self.clock()),),
+            ).fetchall()
+        return [_pending_action(row) for row in rows]
+
+    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically."""
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = self._open_action(db, action_id)
+            tool = tools.get(action.tool)
+            if tool is None or not tool.writes:
+                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
+            args = self._bound_arguments(action)
+            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
+            try:
+                check_argument_names(args, tool.parameters)
+                outcome = tool.apply(args, context, db)
+            except ToolError as exc:
+                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
+                raise ApprovalError(
+                    f"{action_id}: not carried out: the tool failed; details are in the audit log",
+                    detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
+                ) from None
+            self._mark(db, action, "approved", operator)
+            return action, outcome
+
+        return self._decide(action_id, "approve", operator, carry_out)
+
+    def reject(self, action_id: str, operator: str) -> None:
+        """Close an open action without running it."""
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = self._open_action(db, action_id)
+            self._mark(db, action, "rejected", operator)
+            return action, {}
+
+        self._decide(action_id, "reject", operator, carry_out)
+
+    @contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """The data directory's filings and decisions take turns; a crashed one is settled
+        before the next begins."""
+        with _turn_lock(self._lock_path, wait=True):
+            self._settle()
+            yield
+
+    def _file(
+        self,
+        action_id: str,
+        tool: Tool,
+        args: Mapping[str, Any],
+        context: ToolContext,
+        summary: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The action and its in_flight row, in one transaction; what the model will be told."""
         arguments_json = canonical_json(args)
         now = self.clock()
         with self.database.write_transaction() as db:
@@ -2093,6 +2233,10 @@ class Approvals:
                 raise ToolError(
                     "this request is already waiting for a person to approve it"
                 ) from None
+            db.execute(
+                "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
+                (action_id, action_id),
+            )
         expires = _iso(now + self.ttl_seconds)
         return {
             "status": "requires_approval",
@@ -2101,63 +2245,115 @@ class Approvals:
             "expiresAt": expires,
         }
 
-    def pending(self) -> list[PendingAction]:
-        """Open actions, oldest first; expired ones are not open."""
+    def _withdraw(self, action_id: str) -> None:
+        with self.database.write_transaction() as db:
+            db.execute("DELETE FROM pending_actions WHERE action_id = ?", (action_id,))
+            db.execute("DELETE FROM in_flight WHERE intent_id = ?", (action_id,))
+
+    def _settled(self, intent_id: str) -> None:
+        with self.database.write_transaction() as db:
+            db.execute("DELETE FROM in_flight WHERE intent_id = ?", (intent_id,))
+
+    def _decide(
+        self,
+        action_id: str,
+        step: str,
+        operator: str,
+        carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """One decision, written ahead: in_flight row, intent line, the change, decision line."""
+        intent_id = "dec-" + secrets.token_hex(8)
+        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+        with self._one_at_a_time():
+            with self.database.write_transaction() as db:
+                db.execute(
+                    "INSERT INTO in_flight (intent_id, action_id, step, operator)"
+                    " VALUES (?, ?, ?, ?)",
+                    (intent_id, action_id, step, operator),
+                )
+            try:
+                self.audit.record("approval_intent", **intent, operator=operator)
+            except AuditError:
+                self._settled(intent_id)  # nothing was decided, and nothing says it was
+                raise
+            try:
+                with self.database.write_transaction() as db:
+                    action, result = carry_out(db)
+                    db.execute(
+                        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
+                        (canonical_json(result), intent_id),
+                    )
+            except ApprovalError as exc:
+                error = {"error": exc.detail} if exc.detail else {}
+                self._conclude(intent, operator, "refused", reason=str(exc), **error)
+                raise
+            except BaseException:
+                # whatever failed, the database now says what happened; let the log say so too
+                with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
+                    self._settle()
+                raise
+            self._conclude(intent, operator, _DECIDED[step], **_about(action), result=result)
+        return result
+
+    def _conclude(
+        self, intent: Mapping[str, str], operator: str, outcome: str, **fields: Any
+    ) -> None:
+        """The decision's line, then its in_flight row goes."""
+        try:
+            self.audit.record(
+                "approval_decision", **intent, operator=operator, outcome=outcome, **fields
+            )
+        except AuditError as exc:  # the row stays: the next filing or decision writes the line
+            later = "it is written once the log can be"
+            raise AuditError(f"{intent['action_id']}: {outcome}, but {exc}; {later}") from None
+        self._settled(intent["intent_id"])
+
+    def _settle(self) -> None:
+        """Finish what a crashed filing or decision left in in_flight (see the class docstring)."""
         with closing(self.database.connect_read_only()) as db:
             rows = db.execute(
-                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
-                " WHERE status = 'pending' AND expires_at > ? ORDER BY created_at, action_id",
-                (_iso(self.clock()),),
+                "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
             ).fetchall()
-        return [_pending_action(row) for row in rows]
+        if not rows:
+            return
+        written = _events_naming(self.audit.path, {row[0] for row in rows})
+        for intent_id, action_id, step, operator, result_json in rows:
+            events = written.get(intent_id, set())
+            if step == "propose":
+                if "tool_call" not in events:
+                    self._withdraw(action_id)
+                    _log.warning(
+                        "withdrew %s: filed, but its audit line was never written", action_id
+                    )
+                    continue
+            elif "approval_intent" in events and "approval_decision" not in events:
+                self._recover_decision(intent_id, action_id, step, operator, result_json)
+                continue
+            self._settled(intent_id)  # every line it needed is there, or nothing was done
 
-    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
-        """Re-check everything, then apply the write and mark the action used, atomically."""
-        with self._decision(action_id, "approve", operator) as db:
-            action = self._open_action(db, action_id)
-            tool = tools.get(action.tool)
-            if tool is None or not tool.writes:
-                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
-            args = self._bound_arguments(action)
-            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
-            try:
-                check_argument_names(args, tool.parameters)
-                outcome = tool.apply(args, context, db)
-            except ToolError as exc:
-                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
-                raise ApprovalError(
-                    f"{action_id}: not carried out: the tool failed; details are in the audit log",
-                    detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
-                ) from None
-            self._close(db, action, "approved", operator, outcome)
-        return outcome
-
-    def reject(self, action_id: str, operator: str) -> None:
-        """Close an open action without running it."""
-        with self._decision(action_id, "reject", operator) as db:
-            self._close(db, self._open_action(db, action_id), "rejected", operator, {})
-
-    @contextmanager
-    def _decision(
-        self, action_id: str, decision: str, operator: str
-    ) -> Iterator[sqlite3.Connection]:
-        """A write transaction whose refusals are audited too (after the rollback)."""
-        try:
-            with self.database.write_transaction() as db:
-                yield db
-        except ApprovalError as exc:
-            detail = {"error": exc.detail} if exc.detail else {}
-            self.audit.record(
-                "approval_decision",
-                action_id=action_id,
-                decision=decision,
-                operator=operator,
-                outcome="refused",
-                reason=str(exc),
-                **detail,
+    def _recover_decision(
+        self, intent_id: str, action_id: str, step: str, operator: str, result_json: str | None
+    ) -> None:
+        """A decision with an intent line and no decision line: the database says which."""
+        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+        if result_json is None:  # the transaction never committed
+            reason = "the process stopped before the decision was committed; nothing was applied"
+            self._conclude(intent, operator, "not_applied", reason=reason, recovered=True)
+            _log.warning(
+                "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
             )
-            raise
+            return
+        with closing(self.database.connect_read_only()) as db:
+            row = db.execute(
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+                (action_id,),
+            ).fetchone()
+        fields = _about(_pending_action(row)) if row else {}
+        result = json.loads(result_json)
+        self._conclude(intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
+        _log.warning(
+            "%s: an interrupted %s had committed; its audit line was written now", action_id, step
+        )
 
     def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
         row = db.execute(
@@ -2184,16 +2380,10 @@ class Approvals:
             raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
         return args
 
-    def _close(
-        self,
-        db: sqlite3.Connection,
-        action: PendingAction,
-        status: str,
-        operator: str,
-        outcome: Mapping[str, Any],
+    def _mark(
+        self, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
     ) -> None:
-        """Mark the action decided and audit it, inside the transaction: no change without
-        its audit line, and no second use (the WHERE clause; a tool's own keys may add more)."""
+        """Mark the action decided, in the decision's transaction: no second use."""
         marked = db.execute(
             "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
             " WHERE action_id = ? AND status = 'pending'",
@@ -2201,17 +2391,98 @@ class Approvals:
         )
         if marked.rowcount != 1:
             raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
-        self.audit.record(
-            "approval_decision",
-            action_id=action.action_id,
-            decision="approve" if status == "approved" else "reject",
-            operator=operator,
-            outcome=status,
-            customer_id=action.customer_id,
-            tool=action.tool,
-            arguments=action.arguments_json,
-            result=dict(outcome),
-        )
+
+
+_DECIDED = {"approve": "approved", "reject": "rejected"}
+_TURNS_WITHOUT_FLOCK = threading.Lock()  # Windows: the threads of one process take turns
+
+
+@contextmanager
+def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
+    """Hold the approvals' lock of a data directory, or yield False if wait=False and it is
+    taken. An flock, so it shuts out other processes and, each opening its own descriptor,
+    other threads of this one; the kernel lets go of it when its process dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if fcntl is None:  # pragma: no cover -- Windows: one process at a time, its threads in turn
+            if _TURNS_WITHOUT_FLOCK.acquire(blocking=wait):
+                try:
+                    yield True
+                finally:
+                    _TURNS_WITHOUT_FLOCK.release()
+            else:
+                yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _about(action: PendingAction) -> dict[str, str]:
+    """What a decision line says of its action."""
+    return {
+        "customer_id": action.customer_id,
+        "tool": action.tool,
+        "arguments": action.arguments_json,
+    }
+
+
+def _events_naming(path: Path, intent_ids: set[str]) -> dict[str, set[str]]:
+    """Which audit events name each intent (by intent_id, or approval_id for a filing). Reads
+    the whole log, line by line: only ever after a crash."""
+    found: dict[str, set[str]] = {}
+    with suppress(FileNotFoundError), open(path, "rb") as log:
+        for line in log:
+            if not line.endswith(b"\n"):
+                break  # a cut last line was never written
+            record = _record_or_none(line) or {}
+            key = record.get("intent_id") or record.get("approval_id")
+            if key in intent_ids:
+                found.setdefault(key, set()).add(str(record.get("event")))
+    return found
+
+
+def audit_disagreements(path: Path, database: Database) -> list[str]:
+    """Where the audit log and the database disagree about an action; empty when they agree.
+    Memory grows with the number of actions, not with the log."""
+    filed: set[str] = set()
+    decided: dict[str, str] = {}
+    with open(path, "rb") as log:
+        for record in filter(None, map(_record_or_none, log)):
+            if record.get("event") == "tool_call" and record.get("outcome") == "proposed":
+                filed.add(str(record.get("approval_id")))
+            elif record.get("event") == "approval_decision" and record.get("outcome") in (
+                "approved",
+                "rejected",
+            ):
+                decided[str(record.get("action_id"))] = str(record["outcome"])
+    with closing(database.connect_read_only()) as db:
+        actions = dict(db.execute("SELECT action_id, status FROM pending_actions").fetchall())
+        in_doubt = {row[0] for row in db.execute("SELECT action_id FROM in_flight")}
+    problems = [
+        f"{action_id}: in doubt: a filing or decision was interrupted; the next one settles it"
+        for action_id in sorted(in_doubt)
+    ]
+    for action_id, status in sorted(actions.items()):
+        if action_id in in_doubt:
+            continue
+        logged = decided.get(action_id)
+        if action_id not in filed:
+            problems.append(f"{action_id}: the database holds it {status}; the log never filed it")
+        elif logged != status and (logged or status in _DECIDED.values()):
+            said = f"says {logged}" if logged else "has no decision for it"
+            problems.append(f"{action_id}: the database holds it {status}; the log {said}")
+    for action_id in sorted(filed - actions.keys()):
+        problems.append(f"{action_id}: the log files it; the database has no such action")
+    return problems
 
 
 _ACTION_COLUMNS = (
@@ -2605,12 +2876,20 @@ def _audit_path(args: argparse.Namespace) -> Path:
 
 
 def _cmd_verify_audit(args: argparse.Namespace, app: App) -> int:
-    """Exit 0 and "N records, head H" when intact; 1 naming the first broken line."""
+    """Exit 0 and "N records, head H" when intact and, for the data directory's own log,
+    agreeing with its database; 1 naming the first broken line, or each disagreement."""
     path = _audit_path(args)
     check = verify_audit(path, _expected_head(args))
     if check.problem:
         print(f"{path}: line {check.broken_line}: {check.problem}", file=sys.stderr)
         return EXIT_FAILED
+    database = _data_dir(args) / app.database
+    if (args.path is None or args.data_dir) and database.is_file():  # the log's own database
+        problems = audit_disagreements(path, Database(database))
+        for problem in problems:
+            print(f"{path}: disagrees with the database: {problem}", file=sys.stderr)
+        if problems:
+            return EXIT_FAILED
     print(f"{check.records} records, head {check.head}")
     return EXIT_OK
 

@@ -19,8 +19,10 @@ import logging
 import os
 import pwd
 import re
+import resource
 import shlex
 import shutil
+import signal
 import socket
 import sqlite3
 import statistics
@@ -2335,7 +2337,7 @@ class ApprovalTest(ApprovalCase):
         told = self.propose()
         tools = fc.tool_table(self.tools)
         with (
-            mock.patch.object(Approvals, "_close", side_effect=RuntimeError("power cut")),
+            mock.patch.object(Approvals, "_mark", side_effect=RuntimeError("power cut")),
             self.assertRaisesRegex(RuntimeError, "power cut"),
         ):
             self.approvals.approve(told["approvalId"], tools, "alice")
@@ -2374,6 +2376,227 @@ class ApprovalTest(ApprovalCase):
         self.assertEqual(self.approvals.pending(), [])
         (record,) = self.audit_records()
         self.assertIn("no approval store", record["error"])
+
+
+# A child that runs a command and dies (SIGKILL) at the point named on its command line:
+# before or after the N-th commit of a write transaction, or before or after the N-th audit
+# append. Or, given a size, that runs it under a file-size limit, as a full disk would.
+CRASHING_APPROVER = """
+import os, resource, signal, sys
+from contextlib import contextmanager
+import function_calling as fc
+
+mode, point, *command = sys.argv[1:]
+if mode == "fsize":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(point), int(point)))
+else:
+    kind, target, when = point.split(":")
+    seen = {"commit": 0, "append": 0}
+
+    def hit(what, moment):
+        if what == kind and seen[what] == int(target) and moment == when:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    transaction = fc.Database.write_transaction
+
+    @contextmanager
+    def killing_transaction(self):
+        seen["commit"] += 1
+        with transaction(self) as db:
+            yield db
+            hit("commit", "before")
+        hit("commit", "after")
+
+    emit = fc.AuditFileHandler.emit
+
+    def killing_emit(self, record):
+        seen["append"] += 1
+        hit("append", "before")
+        emit(self, record)
+        hit("append", "after")
+
+    fc.Database.write_transaction = killing_transaction
+    fc.AuditFileHandler.emit = killing_emit
+sys.exit(fc.main(command, fc.SHOP))
+"""
+
+
+class CrashTest(ApprovalCase):
+    """The audit log and the database never disagree about an action, wherever the process
+    dies or a write fails; the next run settles what a crash left half done."""
+
+    def approve_in_a_child(self, *how: str) -> int:
+        data = ["--data-dir", str(self.data_dir)]
+        return self.in_a_child(*how, "approve", self.action_id, *data, "--operator", "crash")
+
+    def in_a_child(self, *args: str, env: dict[str, str] | None = None) -> int:
+        script = self.data_dir / "crashing_child.py"
+        script.write_text(CRASHING_APPROVER)
+        done = subprocess.run(
+            [sys.executable, str(script), *args],
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(HERE), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        self.assertNotIn("Traceback", done.stderr)
+        return done.returncode
+
+    def decisions(self, outcome: str) -> int:
+        return sum(r["outcome"] == outcome for r in self.audit_records("approval_decision"))
+
+    def assert_log_and_database_agree(self) -> None:
+        """After the next run has settled things: one story, told by both."""
+        if not self.audit_path.read_bytes().endswith(b"\n"):  # a person repairs a cut line
+            self.audit_path.write_bytes(self.audit_path.read_bytes().rsplit(b"\n", 1)[0] + b"\n")
+        approvals = Approvals(self.database, self.audit)
+        with redirect_stderr(io.StringIO()):
+            approvals.pending()  # lists only what is settled
+            with suppress(fc.ApprovalError):
+                approvals.approve(self.action_id, fc.tool_table(self.tools), "after")
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+        self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
+        self.assertEqual(self.decisions("approved"), 1)  # never two lines for one refund
+        self.assertEqual(self.refunds(), [("ORD-1003", self.action_id, 599)])
+
+    def fresh_proposal(self) -> None:
+        for path in self.data_dir.iterdir():
+            if path.is_file():
+                path.unlink()
+        self.database = Database(self.db_path)
+        self.approvals = Approvals(self.database, self.audit)
+        self.tools = fc.shop_tools(self.database)
+        self.action_id = self.propose()["approvalId"]
+
+    def test_a_kill_at_any_step_of_an_approval_is_settled_by_the_next_run(self) -> None:
+        points = [
+            f"{kind}:{n}:{when}"
+            for kind, count in (("commit", 7), ("append", 3))
+            for n in range(1, count + 1)
+            for when in ("before", "after")
+        ]
+        for point in points * 2:  # every point, twice
+            with self.subTest(point=point):
+                self.fresh_proposal()
+                self.approve_in_a_child("kill", point)
+                self.assert_log_and_database_agree()
+
+    def test_a_file_size_limit_at_any_step_of_an_approval_is_settled_by_the_next_run(
+        self,
+    ) -> None:
+        self.fresh_proposal()
+        sizes = {self.db_path.stat().st_size, self.audit_path.stat().st_size}
+        limits = sorted({size + step for size in sizes for step in (-1, 0, 200, 700, 1500, 4096)})
+        for limit in limits:
+            with self.subTest(limit=limit):
+                self.fresh_proposal()
+                self.approve_in_a_child("fsize", str(limit))
+                self.assert_log_and_database_agree()
+
+    def test_a_kill_at_any_step_of_a_filing_is_settled_by_the_next_run(self) -> None:
+        points = [
+            f"{kind}:{n}:{when}"
+            for kind, count in (("commit", 5), ("append", 2))
+            for n in range(1, count + 1)
+            for when in ("before", "after")
+        ]
+        proposing = [tool_call_reply([("requestShippingRefund", '{"orderId":"ORD-1003"}')])]
+        for point in points * 2:
+            with self.subTest(point=point):
+                self.fresh_proposal()
+                self.approvals.reject(self.action_id, "test")  # ORD-1003 is free to file again
+                with ScriptedChatServer([*proposing, text_reply("filed")]) as server:
+                    ask = ["ask", "refund ORD-1003", "--data-dir", str(self.data_dir)]
+                    self.in_a_child("kill", point, *ask, env={"OPENAI_BASE_URL": server.base_url})
+                with redirect_stderr(io.StringIO()):
+                    listed = Approvals(self.database, self.audit).pending()  # settles first
+                self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+                filed = [
+                    r["approval_id"]
+                    for r in self.audit_records()
+                    if r["outcome"] == "proposed" and r["approval_id"] != self.action_id
+                ]
+                self.assertEqual([a.action_id for a in listed], filed)  # if and only if audited
+
+    def test_verify_audit_reports_a_log_that_disagrees_with_the_database(self) -> None:
+        action_id = self.propose()["approvalId"]
+        self.sql("UPDATE pending_actions SET status = 'approved' WHERE action_id = ?", action_id)
+        done = self.cli("verify-audit", "--data-dir", str(self.data_dir))
+        self.assertEqual(done.returncode, 1)
+        self.assertIn(f"{action_id}: the database holds it approved; the log has no", done.stderr)
+        self.sql("UPDATE pending_actions SET status = 'pending' WHERE action_id = ?", action_id)
+        self.assertEqual(self.cli("verify-audit", "--data-dir", str(self.data_dir)).returncode, 0)
+        self.sql("DELETE FROM pending_actions WHERE action_id = ?", action_id)
+        done = self.cli("verify-audit", "--data-dir", str(self.data_dir))
+        self.assertIn(
+            f"{action_id}: the log files it; the database has no such action", done.stderr
+        )
+
+
+def pad_the_log(test: LoopTestCase, records: int = 2000) -> None:
+    """Make the audit log larger than the database, so a file-size limit hits it first."""
+    for i in range(records):
+        test.audit.record("padding", i=i, pad="x" * 100)
+
+
+class NothingUnauditedTest(ApprovalCase):
+    """A request is filed with its audit line or not at all."""
+
+    def assert_nothing_filed(self, result: TurnResult) -> None:
+        self.assertEqual(result.stop_reason, "audit_failed")
+        self.assertEqual(self.approvals.pending(), [])
+        with closing(sqlite3.connect(self.db_path)) as db:
+            self.assertEqual(db.execute("SELECT COUNT(*) FROM pending_actions").fetchone(), (0,))
+
+    def propose_turn(self) -> TurnResult:
+        result, _ = self.run_turn(
+            [tool_call_reply([("requestShippingRefund", '{"orderId":"ORD-1003"}')]), text_reply("")]
+        )
+        return result
+
+    def test_a_log_ending_in_a_partial_line_files_nothing(self) -> None:
+        self.audit.record("before")
+        with open(self.audit_path, "ab") as log:
+            log.write(b'{"seq":2,"cut')
+        self.assert_nothing_filed(self.propose_turn())
+
+    def test_a_directory_where_the_log_should_be_files_nothing(self) -> None:
+        self.audit_path.mkdir()
+        self.assert_nothing_filed(self.propose_turn())
+
+    def test_a_full_disk_files_nothing_and_leaves_the_log_whole(self) -> None:
+        pad_the_log(self)
+        limit = self.audit_path.stat().st_size + 40  # room for less than one line
+        with ScriptedChatServer(
+            [tool_call_reply([("requestShippingRefund", '{"orderId":"ORD-1003"}')]), text_reply("")]
+        ) as server:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    str(MODULE),
+                    "ask",
+                    "refund ORD-1003",
+                    "--data-dir",
+                    str(self.data_dir),
+                ],
+                env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url},
+                preexec_fn=lambda: limit_file_size(limit),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertIn("audit log could not be written", done.stderr)
+        self.assertEqual(self.approvals.pending(), [])
+        self.assertEqual(fc.verify_audit(self.audit_path).problem, None)  # no cut line left
+
+
+def limit_file_size(limit: int) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 class ApprovalCliTest(ApprovalCase):
@@ -2631,15 +2854,18 @@ class AnyWriterTest(LoopTestCase):
         with ScriptedChatServer([b"{}", b"{}"]) as service:
             tool = SendLetter(service.base_url)
             action_id = self.propose_note(tool, "dear sir")
-            self.audit_path.unlink()
-            self.audit_path.mkdir()  # the commit fails after the letter went out
-            with self.assertRaises(fc.AuditError):
+            with (  # the letter goes out, then the approval's commit fails
+                mock.patch.object(Approvals, "_mark", side_effect=sqlite3.OperationalError("full")),
+                self.assertRaises(sqlite3.OperationalError),
+            ):
                 self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
-            self.audit_path.rmdir()
+            self.assertEqual([a.action_id for a in self.approvals.pending()], [action_id])
             self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
         keys = [request.headers["idempotency-key"] for request in service.requests]
         self.assertEqual(keys, [action_id, action_id])  # sent twice, one key: the API dedupes
         self.assertEqual(self.approvals.pending(), [])
+        outcomes = [r["outcome"] for r in self.audit_records("approval_decision")]
+        self.assertEqual(outcomes, ["not_applied", "approved"])  # and the log says so
 
     def test_a_writer_that_fails_at_approval_is_one_clear_line_and_applies_nothing(self) -> None:
         tool = CrashingWriter(self.database)
