@@ -290,9 +290,10 @@ class Tool:
 
         `db` is the approval's open transaction on the data directory's database: a change
         written through it commits together with the action's status, or not at all, and
-        the audit log says which (Approvals). A change made elsewhere (an HTTP API) cannot join that transaction: send
-        `context.approval_id` as its idempotency key, so that a second approval attempt after
-        a failed commit cannot apply it twice (README: "Writes wait for a human").
+        the audit log says which (Approvals). A change made elsewhere (an HTTP API) cannot
+        join that transaction: send `context.approval_id` as its idempotency key, so that a
+        second approval after a failed commit cannot apply it twice (README: "Writes wait for
+        a human").
         """
         raise NotImplementedError
 
