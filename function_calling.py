@@ -34,12 +34,12 @@ data the tools touch · audit · the audit chain · the request · the transport
 stream · dispatch (the trust boundary) · the loop · approvals (the human side of writes) · the
 CLI · the scripted server used by `demo` and the tests.
 
-First reading, the whole mechanism (about 1,000 lines, this docstring included): settings,
-errors, tools and validation, the request, the reply, dispatch, the loop. The reply holds the
-verbatim echo; for tools that write, approvals come next. Hardening a first reading may skip:
-the transport (deadlines, retries, redirects), the stream (server-sent events, calls assembled
-from deltas), the workers (calls of one reply at once) and the audit chain (hash-chained
-appends, the tail, verification).
+First reading, the whole mechanism (about 1,000 lines, this docstring included): errors,
+tools and validation, the request, the reply, dispatch, the loop. The reply holds the verbatim
+echo; settings holds the caps the code names; for tools that write, approvals come next.
+Hardening a first reading may skip: the transport (deadlines, retries, redirects), the stream
+(server-sent events, calls assembled from deltas), the workers (calls of one reply at once,
+and the calls that do not run) and the audit chain (hash-chained appends, verification).
 """
 
 from __future__ import annotations
@@ -82,12 +82,18 @@ from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
-from typing import Any, ClassVar, TextIO, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
+
+if TYPE_CHECKING:  # 3.10's typing; imported for the checker only, so older Pythons get here
+    from typing import TypeAlias
 
 if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
     fcntl = None
 else:
     import fcntl
+
+if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback further down
+    sys.exit("function_calling.py needs Python 3.10 or newer")
 
 __all__ = [
     "ApiError",
@@ -136,6 +142,7 @@ DATABASE_FILE = "data.db"  # in the data directory: the approvals, and your tool
 
 MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill stops it
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
+MAX_ARGUMENT_DEPTH = 32  # levels of arrays and objects in the model's arguments
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
 REQUEST_TIMEOUT_S = 60.0  # a total deadline per request, from connect to the last byte
 TURN_TIMEOUT_S = 300.0  # a total deadline per turn: rounds, retries and tools together
@@ -146,7 +153,9 @@ TOOL_TIMEOUT_S = 30.0  # a call not done by then is answered {"error":"timeout"}
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
 APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
+DATABASE_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's transaction
 SHOWN_CHARS = 60  # how much of a rejected value a message quotes back
+KEY_PREFIX_SHOWN = 9  # a server text may show this much of the key's start, and no more
 
 # What the model is told, and what the user reads when a guard stops a turn. Generic on
 # purpose: an App (the CLI section) gives its own.
@@ -180,11 +189,20 @@ class Settings:
     max_response_bytes: int = MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
-        parts = urllib.parse.urlsplit(self.base_url)
+        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
+            parts = urllib.parse.urlsplit(self.base_url)
+            parts.port  # noqa: B018 -- read to validate
+        except ValueError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
+                " or a broken [IPv6] address"
+            ) from None
         # subtle: urllib would happily "POST" to file: and data: URLs
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        if self.api_key and not self.api_key.isascii():
+            raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
         if self.api_key and not _is_header_safe(self.api_key):
             # subtle: urllib's own error would print the header, key and all
             raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
@@ -343,9 +361,28 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
         raise ArgumentError(
             "arguments: expected numbers of sane length; got a huge integer"
         ) from None
+    # subtle: what json.loads accepted, json.dumps may not write back (the tripwire, a message,
+    # an approval all re-encode it): a depth cap here keeps every later step safe
+    if _nested_deeper_than(args, MAX_ARGUMENT_DEPTH):
+        raise ArgumentError(
+            f"arguments: expected at most {MAX_ARGUMENT_DEPTH} levels of nesting; got more"
+        )
     if not isinstance(args, dict):
         raise ArgumentError(f"arguments: expected a JSON object; got: {_shown(args)}")
     return args
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Do arrays and objects nest more than `limit` levels deep? (No recursion of its own.)"""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -470,7 +507,7 @@ class Database:
     @contextmanager
     def write_transaction(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises."""
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=10)
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=DATABASE_BUSY_TIMEOUT_S)
         try:
             db.execute("PRAGMA foreign_keys = ON")
             db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
@@ -606,7 +643,10 @@ class AuditFileHandler(logging.Handler):
         last = _last_line(fd, size)
         last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
         if last_seq is None:
-            raise AuditError("the audit log's last line is not a record; run verify-audit")
+            raise AuditError(
+                "the audit log's last line is not a record, so nothing more is appended;"
+                " run verify-audit"
+            )
         return last_seq, hashlib.sha256(last).hexdigest()
 
 
@@ -626,7 +666,10 @@ def _exclusive_lock(fd: int) -> Iterator[None]:
 def _last_line(fd: int, size: int) -> bytes:
     """The last line's bytes, without its newline, read backwards from the end."""
     if os.pread(fd, 1, size - 1) != b"\n":
-        raise AuditError("the audit log ends with a partial line; run verify-audit")
+        raise AuditError(
+            "the audit log ends with a partial line, so nothing more is appended; see"
+            ' README "When the audit log ends with a cut line"'
+        )
     start = size - 1
     while start > 0:
         block_start = max(start - 65536, 0)
@@ -680,9 +723,9 @@ def verify_audit(path: Path, expected_head: str | None = None) -> AuditCheck:
                 return AuditCheck(count, prev, *problem)
             prev, count = hashlib.sha256(line[:-1]).hexdigest(), number
             anchored = anchored or prev == expected_head  # an anchored head may be older
-    if not anchored:
+    if not anchored:  # no line to name: what is missing is not in the file
         cut = f"cut short: the expected head {expected_head} is not in the log (records were"
-        return AuditCheck(count, prev, count + 1, cut + " cut from the end, or rewritten)")
+        return AuditCheck(count, prev, None, cut + " cut from the end, or rewritten)")
     return AuditCheck(count, prev)
 
 
@@ -736,9 +779,12 @@ def audit_stats(path: Path) -> dict[str, Any]:
     calls: collections.Counter[str] = collections.Counter()
     stops: collections.Counter[str] = collections.Counter()
     tokens: collections.Counter[str] = collections.Counter()
-    failed = retries = 0
+    failed = retries = skipped = 0
     with open(path, "rb") as log:
-        for record in filter(None, map(_record_or_none, log)):
+        for record in map(_record_or_none, log):
+            if record is None or not _well_formed(record):
+                skipped += 1  # an edited line: verify-audit names it; the figures leave it out
+                continue
             if record.get("event") == "turn":
                 rounds[_count_in(record.get("rounds"))] += 1
                 stops[str(record.get("stop_reason"))] += 1
@@ -765,7 +811,24 @@ def audit_stats(path: Path) -> dict[str, Any]:
         "guards": {guard: stops[guard] for guard in GUARD_STOPS},
         "tokens": dict(tokens),
         "retries": retries,
+        "skipped_lines": skipped,
     }
+
+
+_FIELD_TYPES: dict[str, dict[str, type]] = {
+    "turn": {"rounds": int, "retries": int, "stop_reason": str, "usage": dict},
+    "tool_call": {"tool": str, "outcome": str},
+}
+
+
+def _well_formed(record: Mapping[str, Any]) -> bool:
+    """Do a record's fields have the types this code writes? (Missing ones are fine.)"""
+    expected = _FIELD_TYPES.get(str(record.get("event")), {})
+    return all(
+        isinstance(record[name], kind) and not isinstance(record[name], bool)
+        for name, kind in expected.items()
+        if name in record
+    )
 
 
 def _count_in(value: Any) -> int:
@@ -972,14 +1035,23 @@ class ChatClient:
         turn_deadline = deadline if deadline is not None else math.inf
         if time.monotonic() >= turn_deadline:
             raise ApiError("the turn's deadline passed before the model could be asked again")
+        try:
+            return self._attempts(body, turn_deadline, on_text)
+        except ApiError as exc:  # every error text that may quote the server, made safe once
+            raise ApiError(self._redact(str(exc)), exc.status) from None
+
+    def _attempts(
+        self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
+    ) -> Reply:
+        """The first try and the retries."""
         for attempt in range(self.settings.max_retries + 1):
             try:
                 return replace(self._post(body, turn_deadline, on_text), retries=attempt)
             except _RetryableError as failure:
                 if attempt == self.settings.max_retries:
-                    raise ApiError(
-                        f"{failure} (gave up after {attempt} retries)", failure.status
-                    ) from None
+                    tries = f"gave up after {attempt} {'retry' if attempt == 1 else 'retries'}"
+                    note = tries if attempt else "not retried: retries are set to 0"
+                    raise ApiError(f"{failure} ({note})", failure.status) from None
                 wait = self._retry_wait(failure, attempt, turn_deadline)
                 _log.warning(
                     "%s; retry %d of %d in %.1f s",
@@ -1023,6 +1095,9 @@ class ChatClient:
         except urllib.error.HTTPError as exc:
             raise self._status_error(exc) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+            cause = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if isinstance(cause, ssl.SSLCertVerificationError):  # trying again will not help
+                raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
             # nothing arrived: as the official SDKs do, a connection failure or a timeout
             # before any response is retried
             raise _RetryableError(
@@ -1071,9 +1146,13 @@ class ChatClient:
         return ApiError(message, exc.code)
 
     def _redact(self, text: str) -> str:
-        """A server may echo the request back; the key must not travel on in an error."""
-        key = self.settings.api_key
-        return text.replace(key, "[redacted]") if key else text
+        """Text from a server, fit to show: a server may echo the request back, so the key,
+        and any start of it long enough to matter (a body cut mid-key), is redacted; control
+        characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
+        key = self.settings.api_key or ""
+        for length in range(len(key), KEY_PREFIX_SHOWN, -1):
+            text = text.replace(key[:length], "[redacted]")
+        return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _should_retry(status: int, headers: Message) -> bool:
@@ -1087,13 +1166,20 @@ def _should_retry(status: int, headers: Message) -> bool:
 def _retry_after(headers: Message) -> float | None:
     """The wait a server asks for: retry-after-ms, else Retry-After in seconds or as a date."""
     with suppress(TypeError, ValueError):
-        return max(float(headers.get("retry-after-ms") or "x") / 1000, 0.0)
+        return _finite_wait(float(headers.get("retry-after-ms") or "x") / 1000)
     value = headers.get("retry-after") or ""
     with suppress(ValueError):
-        return max(float(value), 0.0)
+        return _finite_wait(float(value))
     with suppress(TypeError, ValueError, IndexError):
         return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     return None
+
+
+def _finite_wait(seconds: float) -> float:
+    """A wait a server asked for, or ValueError for nan and inf (then: our own backoff)."""
+    if not math.isfinite(seconds):
+        raise ValueError(seconds)
+    return max(seconds, 0.0)
 
 
 def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
@@ -1113,7 +1199,7 @@ def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
         raise http.client.IncompleteRead(b"", response.length)
 
 
-def _transport_reason(exc: BaseException) -> str:
+def _transport_reason(exc: BaseException) -> str:  # noqa: PLR0911 -- one return per kind
     """Why a request failed, in words that name no host, path or header."""
     if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
         exc = exc.reason
@@ -1123,6 +1209,13 @@ def _transport_reason(exc: BaseException) -> str:
         return "the connection closed before the reply was complete"
     if isinstance(exc, http.client.RemoteDisconnected):
         return "the server closed the connection without replying"
+    if isinstance(exc, ssl.SSLCertVerificationError):  # its own text names the host
+        return (
+            "the server's TLS certificate could not be verified (check OPENAI_BASE_URL and"
+            " this machine's CA certificates)"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return "the TLS connection failed (an https:// URL for a server that speaks http?)"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return type(exc).__name__
@@ -1180,7 +1273,7 @@ def _reply_from(
         content=_text_or_none(message.get("content")),
         # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
         # no value at all have been recorded beside real tool calls
-        tool_calls=_parse_tool_calls(message.get("tool_calls")),
+        tool_calls=_parse_tool_calls(message.get("tool_calls"), message_json),
         usage=usage,
         finish_reason=_text_or_none(finish_reason),
         refusal=_text_or_none(message.get("refusal")),
@@ -1215,15 +1308,15 @@ def _first_choice(document: Any) -> dict[str, Any]:
     return choice
 
 
-def _parse_tool_calls(raw: Any) -> tuple[ToolCall, ...]:
+def _parse_tool_calls(raw: Any, message_json: str) -> tuple[ToolCall, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
         raise ApiError("the model API sent tool_calls that is not a list")
-    return tuple(_parse_tool_call(item) for item in raw)
+    return tuple(_parse_tool_call(item, n, message_json) for n, item in enumerate(raw))
 
 
-def _parse_tool_call(item: Any) -> ToolCall:
+def _parse_tool_call(item: Any, position: int, message_json: str) -> ToolCall:
     function = item.get("function") if isinstance(item, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError("the model API sent a tool call without a function name")
@@ -1235,8 +1328,13 @@ def _parse_tool_call(item: Any) -> ToolCall:
         arguments_json = "{}"
     elif isinstance(arguments, str):
         arguments_json = arguments
-    else:  # some servers send the object itself; validation still sees it as text
-        arguments_json = json.dumps(arguments)
+    else:  # some servers send the object itself: take its text as sent, duplicate keys and all
+        path = ("tool_calls", position, "function", "arguments")
+        try:
+            start, end = _raw_span(message_json, path)
+        except RecursionError:
+            raise ApiError("the model API sent arguments nested too deep to read") from None
+        arguments_json = message_json[start:end]
     return ToolCall(id=call_id, name=function["name"], arguments_json=arguments_json)
 
 
@@ -1317,10 +1415,16 @@ def read_stream(chunks: Iterable[bytes], on_text: Callable[[str], None]) -> Repl
             raise ApiError(
                 f"the stream carried an event that is not JSON: {_cut(data, 120)}"
             ) from None
-        text = message.add(chunk)
+        try:
+            text = message.add(chunk)
+        except RecursionError:  # subtle: merging deltas recurses as deep as their fields nest
+            raise ApiError("the stream carried fields nested too deep to assemble") from None
         if text:
             on_text(text)
-    return message.reply()
+    try:
+        return message.reply()
+    except RecursionError:
+        raise ApiError("the stream carried fields nested too deep to assemble") from None
 
 
 def _sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
@@ -1377,11 +1481,15 @@ class _StreamedMessage:
         if isinstance(chunk.get("usage"), dict):  # often a last chunk whose choices are []
             self.usage = chunk["usage"]
         choices = chunk.get("choices") or []  # [] in a first chunk of filter results, too
+        if not isinstance(choices, list):
+            raise ApiError("the stream carried choices that is not a list")
         choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
         if choice is None:
             return None
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ApiError("the stream carried a delta that is not an object")
         for key, value in delta.items():
             if key == "tool_calls":
                 self._add_calls(value or [])
@@ -1413,7 +1521,8 @@ class _StreamedMessage:
         target = None
         if self.calls:
             target = self.calls[position] if 1 < count <= len(self.calls) else self.calls[-1]
-        name = (piece.get("function") or {}).get("name")
+        function = piece.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if target is None or (name and _is_complete_call(target, name)):
             return self._open({})  # a whole new call, sent without index or id
         return target
@@ -1478,14 +1587,18 @@ def _same_index(items: Sequence[Any], item: Any) -> int | None:
 
 def _is_complete_call(call: dict[str, Any], name: str) -> bool:
     """Does a named piece without index or id start a new call after `call`?"""
-    function = call.get("function") or {}
-    if not function.get("name"):
+    function = call.get("function")
+    if not isinstance(function, dict) or not function.get("name"):
         return False
     if function.get("name") != name:
         return True
-    try:  # the same name again: a new call only if this one's arguments are already whole
-        json.loads(function.get("arguments") or "")
-    except ValueError:
+    # the same name again: a new call only if this one's arguments are already whole
+    arguments = function.get("arguments") or ""
+    if not isinstance(arguments, str):
+        return True  # an object, sent whole
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -1589,52 +1702,6 @@ def _cap_result(content: str, limit: int = MAX_RESULT_BYTES) -> str:
     return content[:limit] + f"…[cut: the result was {len(content)} bytes, the cap is {limit}]"
 
 
-_SKIP_REASONS = {
-    "round_cap": "the round cap was reached, so its result could never be read",
-    "repeated_calls": "the same calls as the previous reply; the turn was stopped",
-    "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
-    "audit_failed": "the audit log could not be written",
-}
-
-
-def skip_call(
-    call: ToolCall, reason: str, context: ToolContext, audit: AuditLog, round_number: int
-) -> ToolResult:
-    """A call that will not run still gets its tool message and its audit line."""
-    _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
-    return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
-
-
-def skip_calls(
-    calls: Sequence[ToolCall], reason: str, context: ToolContext, audit: AuditLog, round_number: int
-) -> None:
-    """Many calls that will not run, audited as one line: how many, and a digest of their ids."""
-    ids = [call.id for call in calls]
-    audit.record(
-        "tool_calls_skipped",
-        turn_id=context.turn_id,
-        round=round_number,
-        customer_id=context.customer_id,
-        reason=reason,
-        count=len(ids),
-        tool_call_ids_sha256=hashlib.sha256(canonical_json(ids).encode()).hexdigest(),
-    )
-
-
-def timed_out_call(
-    call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
-) -> ToolResult:
-    """A call with no result in time is answered without one; the tool may still finish
-    later, and then writes its own audit line with its real outcome."""
-    _audit_call(audit, call, context, round_number, "timeout", time.monotonic() - timeout, {})
-    message = f"the tool gave no result within {timeout:g} s; try again later or ask the user"
-    return ToolResult(call, _error_content("timeout", message), "timeout")
-
-
-def _not_run_content(reason: str) -> str:
-    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
-
-
 def _error_content(code: str, message: str) -> str:
     return _compact({"error": code, "message": message})
 
@@ -1675,7 +1742,8 @@ class TurnResult:
     or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
     or "filtered" (stopped by the provider's content filter), with whatever text came; a
     guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
-    "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show).
+    "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show). A turn
+    that Ctrl-C ends is audited as "interrupted" before run() lets KeyboardInterrupt go on.
     messages: raw JSON texts, system prompt first; pass them as `history` to go on talking.
     Every assistant message with tool_calls is followed by one tool message per call, in order,
     whatever happened to the call, so the history is always valid to send again.
@@ -1739,6 +1807,17 @@ class ToolLoop:
         With `on_text`, replies are streamed and their text handed over as it arrives."""
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.messages.append(_message("user", user_message))
+        try:
+            return self._rounds(turn, context, on_text)
+        except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
+            turn.close_open_calls("interrupted")
+            self._finish(turn, context, "interrupted", error="interrupted")
+            raise
+
+    def _rounds(
+        self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
+    ) -> TurnResult:
+        """Round after round until a reply asks for no tool, a guard or a failure ends it."""
         while True:
             turn.rounds += 1
             try:
@@ -1874,7 +1953,8 @@ class _Turn:
         self.retries += reply.retries
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = reply.usage.get(key)
-            if isinstance(count, int) and not isinstance(count, bool):
+            # informational only: a count that is not one (negative, 4,300 digits) is ignored
+            if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 10**15:
                 self.usage[key] = self.usage.get(key, 0) + count
 
     @property
@@ -1971,7 +2051,56 @@ def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -
 
 # ------------------------------------------------------------------------------- the workers
 # The calls of one reply run at once on a few threads, so four slow lookups take as long as
-# one. Hardening: a first reading may take it as "run each call, results in call order".
+# one; and the calls that do not run (a guard, the per-reply cap, a timeout) are answered and
+# audited all the same. Hardening: a first reading may take it as "run each call, results in
+# call order".
+
+
+_SKIP_REASONS = {
+    "round_cap": "the round cap was reached, so its result could never be read",
+    "repeated_calls": "the same calls as the previous reply; the turn was stopped",
+    "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
+    "audit_failed": "the audit log could not be written",
+    "interrupted": "the user interrupted the turn",
+}
+
+
+def skip_call(
+    call: ToolCall, reason: str, context: ToolContext, audit: AuditLog, round_number: int
+) -> ToolResult:
+    """A call that will not run still gets its tool message and its audit line."""
+    _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
+    return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
+
+
+def skip_calls(
+    calls: Sequence[ToolCall], reason: str, context: ToolContext, audit: AuditLog, round_number: int
+) -> None:
+    """Many calls that will not run, audited as one line: how many, and a digest of their ids."""
+    ids = [call.id for call in calls]
+    audit.record(
+        "tool_calls_skipped",
+        turn_id=context.turn_id,
+        round=round_number,
+        customer_id=context.customer_id,
+        reason=reason,
+        count=len(ids),
+        tool_call_ids_sha256=hashlib.sha256(canonical_json(ids).encode()).hexdigest(),
+    )
+
+
+def timed_out_call(
+    call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
+) -> ToolResult:
+    """A call with no result in time is answered without one; the tool may still finish
+    later, and then writes its own audit line with its real outcome."""
+    _audit_call(audit, call, context, round_number, "timeout", time.monotonic() - timeout, {})
+    message = f"the tool gave no result within {timeout:g} s; try again later or ask the user"
+    return ToolResult(call, _error_content("timeout", message), "timeout")
+
+
+def _not_run_content(reason: str) -> str:
+    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
 
 
 def _start_calls(
@@ -2362,7 +2491,8 @@ class Approvals:
             (action_id,),
         ).fetchone()
         if row is None:
-            raise ApprovalError(f"{_shown(action_id)}: no such action")
+            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
+            raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
         action = _pending_action(row)
         if action.status != "pending":
             raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
@@ -2395,6 +2525,7 @@ class Approvals:
 
 
 _DECIDED = {"approve": "approved", "reject": "rejected"}
+_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
 _TURNS_WITHOUT_FLOCK = threading.Lock()  # Windows: the threads of one process take turns
 
 
@@ -2537,6 +2668,8 @@ def _iso(timestamp: float) -> str:
 # log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_GUARD = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # as a shell reports SIGINT and SIGPIPE
+MAX_QUESTION_CHARS = 32 * 1024  # a question is sent in every later round: --max-question
 
 # One scripted turn of `demo`: the user's question and the scripted model's replies.
 DemoTurn: TypeAlias = "tuple[str, Sequence[ScriptItem]]"
@@ -2566,10 +2699,11 @@ class App:
     demo: Sequence[DemoTurn] = ()
 
 
-def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:
+def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # noqa: PLR0911
     """Run the command line for `app` (App() if None: no tools); returns the exit code and
     never lets a traceback out."""
     app = app or App()
+    _tolerant_streams()
     parser = _build_parser(app)
     try:
         args = parser.parse_args(argv)
@@ -2584,12 +2718,36 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:
     except (ApprovalError, AuditError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except sqlite3.OperationalError as exc:  # "database is locked": another process holds it
+        print(f"error: the database could not be used ({exc}); try again", file=sys.stderr)
+        return EXIT_FAILED
+    except BrokenPipeError:  # `ask … | head -1`: the reader left; the turn is already audited
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, no internals
         print(f"error: unexpected {type(exc).__name__}; nothing more was done", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _tolerant_streams() -> None:
+    """Print what the terminal's encoding cannot show as replacement characters rather than
+    lose an answer already paid for; read input bytes that are not UTF-8 without failing
+    (the question is then refused, see _question)."""
+    for stream, errors in ((sys.stdout, "replace"), (sys.stderr, "replace")):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors=errors)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
+
+
+def _discard_stdout() -> None:
+    """After a broken pipe, send what is left to /dev/null, so the exit's flush stays quiet."""
+    with suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _build_parser(app: App) -> argparse.ArgumentParser:
@@ -2611,15 +2769,23 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         help="who is signed in (default: %(default)s)",
     )
     talk.add_argument(
-        "--max-rounds", type=_positive_int, default=MAX_ROUNDS, help="model calls per turn (8)"
+        "--max-rounds", type=_whole(1, 1000), default=MAX_ROUNDS, help="model calls per turn (8)"
     )
     talk.add_argument(
-        "--timeout", type=_seconds, default=REQUEST_TIMEOUT_S, help="one request's deadline (60)"
+        "--timeout", type=_seconds(3600), default=REQUEST_TIMEOUT_S, help="one request (60 s)"
     )
     talk.add_argument(
-        "--turn-timeout", type=_seconds, default=TURN_TIMEOUT_S, help="one turn's deadline (300)"
+        "--turn-timeout", type=_seconds(86400), default=TURN_TIMEOUT_S, help="one turn (300 s)"
     )
-    talk.add_argument("--retries", type=_count, default=MAX_RETRIES, help="retries per request (2)")
+    talk.add_argument(
+        "--retries", type=_whole(0, 100), default=MAX_RETRIES, help="retries per request (2)"
+    )
+    talk.add_argument(
+        "--max-question",
+        type=_whole(1, 1_000_000),
+        default=MAX_QUESTION_CHARS,
+        help=f"characters in one question ({MAX_QUESTION_CHARS})",
+    )
     talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
     human = argparse.ArgumentParser(add_help=False)
     human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
@@ -2667,26 +2833,36 @@ def _printable_id(text: str) -> str:
     return text
 
 
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0; got {text!r}")
+def _seconds(most: float) -> Callable[[str], float]:
+    """A flag's type: a number of seconds above 0 and at most `most` (no overflow later)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= most):
+            raise argparse.ArgumentTypeError(
+                f"expected a number of seconds above 0 and at most {most:g}; got {text!r}"
+            )
+        return value
+
     return seconds
 
 
-def _count(text: str) -> int:
-    if not text.isascii() or not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more; got {text!r}")
-    return int(text)
+def _whole(least: int, most: int) -> Callable[[str], int]:
+    """A flag's type: a whole number from `least` to `most`."""
 
+    def whole(text: str) -> int:
+        if not (
+            text.isascii() and text.isdigit() and len(text) < 10 and least <= int(text) <= most
+        ):
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number from {least} to {most}; got {text!r}"
+            )
+        return int(text)
 
-def _positive_int(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more; got {text!r}")
-    return int(text)
+    return whole
 
 
 def _os_user() -> str:
@@ -2712,14 +2888,27 @@ def _data_dir(args: argparse.Namespace) -> Path:
 
 
 def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
-    """The data directory; with create=False it must hold a database already."""
+    """The data directory; with create=False it must hold a database already. A directory
+    that cannot be used is a ConfigError naming it; a damaged database is left untouched."""
     directory = _data_dir(args)
     path = directory / app.database
     if not create and not path.is_file():  # a mistyped --data-dir must not start an empty one
         raise ConfigError(f"no database at {path.resolve()}; check --data-dir")
-    database = Database(path)
-    audit = AuditLog(directory / "audit.log")
-    return _Workspace(directory, database, audit, Approvals(database, audit))
+    try:
+        database = Database(path)
+        audit = AuditLog(directory / "audit.log")
+        return _Workspace(directory, database, audit, Approvals(database, audit))
+    except OSError as exc:  # a file where the directory should be, no permission, …
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"cannot use {directory} as the data directory ({reason})") from None
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise  # another process holds it: main says to try again
+        raise ConfigError(f"cannot use the database {path} ({exc})") from None
+    except sqlite3.DatabaseError as exc:  # "file is not a database": we write nothing to it
+        raise ConfigError(
+            f"{path} is not a database this code can use ({exc}); left untouched"
+        ) from None
 
 
 def _tool_loop(
@@ -2753,10 +2942,10 @@ def _conversation(args: argparse.Namespace, app: App) -> ToolLoop:
 
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
+    question = _question(args.question, args.max_question)
     loop = _conversation(args, app)
-    printer = _Printer() if args.stream else None
-    context = ToolContext(customer_id=args.customer)
-    return _report(loop.run(args.question, context, on_text=printer), printer)
+    result, printer = _turn(loop, question, args)
+    return _report(result, printer)
 
 
 def _cmd_chat(args: argparse.Namespace, app: App) -> int:
@@ -2767,16 +2956,48 @@ def _cmd_chat(args: argparse.Namespace, app: App) -> int:
     for line in _read_lines(sys.stdin):
         if line.strip() == "/quit":
             break
-        if line.strip():
-            printer = _Printer() if args.stream else None
-            context = ToolContext(customer_id=args.customer)
-            result = loop.run(line, context, history, on_text=printer)
-            history = result.messages  # a turn a guard stopped ends; the chat goes on
-            worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
+        if not line.strip():
+            continue
+        try:
+            question = _question(line, args.max_question)
+        except ConfigError as exc:  # one line refused; the chat goes on
+            print(f"error: {exc}", file=sys.stderr)
+            worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
+            continue
+        result, printer = _turn(loop, question, args, history)
+        history = result.messages  # a turn a guard stopped ends; the chat goes on
+        worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
     return worst
 
 
-_EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_FAILED: 2}
+_EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_FAILED: 2, EXIT_USAGE: 3}
+
+
+def _question(text: str, most: int) -> str:
+    """A question fit to send, or ConfigError saying why not (nothing is sent)."""
+    if not text.strip():
+        raise ConfigError("the question is empty; nothing was sent")
+    if any("\ud800" <= character <= "\udfff" for character in text):  # undecodable input bytes
+        raise ConfigError("the question is not valid UTF-8 text (check the terminal's encoding)")
+    if len(text) > most:
+        raise ConfigError(
+            f"the question is {len(text)} characters long; the limit is {most} (--max-question)"
+        )
+    return text
+
+
+def _turn(
+    loop: ToolLoop, question: str, args: argparse.Namespace, history: Sequence[str] = ()
+) -> tuple[TurnResult, _Printer | None]:
+    """One turn for the CLI, streamed if asked; Ctrl-C still ends the printed line."""
+    printer = _Printer() if args.stream else None
+    try:
+        result = loop.run(question, ToolContext(args.customer), history, on_text=printer)
+    except KeyboardInterrupt:
+        if printer:
+            printer.end_line()
+        raise
+    return result, printer
 
 
 def _read_lines(stream: TextIO) -> Iterator[str]:
@@ -2792,26 +3013,36 @@ def _read_lines(stream: TextIO) -> Iterator[str]:
 
 
 class _Printer:
-    """Prints streamed text the moment it arrives (flushed), and can end its line."""
+    """Prints streamed text the moment it arrives (flushed), and can end its line. A reader
+    that went away (a broken pipe) stops the printing, not the turn: it is still audited."""
 
     def __init__(self) -> None:
         self.line_open = False
+        self.broken = False
 
     def __call__(self, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        if self.broken:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.broken = True
+            return
         self.line_open = not text.endswith("\n")
 
     def end_line(self) -> None:
-        if self.line_open:
-            print(flush=True)
+        if self.line_open and not self.broken:
             self.line_open = False
+            print(flush=True)
 
 
 def _report(result: TurnResult, printer: _Printer | None = None) -> int:
     """Print what the user should see of a turn and choose the exit code."""
     streamed = printer is not None and result.stop_reason in ("answered", *_CUT_SHORT)
     if printer:
+        if printer.broken:
+            raise BrokenPipeError  # main exits the way Unix tools do
         printer.end_line()
     if result.stop_reason in ("answered", "returned_direct", "refused"):
         if not streamed:
@@ -2882,7 +3113,8 @@ def _cmd_verify_audit(args: argparse.Namespace, app: App) -> int:
     path = _audit_path(args)
     check = verify_audit(path, _expected_head(args))
     if check.problem:
-        print(f"{path}: line {check.broken_line}: {check.problem}", file=sys.stderr)
+        where = f"line {check.broken_line}: " if check.broken_line else ""
+        print(f"{path}: {where}{check.problem}", file=sys.stderr)
         return EXIT_FAILED
     database = _data_dir(args) / app.database
     if (args.path is None or args.data_dir) and database.is_file():  # the log's own database
@@ -2922,6 +3154,8 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
     print(f"retries          {figures['retries']}")
+    if figures["skipped_lines"]:
+        print(f"skipped lines    {figures['skipped_lines']} (not records; see verify-audit)")
     return EXIT_OK
 
 

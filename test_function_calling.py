@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import ssl
 import statistics
 import subprocess
 import sys
@@ -1157,10 +1158,8 @@ class RetryTest(LoopTestCase):
             (ScriptedReply(b"{}", 409), 2),
         ]
         for reply, expected_requests in cases:
-            with (
-                self.subTest(status=reply.status, headers=reply.headers),
-                self.assertLogs("function_calling", logging.DEBUG) as logged,
-            ):
+            logs = self.assertLogs("function_calling", logging.DEBUG)
+            with self.subTest(status=reply.status, headers=reply.headers), logs as logged:
                 logging.getLogger("function_calling").debug("so the capture is never empty")
                 _, requests = self.run_turn([reply, text_reply("ok")], client=self.retrying)
             self.assertEqual(len(requests), expected_requests)
@@ -1904,12 +1903,123 @@ class StreamTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stdout), (0, "One.\nTwo.\n"))
 
 
+class HostileReplyTest(LoopTestCase):
+    """Whatever a server sends, ToolLoop.run returns a TurnResult, and the turn is audited."""
+
+    def assert_clear_api_error(
+        self, script: Sequence[fc.ScriptItem], *, stream: bool = True
+    ) -> TurnResult:
+        pieces: list[str] = []
+        result, _ = self.run_turn(script, on_text=pieces.append if stream else None)
+        self.assertEqual(result.stop_reason, "api_error", result)
+        self.assertTrue(result.error)
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["stop_reason"], "api_error")
+        return result
+
+    def test_stream_chunks_of_the_wrong_shape_are_clear_errors(self) -> None:
+        choice = {"index": 0, "finish_reason": None}
+        for chunk_body in (
+            {"choices": [{**choice, "delta": "text"}]},
+            {"choices": [{**choice, "delta": ["a", "b"]}]},
+            {"choices": 7},
+            {"choices": True},
+        ):
+            with self.subTest(chunk=chunk_body):
+                self.audit_path.unlink(missing_ok=True)
+                self.assert_clear_api_error([fc.stream_reply([chunk_body, "[DONE]"])])
+
+    def test_call_pieces_of_the_wrong_shape_are_clear_errors(self) -> None:
+        for function in ("getOrderStatus", ["getOrderStatus"]):
+            with self.subTest(function=function):
+                self.audit_path.unlink(missing_ok=True)
+                piece = call_piece(function=function)
+                self.assert_clear_api_error([fc.stream_reply([piece, piece, "[DONE]"])])
+
+    def test_same_named_pieces_with_object_or_deeply_nested_arguments_are_clear(self) -> None:
+        deep = "[" * 20_000 + "]" * 20_000
+        for arguments in ({"orderId": "ORD-1001"}, deep):
+            with self.subTest(arguments=str(arguments)[:20]):
+                self.audit_path.unlink(missing_ok=True)
+                piece = call_piece(function={"name": "getOrderStatus", "arguments": arguments})
+                result = self.assert_clear_api_error([fc.stream_reply([piece, piece, "[DONE]"])])
+                self.assertIn("without an id", result.error or "")  # no index, no id: unanswerable
+
+    def test_vendor_fields_nested_too_deep_to_merge_are_a_clear_error(self) -> None:
+        nested = '{"v":' * 1_200 + '"x"' + "}" * 1_200  # written out: our json.dumps would refuse
+        event = '{"choices":[{"index":0,"delta":{"vendor":' + nested + '},"finish_reason":null}]}'
+        self.assert_clear_api_error([fc.stream_reply([event, event, "[DONE]"])])
+
+    def test_a_retry_after_that_is_not_a_number_of_seconds_falls_back_to_backoff(self) -> None:
+        for header in (("Retry-After", "nan"), ("retry-after-ms", "nan"), ("Retry-After", "inf")):
+            with self.subTest(header=header):
+                self.sleeps.clear()
+                busy = ScriptedReply(b"{}", 429, (header,))
+                result, _ = self.run_turn([busy, text_reply("ok")], client={"max_retries": 1})
+                self.assertEqual(result.stop_reason, "answered")
+                self.assertEqual(len(self.sleeps), 1)
+                self.assertTrue(0 < self.sleeps[0] <= 8)
+
+    def test_absurd_token_counts_are_ignored_and_the_turn_still_audited(self) -> None:
+        huge = int("9" * 4_300)
+        body = json.loads(text_reply("ok"))
+        body["usage"] = {"prompt_tokens": huge, "completion_tokens": -5, "total_tokens": 1.5}
+        calls = json.loads(tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]))
+        calls["usage"] = {"prompt_tokens": huge}
+        result, _ = self.run_turn([json.dumps(calls).encode(), json.dumps(body).encode()])
+        self.assertEqual((result.stop_reason, dict(result.usage)), ("answered", {}))
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["usage"], {})
+
+    def test_an_answer_holding_a_lone_surrogate_is_printed_not_lost(self) -> None:
+        for extra in ((), ("--stream",)):
+            with self.subTest(extra=extra):
+                body = (
+                    b'{"choices":[{"message":{"role":"assistant","content":"bad \\ud800 text"}}]}'
+                )
+                text = chunk({"content": "bad \ud800 text"}, "stop")
+                reply = fc.stream_reply([text, "[DONE]"]) if extra else body
+                with ScriptedChatServer([reply]) as server:
+                    env = {"OPENAI_BASE_URL": server.base_url}
+                    done = self.cli("ask", "hi", *extra, env=env)
+                self.assertEqual(done.returncode, 0, done.stderr)
+                self.assertEqual(done.stdout, "bad ? text\n")
+        self.assertEqual(len(self.audit_records("turn")), 2)
+
+    def test_arguments_nested_just_under_the_parsers_limit_go_back_as_invalid(self) -> None:
+        for depth in (900, 990, 999, 1_500):
+            with self.subTest(depth=depth):
+                arguments = "[" * depth + "]" * depth
+                result, requests = self.run_turn(
+                    [tool_call_reply([("getOrderStatus", arguments)]), text_reply("ok")]
+                )
+                self.assertEqual(result.stop_reason, "answered", result.error)
+                (sent,) = tool_results(requests[1])
+                self.assert_rejected(sent, "invalid_arguments")
+        nested_object = '{"orderId":' + "[" * 995 + "]" * 995 + "}"
+        (sent,) = self.results_for("requestShippingRefund", [nested_object])
+        self.assert_rejected(sent, "invalid_arguments", "nesting")
+
+    def test_arguments_sent_as_an_object_keep_the_rules_and_are_audited_as_sent(self) -> None:
+        raw = '{"orderId": "ORD-1001", "orderId": "ORD-2001"}'
+        body = (
+            '{"choices":[{"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c1",'
+            '"type":"function","function":{"name":"getOrderStatus","arguments":' + raw + "}}]}}]}"
+        ).encode()
+        _, requests = self.run_turn([body, text_reply("ok")])
+        (sent,) = tool_results(requests[1])
+        self.assert_rejected(sent, "invalid_arguments", "twice")
+        (record,) = self.audit_records()
+        self.assertEqual(record["arguments"], raw)
+
+
 def _first_interaction_next_requests() -> set[str]:
     """Recordings whose .next-request.json answers this very reply (#1, raw), per the README."""
     readme = PROVIDER_REPLIES / "README.md"
     rows = readme.read_text(encoding="utf-8").splitlines() if readme.is_file() else []
     pattern = re.compile(r"\| `([\w-]+)\.sse` \|.*`\1\.next-request\.json` \(#1, raw\)")
-    return {match[1] for row in rows if (match := pattern.match(row))}
+    matches = (pattern.match(row) for row in rows)
+    return {match[1] for match in matches if match}
 
 
 class StreamConformanceTest(LoopTestCase):
@@ -2336,10 +2446,8 @@ class ApprovalTest(ApprovalCase):
     def test_a_crash_between_refunding_and_marking_the_action_used_applies_nothing(self) -> None:
         told = self.propose()
         tools = fc.tool_table(self.tools)
-        with (
-            mock.patch.object(Approvals, "_mark", side_effect=RuntimeError("power cut")),
-            self.assertRaisesRegex(RuntimeError, "power cut"),
-        ):
+        power_cut = mock.patch.object(Approvals, "_mark", side_effect=RuntimeError("power cut"))
+        with power_cut, self.assertRaisesRegex(RuntimeError, "power cut"):
             self.approvals.approve(told["approvalId"], tools, "alice")
         self.assertEqual(self.refunds(), [])
         self.approvals.approve(told["approvalId"], tools, "alice")
@@ -2646,7 +2754,7 @@ class ApprovalCliTest(ApprovalCase):
         done = self.decide("approve", "appr-00000000000000000000")
         self.assertEqual(
             (done.returncode, done.stderr),
-            (1, 'error: "appr-00000000000000000000": no such action\n'),
+            (1, "error: appr-00000000000000000000: no such action\n"),
         )
 
     def test_an_approval_is_bound_to_the_exact_arguments_and_customer(self) -> None:
@@ -2854,10 +2962,11 @@ class AnyWriterTest(LoopTestCase):
         with ScriptedChatServer([b"{}", b"{}"]) as service:
             tool = SendLetter(service.base_url)
             action_id = self.propose_note(tool, "dear sir")
-            with (  # the letter goes out, then the approval's commit fails
-                mock.patch.object(Approvals, "_mark", side_effect=sqlite3.OperationalError("full")),
-                self.assertRaises(sqlite3.OperationalError),
-            ):
+            # the letter goes out, then the approval's commit fails
+            full = mock.patch.object(
+                Approvals, "_mark", side_effect=sqlite3.OperationalError("full")
+            )
+            with full, self.assertRaises(sqlite3.OperationalError):
                 self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
             self.assertEqual([a.action_id for a in self.approvals.pending()], [action_id])
             self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
@@ -3528,11 +3637,8 @@ class MakeItYoursTest(HelpDeskCase):
         out = io.StringIO()
         with ScriptedChatServer(alternating_lookups(3)) as server:
             env = {"OPENAI_BASE_URL": server.base_url, "FUNCTION_CALLING_DATA": str(self.data_dir)}
-            with (
-                mock.patch.dict(os.environ, env),
-                redirect_stdout(out),
-                redirect_stderr(io.StringIO()),
-            ):
+            quiet = redirect_stderr(io.StringIO())
+            with mock.patch.dict(os.environ, env), redirect_stdout(out), quiet:
                 code = fc.main(["ask", "where?", "--max-rounds", "2", "--customer", "c"], app=app)
         self.assertEqual((code, out.getvalue()), (3, "Out of steps; try a smaller question.\n"))
 
@@ -3541,7 +3647,8 @@ class FirstReadingTest(unittest.TestCase):
     def test_the_first_reading_the_docstring_names_is_about_as_long_as_it_says(self) -> None:
         lines = MODULE.read_text().splitlines()
         banner = re.compile(r"^# -{3,} (.+)$")
-        starts = [(n, m.group(1)) for n, line in enumerate(lines) if (m := banner.match(line))]
+        found = ((n, banner.match(line)) for n, line in enumerate(lines))
+        starts = [(n, match.group(1)) for n, match in found if match]
         ends = [n for n, _ in starts[1:]] + [len(lines)]
         size = {title.split(" (")[0]: end - n for (n, title), end in zip(starts, ends, strict=True)}
         reading = re.search(
@@ -3555,6 +3662,339 @@ class FirstReadingTest(unittest.TestCase):
         total = starts[0][0] + sum(size[name] for name in names)  # the docstring too
         claimed = int(reading.group(1).replace(",", ""))
         self.assertLessEqual(abs(total - claimed), claimed // 10, f"{total} lines")
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
+    """A throwaway certificate for 127.0.0.1, made with the openssl command if there is one."""
+    if not shutil.which("openssl"):
+        return None
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+def runs(python: str) -> bool:
+    """Does this interpreter start? (A pyenv shim for a version not in use does not.)"""
+    done = subprocess.run([python, "-c", "pass"], capture_output=True, timeout=60, check=False)
+    return done.returncode == 0
+
+
+class ClearOutcomeTest(LoopTestCase):
+    """Every failure ends as one clear line on stderr and the right exit code; nothing lost."""
+
+    def ask(
+        self, script: Sequence[fc.ScriptItem], *extra: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
+        with ScriptedChatServer(script) as server:
+            environment = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
+            done = self.cli("ask", "hi", *extra, env={**environment, **(env or {})})
+        self.assertNotIn("unexpected", done.stderr)
+        return done, server.requests
+
+    def test_no_server_text_shows_the_key_or_any_long_start_of_it(self) -> None:
+        def echo(request: RecordedRequest) -> bytes:
+            return ("you sent " + request.headers["authorization"]).encode()
+
+        def padded(request: RecordedRequest) -> ScriptedReply:  # cut mid-key by a 4 KiB read
+            body = "x" * (4096 - 12) + request.headers["authorization"]
+            return ScriptedReply(body.encode(), 401)
+
+        key_error = json.dumps({"error": {"message": f"bad key {FAKE_KEY}"}}).encode()
+        not_json = f"data: {FAKE_KEY}\n\n".encode()
+        for script in (
+            [echo],
+            [key_error],
+            [fc.stream_reply([chunk({"content": "a"}), json.loads(key_error)])],
+            [sse(not_json)],
+            [padded],
+        ):
+            with self.subTest(script=str(script)[:50]):
+                done, _ = self.ask(script, "--stream", "--retries", "0")
+                self.assertEqual(done.returncode, 1, done.stderr)
+                self.assertNotIn(FAKE_KEY[: fc.KEY_PREFIX_SHOWN + 1], done.stderr + done.stdout)
+                self.assertEqual(done.stderr.count("\n"), 1)
+
+    def test_server_text_reaches_the_terminal_with_control_characters_escaped(self) -> None:
+        hostile = b"\x1b[2J\x1b]0;pwned\x07 oops"
+        done, _ = self.ask([ScriptedReply(hostile, 400)])
+        self.assertEqual(done.returncode, 1)
+        self.assertNotIn("\x1b", done.stderr)
+        self.assertNotIn("\x07", done.stderr)
+        self.assertIn("\\x1b[2J", done.stderr)
+
+    def test_a_base_url_with_a_bad_port_or_ipv6_literal_is_a_configuration_error(self) -> None:
+        for url in ("http://127.0.0.1:abc/v1", "http://127.0.0.1:99999/v1", "http://[::1/v1"):
+            with self.subTest(url=url):
+                done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": url})
+                self.assertEqual(done.returncode, 2, done.stderr)
+                self.assertIn("OPENAI_BASE_URL", done.stderr)
+                self.assertEqual(done.stderr.count("\n"), 1)
+
+    def test_numeric_flags_are_bounded_and_say_their_range(self) -> None:
+        for flag, value, says in (
+            ("--timeout", "1e10", "at most 3600"),
+            ("--turn-timeout", "1e10", "at most 86400"),
+            ("--max-rounds", "99999999999", "from 1 to 1000"),
+            ("--retries", "1000", "from 0 to 100"),
+            ("--timeout", "nan", "above 0"),
+        ):
+            with self.subTest(flag=flag, value=value):
+                done = self.cli("ask", "hi", flag, value, env={"OPENAI_API_KEY": FAKE_KEY})
+                self.assertEqual(done.returncode, 2)
+                self.assertIn(says, done.stderr)
+
+    def test_a_data_directory_that_cannot_be_used_is_named_and_left_alone(self) -> None:
+        a_file = self.data_dir / "a-file"
+        a_file.write_text("not a directory")
+        damaged = self.data_dir / "damaged"
+        damaged.mkdir()
+        (damaged / SHOP.database).write_bytes(b"this is not a SQLite database" * 100)
+        for data_dir, says, pending_says in (
+            (a_file, "cannot use", "no database at"),
+            (a_file / "below", "cannot use", "no database at"),
+            (damaged, "is not a database", "is not a database"),
+        ):
+            for command in (["ask", "hi"], ["pending"]):
+                with self.subTest(data_dir=data_dir.name, command=command):
+                    with ScriptedChatServer([text_reply("never")]) as server:
+                        env = {"OPENAI_BASE_URL": server.base_url}
+                        done = self.cli(*command, "--data-dir", str(data_dir), env=env)
+                    self.assertEqual(done.returncode, 2, done.stderr)
+                    self.assertIn(says if command[0] == "ask" else pending_says, done.stderr)
+                    self.assertIn(str(data_dir), done.stderr)
+                    self.assertEqual(server.requests, [])
+        self.assertEqual(
+            (damaged / SHOP.database).read_bytes(), b"this is not a SQLite database" * 100
+        )
+        self.assertEqual(a_file.read_text(), "not a directory")
+
+    def test_a_database_locked_by_another_process_is_one_clear_line(self) -> None:
+        holder = sqlite3.connect(self.db_path, isolation_level=None)
+        self.addCleanup(holder.close)
+        holder.execute("BEGIN EXCLUSIVE")
+        err = io.StringIO()
+        short_wait = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.1)
+        with short_wait, redirect_stderr(err), redirect_stdout(io.StringIO()):
+            code = fc.main(["pending", "--data-dir", str(self.data_dir)], app=SHOP)
+        holder.execute("ROLLBACK")
+        self.assertEqual(code, 1)
+        self.assertEqual(
+            err.getvalue(),
+            "error: the database could not be used (database is locked); try again\n",
+        )
+
+    def test_a_tls_certificate_that_cannot_be_verified_is_one_clear_line(self) -> None:
+        files = self_signed_certificate(self.data_dir)
+        if files is None:
+            self.skipTest("no openssl command to make a certificate with")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*files)
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+
+        def serve() -> None:
+            with suppress(OSError):
+                connection, _ = listener.accept()
+                with suppress(OSError, ssl.SSLError):
+                    context.wrap_socket(connection, server_side=True).close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}/v1"
+        done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": url, "OPENAI_API_KEY": FAKE_KEY})
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("TLS certificate could not be verified", done.stderr)
+        for internal in ("_ssl.c", "127.0.0.1", "CERTIFICATE_VERIFY_FAILED"):
+            self.assertNotIn(internal, done.stderr)
+        self.assertEqual(done.stderr.count("\n"), 1)
+
+    def test_older_pythons_are_told_in_one_line(self) -> None:
+        pyenv = Path(os.path.expanduser("~/.pyenv/versions"))
+        found = sorted(str(path) for path in pyenv.glob("3.[789].*/bin/python3"))
+        found += [shutil.which(f"python3.{minor}") or "" for minor in (9, 8, 7)]
+        old = [python for python in found if python and runs(python)]
+        if not old:
+            self.skipTest("no Python older than 3.10 is installed")
+        for python in old[:2]:
+            for script in (MODULE, HERE / "test_function_calling.py"):
+                with self.subTest(python=python, script=script.name):
+                    done = subprocess.run(
+                        [python, str(script)],
+                        capture_output=True,
+                        text=True,
+                        timeout=60,
+                        check=False,
+                    )
+                    self.assertNotEqual(done.returncode, 0)
+                    self.assertEqual(
+                        done.stderr, "function_calling.py needs Python 3.10 or newer\n"
+                    )
+
+    def test_a_reader_that_leaves_early_is_a_quiet_exit_and_the_turn_is_audited(self) -> None:
+        for extra in ((), ("--stream",)):
+            long_answer = ScriptedChatServer([text_reply("the answer " * 1000)])
+            with self.subTest(extra=extra), long_answer as server:
+                child = subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(MODULE),
+                        "ask",
+                        "hi",
+                        *extra,
+                        "--data-dir",
+                        str(self.data_dir),
+                    ],
+                    env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                assert child.stdout is not None and child.stderr is not None
+                child.stdout.close()  # as `| head -0` would
+                stderr = child.stderr.read()
+                child.stderr.close()
+                self.assertEqual(child.wait(timeout=60), fc.EXIT_BROKEN_PIPE)
+                self.assertEqual(stderr, "")
+        self.assertEqual([t["stop_reason"] for t in self.audit_records("turn")], ["answered"] * 2)
+
+    def test_an_answer_the_terminal_cannot_encode_is_printed_with_replacements(self) -> None:
+        done, _ = self.ask(
+            [text_reply("Shipped \U0001f4e6 today")], env={"PYTHONIOENCODING": "ascii"}
+        )
+        self.assertEqual((done.returncode, done.stdout), (0, "Shipped ? today\n"))
+
+    def test_a_question_that_is_not_utf8_empty_or_too_long_is_refused_unsent(self) -> None:
+        with ScriptedChatServer([text_reply("never")]) as server:
+            env = {"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url}
+            for question, extra, says in (
+                (b"caf\xe9?", [], "not valid UTF-8"),
+                (b"   ", [], "empty"),
+                (b"x" * 200, ["--max-question", "100"], "200 characters long; the limit is 100"),
+            ):
+                with self.subTest(question=question[:10]):
+                    done = subprocess.run(
+                        [
+                            sys.executable,
+                            str(MODULE),
+                            "ask",
+                            question,
+                            *extra,
+                            "--data-dir",
+                            str(self.data_dir),
+                        ],
+                        env=env,
+                        capture_output=True,
+                        timeout=60,
+                        check=False,
+                    )
+                    self.assertEqual(done.returncode, 2)
+                    self.assertIn(says.encode(), done.stderr)
+            chat = subprocess.run(
+                [
+                    sys.executable,
+                    str(MODULE),
+                    "chat",
+                    "--max-question",
+                    "100",
+                    "--data-dir",
+                    str(self.data_dir),
+                ],
+                env=env,
+                input=b"caf\xe9\n" + b"y" * 20_000 + b"\nhello\n",
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+        self.assertEqual(chat.stdout, b"never\n")  # the one good line was asked
+        self.assertEqual(chat.stderr.count(b"error:"), 2)
+        self.assertEqual(chat.returncode, 2)
+        self.assertEqual(len(server.requests), 1)
+
+    def test_ctrl_c_during_a_streamed_answer_ends_the_line_and_audits_the_turn(self) -> None:
+        def stall() -> Iterator[bytes]:
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"Half an ans"}}]}\n\n'
+            time.sleep(30)
+
+        reply = ScriptedReply(stall(), headers=(("Content-Type", "text/event-stream"),))
+        with ScriptedChatServer([reply]) as server:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(MODULE),
+                    "ask",
+                    "hi",
+                    "--stream",
+                    "--data-dir",
+                    str(self.data_dir),
+                ],
+                env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert child.stdout is not None
+            self.assertEqual(child.stdout.read(len(b"Half an ans")), b"Half an ans")
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+        self.assertEqual(child.returncode, fc.EXIT_INTERRUPTED)
+        self.assertEqual((out, err), (b"\n", b"interrupted\n"))
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["stop_reason"], "interrupted")
+
+    def test_stats_skips_and_counts_lines_whose_fields_have_the_wrong_types(self) -> None:
+        self.run_turn([text_reply("hello")])
+        for fields in ({"rounds": "x"}, {"usage": "x"}, {"retries": [1]}):
+            self.audit.record("turn", stop_reason="answered", **fields)
+        done = self.cli("stats", str(self.audit_path))
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("turns            1", done.stdout)
+        self.assertIn("skipped lines    3", done.stdout)
+
+    def test_an_expected_head_not_in_the_chain_names_no_line_that_does_not_exist(self) -> None:
+        self.audit.record("one")
+        done = self.cli("verify-audit", str(self.audit_path), "--expect-head", "0" * 63 + "1")
+        self.assertEqual(done.returncode, 1)
+        self.assertNotIn("line", done.stderr)
+        self.assertIn("cut short", done.stderr)
+        upper = self.cli("verify-audit", str(self.audit_path), "--expect-head", "A" * 64)
+        self.assertEqual(upper.returncode, 2)
+
+    def test_a_cut_last_line_says_where_the_way_on_is_documented(self) -> None:
+        self.audit.record("before")
+        with open(self.audit_path, "ab") as log:
+            log.write(b'{"seq":2')
+        with self.assertRaises(fc.AuditError) as caught:
+            self.audit.record("after")
+        section = re.search(r'README "([^"]+)"', str(caught.exception))
+        assert section is not None
+        self.assertTrue(f"### {section.group(1)}\n" in README.read_text(), section.group(1))
+
+    def test_messages_say_exactly_what_happened(self) -> None:
+        done, _ = self.ask([ScriptedReply(b"{}", 500)], "--retries", "0")
+        self.assertIn("(not retried: retries are set to 0)", done.stderr)
+        self.assertNotIn("after 0 retries", done.stderr)
+        non_ascii = self.cli("ask", "hi", env={"OPENAI_API_KEY": "sk-caf\u00e9"})
+        self.assertEqual(
+            non_ascii.stderr, "error: OPENAI_API_KEY holds characters that are not ASCII\n"
+        )
 
 
 # ---------------------------------------------------------------------------------- benchmarks
