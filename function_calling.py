@@ -31,15 +31,17 @@ Yours: write Tool subclasses, put them in an App, and call main(app=…) (README
 
 Sections, in the order one request meets them: settings · errors · tools and validation · the
 data the tools touch · audit · the audit chain · the request · the transport · the reply · the
-stream · dispatch (the trust boundary) · the loop · approvals (the human side of writes) · the
-CLI · the scripted server used by `demo` and the tests.
+stream · dispatch (the trust boundary) · the loop · the workers · server quirks · approvals (the
+human side of writes) · the CLI · the scripted server used by `demo` and the tests.
 
 First reading, the whole mechanism (about 1,000 lines, this docstring included): errors,
 tools and validation, the request, the reply, dispatch, the loop. The reply holds the verbatim
 echo; settings holds the caps the code names; for tools that write, approvals come next.
 Hardening a first reading may skip: the transport (deadlines, retries, redirects), the stream
 (server-sent events, calls assembled from deltas), the workers (calls of one reply at once,
-and the calls that do not run) and the audit chain (hash-chained appends, verification).
+and the calls that do not run), server quirks (calls the server refused or wrote as text,
+tool_choice, strict schemas, portable history) and the audit chain (hash-chained appends,
+verification).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ __all__ = [
     "delta_chunk",
     "main",
     "parse_arguments",
+    "portable_history",
     "require_choice",
     "require_integer",
     "require_pattern",
@@ -239,11 +242,13 @@ class ConfigError(Exception):
 
 
 class ApiError(Exception):
-    """The model API gave no usable reply; ends the turn. Its text never holds the API key."""
+    """The model API gave no usable reply; ends the turn. Its text never holds the API key.
+    `code` is the error code the server gave in its body, if it gave one."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class ToolError(Exception):
@@ -296,6 +301,9 @@ class Tool:
     writes: ClassVar[bool] = False
     # The result is the answer: when every call in a reply is return-direct, no model call follows.
     return_direct: ClassVar[bool] = False
+    # OpenAI's strict mode for this function's arguments; tool_table then refuses a schema
+    # strict mode would reject (see _strict_problem).
+    strict: ClassVar[bool] = False
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
@@ -322,14 +330,14 @@ class Tool:
 
     def definition(self) -> dict[str, Any]:
         """The entry of the request's `tools` array."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
+        function: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
         }
+        if self.strict:
+            function["strict"] = True
+        return {"type": "function", "function": function}
 
 
 def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> dict[str, Any]:
@@ -347,6 +355,7 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
             arguments_json,
             object_pairs_hook=_refuse_duplicate_keys,
             parse_constant=_refuse_constant,
+            parse_float=_finite_float,
         )
     except RecursionError:
         raise ArgumentError(
@@ -392,6 +401,15 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ArgumentError(f"{_shown(key)}: expected once; got the key twice")
         seen[key] = value
     return seen
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float, unless it overflows (1e400 would be written back as
+    Infinity, which is not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ArgumentError(f"arguments: expected numbers a float can hold; got {_cut(text, 40)}")
+    return value
 
 
 def _refuse_constant(name: str) -> Any:
@@ -876,16 +894,23 @@ def _tool_message(tool_call_id: str, content: str) -> str:
 
 
 def _request_body(
-    model: str, messages: Sequence[str], tools_json: str, stream: bool = False
+    model: str,
+    messages: Sequence[str],
+    tools_json: str,
+    stream: bool = False,
+    tool_choice: str = '"auto"',
+    parallel_tool_calls: bool | None = None,
 ) -> bytes:
     """The request body as bytes, built from JSON texts rather than from dicts.
 
     The messages are spliced in as the texts they already are: that is what keeps an echoed
-    assistant message byte for byte as the server sent it.
+    assistant message byte for byte as the server sent it. `tool_choice` is JSON text.
     """
     body = '{"model":' + json.dumps(model) + ',"messages":[' + ",".join(messages) + "]"
     if tools_json != "[]":  # some servers reject tool_choice when no tools are offered
-        body += ',"tools":' + tools_json + ',"tool_choice":"auto"'
+        body += ',"tools":' + tools_json + ',"tool_choice":' + tool_choice
+        if parallel_tool_calls is not None:
+            body += ',"parallel_tool_calls":' + json.dumps(parallel_tool_calls)
     if stream:  # include_usage: without it OpenAI sends no token counts in a stream
         body += ',"stream":true,"stream_options":{"include_usage":true}'
     return (body + "}").encode("utf-8")
@@ -1027,18 +1052,28 @@ class ChatClient:
         tools_json: str = "[]",
         deadline: float | None = None,
         on_text: Callable[[str], None] | None = None,
+        *,
+        tool_choice: str = '"auto"',
+        parallel_tool_calls: bool | None = None,
     ) -> Reply:
         """One model call: POST the conversation (retrying what may be retried before
         `deadline`, a time.monotonic() value), return the parsed reply. With `on_text`, the
         reply is streamed and each piece of its text is handed to on_text as it arrives."""
-        body = _request_body(self.settings.model, messages, tools_json, on_text is not None)
+        body = _request_body(
+            self.settings.model,
+            messages,
+            tools_json,
+            on_text is not None,
+            tool_choice,
+            parallel_tool_calls,
+        )
         turn_deadline = deadline if deadline is not None else math.inf
         if time.monotonic() >= turn_deadline:
             raise ApiError("the turn's deadline passed before the model could be asked again")
         try:
             return self._attempts(body, turn_deadline, on_text)
         except ApiError as exc:  # every error text that may quote the server, made safe once
-            raise ApiError(self._redact(str(exc)), exc.status) from None
+            raise ApiError(self._redact(str(exc)), exc.status, exc.code) from None
 
     def _attempts(
         self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
@@ -1143,7 +1178,7 @@ class ChatClient:
         message = f"the model API answered HTTP {exc.code}: {_cut(text, 300)}"
         if _should_retry(exc.code, exc.headers):
             return _RetryableError(message, exc.code, _retry_after(exc.headers))
-        return ApiError(message, exc.code)
+        return ApiError(message, exc.code, _error_code(body))
 
     def _redact(self, text: str) -> str:
         """Text from a server, fit to show: a server may echo the request back, so the key,
@@ -1153,6 +1188,15 @@ class ChatClient:
         for length in range(len(key), KEY_PREFIX_SHOWN, -1):
             text = text.replace(key[:length], "[redacted]")
         return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `error.code` of an error body, such as "tool_use_failed", if it has one."""
+    with suppress(ValueError, RecursionError):
+        error = json.loads(body).get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        return code if isinstance(code, str) else None
+    return None
 
 
 def _should_retry(status: int, headers: Message) -> bool:
@@ -1431,19 +1475,25 @@ def _sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
     """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
     endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
     such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
-    `retry:`; a blank line ends an event."""
-    decoder = codecs.getincrementaldecoder("utf-8")()  # a character may span two chunks
-    pending = ""
+    `retry:`; a blank line ends an event. As the WHATWG rules say: one byte-order mark at the
+    start is skipped, and bytes that are not UTF-8 become U+FFFD (the event's JSON then names
+    what it can; nothing raises a UnicodeDecodeError)."""
+    # a character may span two chunks; errors="replace" is the spec's own decoding
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending, started = "", False
     data: list[str] = []
     for chunk in chunks:
-        lines, pending = _complete_lines(pending + decoder.decode(chunk))
+        text = decoder.decode(chunk)
+        if not started and text:
+            text, started = text.removeprefix("\ufeff"), True
+        lines, pending = _complete_lines(pending + text)
         for line in lines:
             if line:
                 _take_field(line, data)
             elif data:
                 yield "\n".join(data)
                 data = []
-    _take_field(pending, data)
+    _take_field(pending.removesuffix("\r"), data)  # a last line may end in a lone CR
     if data:  # the spec drops an event without its blank line; a server closing after it means it
         yield "\n".join(data)
 
@@ -1513,11 +1563,18 @@ class _StreamedMessage:
 
     def _call_for(self, piece: dict[str, Any], position: int, count: int) -> dict[str, Any]:
         """Which call a delta piece belongs to: by index; else by id; else by position."""
-        index = piece.get("index")
+        index, piece_id = piece.get("index"), piece.get("id")
+        new_id = isinstance(piece_id, str) and bool(piece_id)
         if isinstance(index, int) and not isinstance(index, bool):  # it may start at 1
-            return self._find_or_open("#index", index)
-        if isinstance(piece.get("id"), str) and piece["id"]:
-            return self._find_or_open("id", piece["id"])
+            call: dict[str, Any] | None = next(
+                (c for c in reversed(self.calls) if c.get("#index") == index), None
+            )
+            # subtle: some servers give every parallel call index 0; a new id is a new call
+            if call is None or (new_id and call.get("id") and call["id"] != piece_id):
+                return self._open({"#index": index})
+            return call
+        if new_id:
+            return self._find_or_open("id", piece_id)
         target = None
         if self.calls:
             target = self.calls[position] if 1 < count <= len(self.calls) else self.calls[-1]
@@ -1552,6 +1609,8 @@ def _merged(key: str, old: Any, new: Any) -> Any:
     if new is None:
         return old
     if isinstance(old, str) and isinstance(new, str):
+        if key == "name":  # a call's name comes whole; a second one is a repeat, never a piece
+            return old or new
         return old + new if key in _TEXT_PIECES or old != new else old
     if isinstance(old, dict) and isinstance(new, dict):
         joined = dict(old)
@@ -1744,7 +1803,8 @@ class TurnResult:
     guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
     "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show). A turn
     that Ctrl-C ends is audited as "interrupted" before run() lets KeyboardInterrupt go on.
-    messages: raw JSON texts, system prompt first; pass them as `history` to go on talking.
+    messages: raw JSON texts, system prompt first; pass them as `history` (and `origin` as
+    `history_origin`) to go on talking.
     Every assistant message with tool_calls is followed by one tool message per call, in order,
     whatever happened to the call, so the history is always valid to send again.
     """
@@ -1757,6 +1817,7 @@ class TurnResult:
     error: str | None = None
     usage: Mapping[str, int] = field(default_factory=dict)
     retries: int = 0  # HTTP requests sent again (429, 5xx, no response); tools never rerun
+    origin: tuple[str, str] = ("", "")  # (base URL, model) that wrote this history
 
 
 class ToolLoop:
@@ -1777,6 +1838,8 @@ class ToolLoop:
         turn_timeout: float = TURN_TIMEOUT_S,
         tool_workers: int = TOOL_WORKERS,
         tool_timeout: float = TOOL_TIMEOUT_S,
+        tool_choice: str = "auto",
+        parallel_tool_calls: bool | None = None,
     ) -> None:
         if min(max_rounds, max_calls_per_reply, tool_workers) < 1:
             raise ConfigError("max_rounds, max_calls_per_reply and tool_workers must be >= 1")
@@ -1795,6 +1858,9 @@ class ToolLoop:
         self.tool_workers = tool_workers
         self.tool_timeout = tool_timeout
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
+        self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
+        self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
+        self._origin = (client.settings.base_url, client.settings.model)
 
     def run(
         self,
@@ -1802,9 +1868,14 @@ class ToolLoop:
         context: ToolContext,
         history: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        history_origin: tuple[str, str] | None = None,
     ) -> TurnResult:
         """One turn. Never raises for the model's or the network's faults: see stop_reason.
-        With `on_text`, replies are streamed and their text handed over as it arrives."""
+        With `on_text`, replies are streamed and their text handed over as it arrives. A
+        `history` whose `history_origin` (TurnResult.origin) is another server or model than
+        this loop's goes in portable form (portable_history), not as the byte-exact echo."""
+        if history and history_origin and history_origin != self._origin:
+            history = portable_history(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.messages.append(_message("user", user_message))
         try:
@@ -1820,21 +1891,32 @@ class ToolLoop:
         """Round after round until a reply asks for no tool, a guard or a failure ends it."""
         while True:
             turn.rounds += 1
+            choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
             try:
                 reply = self.client.complete(
-                    turn.messages, self._tools_json, turn.deadline, on_text
+                    turn.messages,
+                    self._tools_json,
+                    turn.deadline,
+                    on_text,
+                    tool_choice=choice,
+                    parallel_tool_calls=self.parallel_tool_calls,
                 )
             except ApiError as exc:
-                return self._finish(turn, context, "api_error", error=str(exc))
+                if exc.code == "tool_use_failed" and self._may_ask_again(turn):
+                    continue  # the server refused the model's call: a new round asks again
+                return self._finish(turn, context, *self._failure(exc, choice, turn))
             turn.add_reply(reply)
             if not reply.tool_calls:
-                return self._finish(turn, context, *_ending(reply))
-            guard = self._guard(turn)
+                return self._finish(turn, context, *self._ending(reply))
+            # a plan the model did not finish writing is not a plan: none of it runs
+            guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
             try:
                 results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
             except AuditError as exc:  # fail closed: no unaudited result goes back
                 turn.close_open_calls("audit_failed")
                 return self._finish(turn, context, "audit_failed", error=str(exc))
+            if guard == "incomplete":
+                return self._finish(turn, context, guard, reply.content, _CUT_CALLS)
             if guard:
                 return self._finish(turn, context, guard, answer=self.fallbacks[guard])
             if turn.failed_tool:
@@ -1843,6 +1925,33 @@ class ToolLoop:
             if self._answers_directly(results):
                 answer = "\n".join(result.content for result in results)
                 return self._finish(turn, context, "returned_direct", answer=answer)
+
+    def _may_ask_again(self, turn: _Turn) -> bool:
+        """After a server's tool_use_failed: is there a round left, and a try?"""
+        turn.refused_calls += 1
+        return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < self.max_rounds
+
+    def _failure(self, exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
+        """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
+        if exc.code == "tool_use_failed":
+            times = f"{turn.refused_calls} time{'s' if turn.refused_calls > 1 else ''}"
+            return (
+                "invalid_tool_call",
+                None,
+                f"the server refused the model's tool call {times}: {exc}",
+            )
+        if exc.status == 400 and choice != '"auto"':
+            forced = f"the request forced tool_choice {choice}; this server may not support it"
+            return "api_error", None, f"{exc} ({forced})"
+        return "api_error", None, str(exc)
+
+    def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
+        """How a reply without tool calls ends the turn: an answer, or plainly not one."""
+        written = _call_written_as_text(reply.content, self.tools)
+        if written:  # never run: what the model wrote is text, not a request we can trust
+            return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
+        stop_reason, answer = _ending(reply)
+        return stop_reason, answer, None
 
     def _guard(self, turn: _Turn) -> str | None:
         """The guard that stops this turn before the reply's calls run, if one does."""
@@ -1906,6 +2015,7 @@ class ToolLoop:
             error=error,
             usage=dict(turn.usage),
             retries=turn.retries,
+            origin=self._origin,
         )
         try:
             self._audit_turn(turn, context, result)
@@ -1941,6 +2051,7 @@ class _Turn:
     tool_calls: int = 0
     tool_errors: int = 0
     failed_tool: str | None = None
+    refused_calls: int = 0  # replies the server refused with tool_use_failed
     usage: dict[str, int] = field(default_factory=dict)
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
@@ -2034,6 +2145,9 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
             schema.get("required"), list
         ):
             raise ConfigError(f"tool {tool.name!r}: parameters need 'properties' and 'required'")
+        problem = _strict_problem(schema, "parameters") if tool.strict else None
+        if problem:
+            raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
         table[tool.name] = tool
     return table
 
@@ -2136,6 +2250,134 @@ def _call_worker(
                 future.set_result(run_one(call))
             except BaseException as exc:  # noqa: BLE001 -- handed to the loop's thread
                 future.set_exception(exc)
+
+
+# ----------------------------------------------------------------------------- server quirks
+# What real servers do beside the protocol, and how the loop answers it: a call the server
+# itself refused (tool_use_failed), a call written as text by a server that does not parse
+# calls, a forced tool_choice, strict schemas, a history carried to another provider.
+# Hardening: a first reading may skip it.
+
+MAX_REFUSED_CALLS = 2  # a server's tool_use_failed is asked again twice, each a new round
+_CUT_CALLS = (
+    "the reply was cut at the model's token limit while it asked for tools; none of them ran"
+)
+_TEXT_CALL_HINT = (
+    "the model wrote a call to {name} as text, not as a tool call, so nothing was run: the"
+    " server is not parsing tool calls (llama.cpp: start llama-server with --jinja; vLLM:"
+    " --enable-auto-tool-choice --tool-call-parser NAME; Ollama: a model with tool support)"
+)
+# Where local servers without a tool-call parser leave a call: Hermes/Qwen tags, Llama's
+# python tag, Mistral's marker, a fenced block, or the whole text.
+_WRITTEN_CALL = re.compile(
+    r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)|<\|python_tag\|>\s*(.*)"
+    r"|\[TOOL_CALLS\]\s*(.*)|```(?:json)?\s*(.*?)```",
+    re.DOTALL,
+)
+
+
+def _call_written_as_text(content: str | None, tools: Mapping[str, Tool]) -> str | None:
+    """The tool a reply's text calls, if it is a call written out as text: JSON with a name
+    this turn offered and arguments. An answer that merely holds JSON is not one."""
+    if not content:
+        return None
+    found = [group for match in _WRITTEN_CALL.finditer(content) for group in match.groups()]
+    for text in [*filter(None, found), content.strip()]:
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, dict) or not ("arguments" in item or "parameters" in item):
+                continue
+            name = item.get("name")
+            if isinstance(name, str) and name in tools:
+                return name
+    return None
+
+
+def _tool_choice_json(choice: str, tools: Mapping[str, Tool]) -> str:
+    """tool_choice as it goes on the wire: "auto", "none", "required", or one named tool."""
+    if choice in ("auto", "none", "required"):
+        return json.dumps(choice)
+    if choice not in tools:
+        raise ConfigError(f"tool_choice {choice!r} is not auto, none, required or a tool's name")
+    return _compact({"type": "function", "function": {"name": choice}})
+
+
+def _strict_problem(schema: Any, where: str) -> str | None:
+    """Why OpenAI's strict mode would refuse a schema, if it would: at every object level,
+    additionalProperties false and every property in `required` (an optional one is typed
+    nullable instead, e.g. "type": ["string", "null"])."""
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") == "object" or "properties" in schema:
+        properties = schema.get("properties") or {}
+        if schema.get("additionalProperties") is not False:
+            return f"{where} does not set additionalProperties to false"
+        missing = sorted(set(properties) - set(schema.get("required") or []))
+        if missing:
+            return (
+                f"{where} leaves {', '.join(missing)} out of required (type optional ones nullable)"
+            )
+        for name, inner in properties.items():
+            problem = _strict_problem(inner, f"{where}.{name}")
+            if problem:
+                return problem
+    inner_schemas = [schema.get("items"), *(schema.get("anyOf") or [])]
+    return next(
+        filter(None, (_strict_problem(inner, f"{where}[]") for inner in inner_schemas)), None
+    )
+
+
+# The fields of each message that every chat-completions server accepts.
+PORTABLE_FIELDS = {
+    "system": ("role", "content"),
+    "user": ("role", "content"),
+    "assistant": ("role", "content", "tool_calls"),
+    "tool": ("role", "tool_call_id", "content"),
+}
+
+
+def portable_history(messages: Sequence[str]) -> tuple[str, ...]:
+    """A history any server accepts: each message reduced to the protocol's own fields, an
+    assistant's calls to id, type and function name and arguments (as text).
+
+    The byte-exact echo is right for the server that wrote a reply (some verify reasoning
+    signatures in it); another provider may reject the foreign fields (refusal: null, another
+    vendor's reasoning) with 400 or 422, and signed reasoning is bound to the model that made
+    it. ToolLoop.run uses this form when a history comes from another server or model.
+    """
+    portable = []
+    for raw in messages:
+        message = json.loads(raw)
+        role = message.get("role")
+        kept = {
+            key: message[key]
+            for key in PORTABLE_FIELDS.get(role, ("role", "content"))
+            if key in message
+        }
+        if role == "assistant":
+            kept["content"] = message.get("content")
+            calls = [_portable_call(call) for call in message.get("tool_calls") or []]
+            kept.pop("tool_calls", None)
+            if calls:
+                kept["tool_calls"] = calls
+        portable.append(_compact(kept))
+    return tuple(portable)
+
+
+def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = "{}" if arguments is None else _compact(arguments)
+    name = function.get("name")
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 # ----------------------------------------------------------------------------------- approvals
@@ -2952,6 +3194,7 @@ def _cmd_chat(args: argparse.Namespace, app: App) -> int:
     """One turn per line; the history carries every verbatim message into the next turn."""
     loop = _conversation(args, app)
     history: Sequence[str] = ()
+    origin: tuple[str, str] | None = None
     worst = EXIT_OK
     for line in _read_lines(sys.stdin):
         if line.strip() == "/quit":
@@ -2964,8 +3207,8 @@ def _cmd_chat(args: argparse.Namespace, app: App) -> int:
             print(f"error: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
             continue
-        result, printer = _turn(loop, question, args, history)
-        history = result.messages  # a turn a guard stopped ends; the chat goes on
+        result, printer = _turn(loop, question, args, history, origin)
+        history, origin = result.messages, result.origin  # a guard ends one turn, not the chat
         worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
     return worst
 
@@ -2987,12 +3230,17 @@ def _question(text: str, most: int) -> str:
 
 
 def _turn(
-    loop: ToolLoop, question: str, args: argparse.Namespace, history: Sequence[str] = ()
+    loop: ToolLoop,
+    question: str,
+    args: argparse.Namespace,
+    history: Sequence[str] = (),
+    origin: tuple[str, str] | None = None,
 ) -> tuple[TurnResult, _Printer | None]:
     """One turn for the CLI, streamed if asked; Ctrl-C still ends the printed line."""
     printer = _Printer() if args.stream else None
+    context = ToolContext(args.customer)
     try:
-        result = loop.run(question, ToolContext(args.customer), history, on_text=printer)
+        result = loop.run(question, context, history, on_text=printer, history_origin=origin)
     except KeyboardInterrupt:
         if printer:
             printer.end_line()
@@ -3051,7 +3299,7 @@ def _report(result: TurnResult, printer: _Printer | None = None) -> int:
     if result.stop_reason in _CUT_SHORT:
         if result.answer and not streamed:
             print(result.answer, flush=True)
-        print(f"error: {_CUT_SHORT[result.stop_reason]}", file=sys.stderr)
+        print(f"error: {result.error or _CUT_SHORT[result.stop_reason]}", file=sys.stderr)
         return EXIT_FAILED
     if result.stop_reason in GUARD_STOPS:
         print(result.answer, flush=True)
@@ -3389,7 +3637,7 @@ def tool_call_reply(calls: Sequence[tuple[str, str]], content: str | None = None
         }
         for name, arguments in calls
     ]
-    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+    message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": tool_calls}
     return _completion(message, "tool_calls")
 
 
@@ -3405,23 +3653,36 @@ def stream_reply(events: Iterable[dict[str, Any] | str]) -> ScriptedReply:
     return ScriptedReply(pieces(), headers=(("Content-Type", "text/event-stream"),))
 
 
+# The scripted bodies carry every field OpenAI's published schema requires (openapi.yaml:
+# CreateChatCompletionResponse, CreateChatCompletionStreamResponse), so strict clients such as
+# the openai SDK's models accept them too.
+
+
 def delta_chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
     """A chat.completion.chunk carrying one delta of choices[0]."""
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    return {"object": "chat.completion.chunk", "choices": [choice]}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": "scripted",
+        "choices": [choice],
+    }
 
 
 def text_reply(text: str) -> bytes:
     """A chat-completions body that answers with text."""
-    return _completion({"role": "assistant", "content": text}, "stop")
+    return _completion({"role": "assistant", "content": text, "refusal": None}, "stop")
 
 
 def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
     body = {
         "id": "chatcmpl-scripted",
         "object": "chat.completion",
+        "created": int(time.time()),
         "model": "scripted",
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [choice],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
     }
     return json.dumps(body).encode("utf-8")
