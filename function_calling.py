@@ -1609,9 +1609,7 @@ def _merged(key: str, old: Any, new: Any) -> Any:
     if new is None:
         return old
     if isinstance(old, str) and isinstance(new, str):
-        if key == "name":  # a call's name comes whole; a second one is a repeat, never a piece
-            return old or new
-        return old + new if key in _TEXT_PIECES or old != new else old
+        return _joined_text(key, old, new)
     if isinstance(old, dict) and isinstance(new, dict):
         joined = dict(old)
         for inner_key, value in new.items():
@@ -1620,6 +1618,13 @@ def _merged(key: str, old: Any, new: Any) -> Any:
     if isinstance(old, list) and isinstance(new, list):
         return _merged_list(old, new)
     return new
+
+
+def _joined_text(key: str, old: str, new: str) -> str:
+    """A text field again: a piece to append, or a repeat to keep once."""
+    if key == "name":  # a call's name comes whole; a second one is a repeat, never a piece
+        return old or new
+    return old + new if key in _TEXT_PIECES or old != new else old
 
 
 def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
@@ -1915,10 +1920,10 @@ class ToolLoop:
             except AuditError as exc:  # fail closed: no unaudited result goes back
                 turn.close_open_calls("audit_failed")
                 return self._finish(turn, context, "audit_failed", error=str(exc))
-            if guard == "incomplete":
-                return self._finish(turn, context, guard, reply.content, _CUT_CALLS)
-            if guard:
-                return self._finish(turn, context, guard, answer=self.fallbacks[guard])
+            if guard:  # cut short: the text that came and a note; a guard: its fallback
+                cut = guard == "incomplete"
+                answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
+                return self._finish(turn, context, guard, answer, note)
             if turn.failed_tool:
                 error = f"the tool {turn.failed_tool} failed; details are in the audit log"
                 return self._finish(turn, context, "tool_failed", error=error)
@@ -2176,6 +2181,7 @@ _SKIP_REASONS = {
     "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
     "audit_failed": "the audit log could not be written",
     "interrupted": "the user interrupted the turn",
+    "incomplete": "the reply was cut at the token limit, so none of its calls ran",
 }
 
 

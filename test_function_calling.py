@@ -14,6 +14,7 @@ import functools
 import hashlib
 import http.client
 import io
+import itertools
 import json
 import logging
 import os
@@ -2012,6 +2013,290 @@ class HostileReplyTest(LoopTestCase):
         self.assert_rejected(sent, "invalid_arguments", "twice")
         (record,) = self.audit_records()
         self.assertEqual(record["arguments"], raw)
+
+
+OPENAPI = HERE.parent / "shared" / "openapi" / "openapi.yaml"
+# What OpenAI's published schema requires (openapi.yaml), checked by hand: stdlib only.
+REQUIRED = {
+    "CreateChatCompletionResponse": ("choices", "created", "id", "model", "object"),
+    "CreateChatCompletionStreamResponse": ("choices", "created", "id", "model", "object"),
+    "ChatCompletionResponseMessage": ("role", "content", "refusal"),
+}
+CHOICE_REQUIRED = ("finish_reason", "index", "message", "logprobs")
+CHUNK_CHOICE_REQUIRED = ("delta", "finish_reason", "index")
+
+
+def schema_required(yaml_text: str, name: str) -> tuple[str, ...]:
+    """The top-level `required:` list of one schema in openapi.yaml, read without a parser."""
+    start = yaml_text.index(f"\n    {name}:\n")
+    following = re.search(r"\n    [A-Za-z]", yaml_text[start + 5 :])
+    block = yaml_text[start : start + 5 + following.start()] if following else yaml_text[start:]
+    listed = block[block.rindex("\n      required:") :].split("\n")[2:]
+    return tuple(
+        line.strip()[2:]
+        for line in itertools.takewhile(lambda text: text.startswith("        - "), listed)
+    )
+
+
+def string_reply(message: dict[str, Any], finish_reason: str) -> bytes:
+    return fc._completion(message, finish_reason)
+
+
+class WireQuirkTest(LoopTestCase):
+    """How 2026 servers really speak, each a named, tested outcome."""
+
+    def stream_turn(
+        self, *events: dict[str, Any] | str
+    ) -> tuple[TurnResult, list[RecordedRequest]]:
+        return self.run_turn(
+            [fc.stream_reply([*events, "[DONE]"]), text_reply("ok")], on_text=lambda text: None
+        )
+
+    def test_streamed_calls_that_share_an_index_but_not_an_id_stay_apart(self) -> None:
+        result, requests = self.stream_turn(
+            call_piece(index=0, id="a", function={"name": "getOrderStatus", "arguments": ""}),
+            call_piece(index=0, function={"arguments": '{"orderId":"ORD-1001"}'}),
+            call_piece(index=0, id="b", function={"name": "getOrderStatus", "arguments": ""}),
+            call_piece(index=0, function={"arguments": '{"orderId":"ORD-1002"}'}),
+            chunk({}, "tool_calls"),
+        )
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual([m["tool_call_id"] for m in tool_messages(requests[1])], ["a", "b"])
+        self.assertEqual(
+            [r["orderId"] for r in tool_results(requests[1])], ["ORD-1001", "ORD-1002"]
+        )
+
+    def test_a_repeated_id_and_name_keep_joining_one_call_and_names_never_double(self) -> None:
+        _, requests = self.stream_turn(
+            call_piece(
+                index=0, id="a", function={"name": "getOrderStatus", "arguments": '{"orderId":'}
+            ),
+            call_piece(
+                index=0, id="a", function={"name": "getOrderStatus", "arguments": '"ORD-1001"}'}
+            ),
+            chunk({}, "tool_calls"),
+        )
+        calls = requests[1].json()["messages"][2]["tool_calls"]
+        self.assertEqual([c["function"]["name"] for c in calls], ["getOrderStatus"])
+        self.assertEqual(tool_results(requests[1])[0]["orderId"], "ORD-1001")
+
+    def test_a_trailing_piece_of_only_extra_fields_attaches_without_corrupting_a_call(self) -> None:
+        _, requests = self.stream_turn(
+            call_piece(
+                index=0,
+                id="a",
+                function={"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+            ),
+            call_piece(
+                index=1,
+                id="b",
+                function={"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1002"}'},
+            ),
+            call_piece(extra_content={"google": {"thought_signature": "sig"}}),
+            chunk({}, "tool_calls"),
+        )
+        calls = requests[1].json()["messages"][2]["tool_calls"]
+        self.assertEqual(
+            [c["function"]["arguments"] for c in calls],
+            ['{"orderId":"ORD-1001"}', '{"orderId":"ORD-1002"}'],
+        )
+        self.assertEqual(calls[-1]["extra_content"], {"google": {"thought_signature": "sig"}})
+        self.assertEqual([r["found"] for r in tool_results(requests[1])], [True, True])
+
+    def test_server_sent_events_follow_the_whatwg_rules(self) -> None:
+        event = json.dumps(chunk({"content": "hello"}, "stop")).encode()
+        for name, body, text in (
+            ("byte-order mark", b"\xef\xbb\xbfdata: " + event + b"\n\ndata: [DONE]\n\n", "hello"),
+            ("lone CRs", b"data: " + event + b"\r\rdata: [DONE]\r", "hello"),
+            (
+                "not UTF-8",
+                b'data: {"choices":[{"index":0,"delta":{"content":"h\xffi"},'
+                b'"finish_reason":"stop"}]}\n\n',
+                "h\ufffdi",
+            ),
+        ):
+            with self.subTest(name=name):
+                pieces: list[str] = []
+                result, _ = self.run_turn([sse(body)], on_text=pieces.append)
+                self.assertEqual(
+                    (result.stop_reason, "".join(pieces)), ("answered", text), result.error
+                )
+
+    def test_a_reply_cut_at_the_token_limit_runs_none_of_its_calls(self) -> None:
+        calls = json.loads(
+            tool_call_reply(
+                [
+                    ("getOrderStatus", '{"orderId":"ORD-1001"}'),
+                    ("getOrderStatus", '{"orderId":"ORD-1'),
+                ]
+            )
+        )
+        calls["choices"][0]["finish_reason"] = "length"
+        result, requests = self.run_turn([json.dumps(calls).encode()])
+        self.assertEqual((result.stop_reason, len(requests)), ("incomplete", 1))
+        self.assertIn("none of them ran", result.error or "")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:incomplete"] * 2)
+        assert_every_call_answered_once_in_order(self, result.messages)
+        with ScriptedChatServer([json.dumps(calls).encode()]) as server:
+            done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": server.base_url})
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("none of them ran", done.stderr)
+
+    def test_a_call_the_server_refused_is_asked_for_again_then_ends_the_turn(self) -> None:
+        refused = ScriptedReply(
+            json.dumps(
+                {
+                    "error": {
+                        "message": "Failed to call a function. See failed_generation.",
+                        "type": "invalid_request_error",
+                        "code": "tool_use_failed",
+                        "failed_generation": "<function=getOrderStatus>{}",
+                    }
+                }
+            ).encode(),
+            400,
+        )
+        result, requests = self.run_turn([refused, text_reply("ok")])
+        self.assertEqual((result.stop_reason, len(requests), result.rounds), ("answered", 2, 2))
+        result, requests = self.run_turn([refused] * 5)
+        self.assertEqual(
+            (result.stop_reason, len(requests)), ("invalid_tool_call", 1 + fc.MAX_REFUSED_CALLS)
+        )
+        self.assertIn("refused the model's tool call 3 times", result.error or "")
+        self.assertIn("Failed to call a function", result.error or "")
+        other = ScriptedReply(b'{"error":{"message":"bad model","code":"model_not_found"}}', 400)
+        result, requests = self.run_turn([other, text_reply("never")])
+        self.assertEqual((result.stop_reason, len(requests)), ("api_error", 1))
+
+    def test_a_call_written_as_text_is_never_run_and_the_user_is_told_how_to_fix_it(self) -> None:
+        for content in (
+            '<tool_call>\n{"name": "getOrderStatus", "arguments": {"orderId": "ORD-1001"}}'
+            "\n</tool_call>",
+            '{"name": "getOrderStatus", "arguments": {"orderId": "ORD-1001"}}',
+            '<|python_tag|>{"name": "listRecentOrders", "parameters": {"limit": 2}}',
+        ):
+            with self.subTest(content=content[:20]):
+                self.audit_path.unlink(missing_ok=True)
+                result, _ = self.run_turn([text_reply(content)])
+                self.assertEqual(result.stop_reason, "unparsed_tool_call")
+                self.assertIn("--jinja", result.error or "")
+                self.assertEqual(self.audit_records(), [])  # nothing ran
+        for answer in ('Here is JSON: {"name": "Ada", "arguments": 3}', '{"a": 1}', "plain text"):
+            with self.subTest(answer=answer):
+                result, _ = self.run_turn([text_reply(answer)])
+                self.assertEqual(result.stop_reason, "answered")
+        with ScriptedChatServer(
+            [text_reply('{"name": "getOrderStatus", "arguments": {}}')]
+        ) as server:
+            done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": server.base_url})
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("--tool-call-parser", done.stderr)
+
+    def test_strict_tools_are_checked_at_start_up_and_marked_on_the_wire(self) -> None:
+        class Loose(fc.GetOrderStatus):
+            strict = True
+            parameters: ClassVar[dict[str, Any]] = {
+                "type": "object",
+                "properties": {"orderId": {"type": "string"}, "note": {"type": ["string", "null"]}},
+                "required": ["orderId"],
+                "additionalProperties": False,
+            }
+
+        class Strict(fc.GetOrderStatus):
+            strict = True
+
+        client = ChatClient(Settings(api_key=FAKE_KEY))
+        with self.assertRaisesRegex(ConfigError, "leaves note out of required"):
+            ToolLoop(client, [Loose(self.tools[0].store)], self.audit)  # type: ignore[attr-defined]
+        _, requests = self.run_turn([text_reply("ok")], tools=[Strict(self.tools[0].store)])  # type: ignore[attr-defined]
+        self.assertIs(requests[0].json()["tools"][0]["function"]["strict"], True)
+        _, requests = self.run_turn([text_reply("ok")])
+        self.assertNotIn("strict", requests[0].json()["tools"][0]["function"])
+
+    def test_tool_choice_is_forced_for_the_first_round_only(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        for choice, wire in (
+            ("required", "required"),
+            ("getOrderStatus", {"type": "function", "function": {"name": "getOrderStatus"}}),
+        ):
+            with self.subTest(choice=choice):
+                _, requests = self.run_turn(
+                    [lookup, text_reply("ok")],
+                    loop={"tool_choice": choice, "parallel_tool_calls": False},
+                )
+                self.assertEqual([r.json()["tool_choice"] for r in requests], [wire, "auto"])
+                self.assertEqual(
+                    [r.json()["parallel_tool_calls"] for r in requests], [False, False]
+                )
+        _, requests = self.run_turn([text_reply("ok")])
+        self.assertEqual(requests[0].json()["tool_choice"], "auto")
+        self.assertNotIn("parallel_tool_calls", requests[0].json())
+        with self.assertRaisesRegex(ConfigError, "tool_choice 'nope'"):
+            ToolLoop(
+                ChatClient(Settings(api_key=FAKE_KEY)),
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                tool_choice="nope",
+            )
+        result, _ = self.run_turn(
+            [ScriptedReply(b'{"error":{"message":"no"}}', 400)], loop={"tool_choice": "required"}
+        )
+        self.assertIn("forced tool_choice", result.error or "")
+
+    def test_a_history_from_another_server_goes_in_portable_form(self) -> None:
+        vendor = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        message = json.loads(vendor)
+        message["choices"][0]["message"].update(
+            reasoning_content="thinking…", vendor_signature="s1g"
+        )
+        first, _ = self.run_turn([json.dumps(message).encode(), text_reply("It shipped.")])
+
+        def strict_server(request: RecordedRequest) -> bytes | ScriptedReply:
+            for sent in request.json()["messages"]:
+                allowed = set(fc.PORTABLE_FIELDS[sent["role"]])
+                if not set(sent) <= allowed or any(
+                    set(c) - {"id", "type", "function"} for c in sent.get("tool_calls") or []
+                ):
+                    return ScriptedReply(b'{"error":{"message":"unknown field"}}', 422)
+            return text_reply("Still shipped.")
+
+        result, requests = self.run_turn([strict_server], history=first.messages, loop={})
+        self.assertEqual(result.stop_reason, "api_error")  # sent verbatim: no origin given
+        with ScriptedChatServer([strict_server]) as other:
+            loop = ToolLoop(
+                ChatClient(Settings(base_url=other.base_url, model="other")),
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+            )
+            moved = loop.run(
+                "And now?", ToolContext(DEMO_CUSTOMER), first.messages, history_origin=first.origin
+            )
+        self.assertEqual(moved.stop_reason, "answered", moved.error)
+        self.assertNotIn(b"reasoning_content", other.requests[0].body)
+        self.assertIn(b"reasoning_content", requests[0].body)  # the same server: byte for byte
+        assert_every_call_answered_once_in_order(self, moved.messages)
+
+    def test_scripted_bodies_carry_everything_openais_schema_requires(self) -> None:
+        if OPENAPI.is_file():
+            spec = OPENAPI.read_text(encoding="utf-8")
+            for name, fields in REQUIRED.items():
+                self.assertEqual(set(schema_required(spec, name)), set(fields), name)
+        bodies = [text_reply("hi"), tool_call_reply([("getOrderStatus", "{}")])]
+        for _, script in fc.SHOP_DEMO:
+            bodies += [item for item in script if isinstance(item, bytes)]
+        for body in bodies:
+            document = json.loads(body)
+            self.assertLessEqual(set(REQUIRED["CreateChatCompletionResponse"]), set(document))
+            for choice in document["choices"]:
+                self.assertLessEqual(set(CHOICE_REQUIRED), set(choice))
+                self.assertLessEqual(
+                    set(REQUIRED["ChatCompletionResponseMessage"]), set(choice["message"])
+                )
+        piece = fc.delta_chunk({"content": "x"})
+        self.assertLessEqual(set(REQUIRED["CreateChatCompletionStreamResponse"]), set(piece))
+        self.assertLessEqual(set(CHUNK_CHOICE_REQUIRED), set(piece["choices"][0]))
 
 
 def _first_interaction_next_requests() -> set[str]:
