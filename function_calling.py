@@ -147,6 +147,7 @@ MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
 MAX_ARGUMENT_DEPTH = 32  # levels of arrays and objects in the model's arguments
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
+MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
 REQUEST_TIMEOUT_S = 60.0  # a total deadline per request, from connect to the last byte
 TURN_TIMEOUT_S = 300.0  # a total deadline per turn: rounds, retries and tools together
 MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
@@ -189,7 +190,8 @@ class Settings:
     timeout: float = REQUEST_TIMEOUT_S
     max_retries: int = MAX_RETRIES
     max_retry_wait: float = MAX_RETRY_WAIT_S
-    max_response_bytes: int = MAX_RESPONSE_BYTES
+    max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
+    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
 
     def __post_init__(self) -> None:
         try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
@@ -584,14 +586,42 @@ class AuditLog:
             raise ConfigError("this audit log is already open with other fsync/head_file options")
 
     def record(self, event: str, **fields: Any) -> None:
-        """Append one record now, or raise AuditError (which names no path)."""
+        """Append one record now, on disk when this returns, or raise AuditError (which names
+        no path)."""
+        self._append(event, fields, sync=True)
+
+    def record_in_batch(self, event: str, **fields: Any) -> None:
+        """Append one record now; inside batch() its fsync waits for the batch's one fsync."""
+        self._append(event, fields, sync=False)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The lines written with record_in_batch inside are on disk when the block ends, with
+        one fsync for them all: the calls of a reply cost no more fsyncs than one call."""
+        handler = self._handler()
+        handler.open_batch()
         try:
-            self._logger.info(
-                event, extra={"audit": {"time": _utc_now(), "event": event, **fields}}
-            )
+            yield
+        finally:
+            try:
+                handler.close_batch()
+            except OSError as exc:
+                raise _audit_error(exc) from None
+
+    def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
+        extra = {"audit": {"time": _utc_now(), "event": event, **fields}, "audit_sync": sync}
+        try:
+            self._logger.info(event, extra=extra)
         except OSError as exc:
-            reason = exc.strerror or type(exc).__name__
-            raise AuditError(f"the audit log could not be written ({reason})") from None
+            raise _audit_error(exc) from None
+
+    def _handler(self) -> AuditFileHandler:
+        return next(h for h in self._logger.handlers if isinstance(h, AuditFileHandler))
+
+
+def _audit_error(exc: OSError) -> AuditError:
+    reason = exc.strerror or type(exc).__name__
+    return AuditError(f"the audit log could not be written ({reason})")
 
 
 def _utc_now() -> str:
@@ -622,33 +652,58 @@ class AuditFileHandler(logging.Handler):
         self.fsync = fsync
         self.head_file = head_file
         self._tail = (-1, 0, GENESIS)  # (file size, seq, hash) after our last append
+        self._batches, self._unsynced = 0, False  # open batches; lines waiting for their fsync
 
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "audit", {"event": record.getMessage()})
+        later = self.fsync and self._batches > 0 and not getattr(record, "audit_sync", True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            with _exclusive_lock(fd):
-                seq, prev = self._chain_tail(fd)
-                # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
-                line = json.dumps(
-                    {"seq": seq + 1, "prev": prev, **fields},
-                    ensure_ascii=True,
-                    separators=(",", ":"),
-                ).encode("ascii")
-                size = os.fstat(fd).st_size
-                if os.write(fd, line + b"\n") != len(line) + 1:
-                    os.ftruncate(fd, size)  # a full disk must not leave half a line behind
-                    raise OSError(
-                        errno.ENOSPC, "short write: the disk or a file-size limit is full"
-                    )
-                if self.fsync:
-                    os.fsync(fd)
-                head = hashlib.sha256(line).hexdigest()
-                self._tail = (os.fstat(fd).st_size, seq + 1, head)
-                if self.head_file:
-                    _write_head(self.head_file, seq + 1, head, self.fsync)
+            head = self._append(fd, fields)
+            # subtle: the fsync waits outside the flock; the chain is whole without it, since
+            # every line was appended under it, and other processes need not wait on our disk
+            if self.fsync and not later:
+                os.fsync(fd)
+            self._unsynced = self._unsynced or later
+            if self.head_file:
+                _write_head(self.head_file, *head, self.fsync)
         finally:
             os.close(fd)
+
+    def open_batch(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # logging.Handler's own lock
+            self._batches += 1
+
+    def close_batch(self) -> None:
+        """The batch's one fsync, once the last open batch closes and a line waits for it."""
+        with self.lock:  # type: ignore[union-attr]
+            self._batches -= 1
+            if self._batches or not self._unsynced:
+                return
+            self._unsynced = False
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _append(self, fd: int, fields: Mapping[str, Any]) -> tuple[int, str]:
+        """Write one chained line under the flock; returns its (seq, hash)."""
+        with _exclusive_lock(fd):
+            seq, prev = self._chain_tail(fd)
+            # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
+            line = json.dumps(
+                {"seq": seq + 1, "prev": prev, **fields},
+                ensure_ascii=True,
+                separators=(",", ":"),
+            ).encode("ascii")
+            size = os.fstat(fd).st_size
+            if os.write(fd, line + b"\n") != len(line) + 1:
+                os.ftruncate(fd, size)  # a full disk must not leave half a line behind
+                raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
+            head = hashlib.sha256(line).hexdigest()
+            self._tail = (os.fstat(fd).st_size, seq + 1, head)
+            return seq + 1, head
 
     def _chain_tail(self, fd: int) -> tuple[int, str]:
         """The seq and hash of the last line, from our cache unless the file has grown."""
@@ -1150,11 +1205,13 @@ class ChatClient:
     def _read_reply(
         self, response: http.client.HTTPResponse, on_text: Callable[[str], None] | None
     ) -> Reply:
-        chunks = _chunks(response, self.settings.max_response_bytes)
         content_type = response.headers.get("Content-Type") or ""
         if on_text and content_type.startswith("text/event-stream"):
-            return read_stream(chunks, on_text)
-        reply = parse_reply(b"".join(chunks))
+            # subtle: the framing of 30,000 events is ten times the answer they carry, so the
+            # cap is on what the stream assembles, with a larger one on the bytes on the wire
+            wire = _chunks(response, self.settings.max_stream_bytes)
+            return read_stream(wire, on_text, self.settings.max_response_bytes)
+        reply = parse_reply(b"".join(_chunks(response, self.settings.max_response_bytes)))
         if on_text and reply.content:  # a server that ignored "stream": the text, at once
             on_text(reply.content)
         return reply
@@ -1392,8 +1449,9 @@ def _raw_span(text: str, path: tuple[str | int, ...]) -> tuple[int, int]:
     providers attach fields (reasoning signatures, vendor extras) that they verify on the next
     request; a re-serialization that reorders keys, re-escapes "\\u00e9" or rewrites 1.0e2 as
     100.0 can break them. json.loads gives values but no positions, so we walk the containers
-    along `path` and let the stdlib's own scanner (JSONDecoder.raw_decode) step over every
-    key and value: the span it finds is scanned exactly as json.loads scanned it.
+    along `path` and let the stdlib's own scanner (JSONDecoder.raw_decode) step over keys and
+    values: the span it finds is scanned exactly as json.loads scanned it. Only the value
+    found last is decoded whole; a member on the path is stepped into, not decoded.
     """
     decoder = json.JSONDecoder()
     pos = _WHITESPACE.match(text, 0).end()  # type: ignore[union-attr]
@@ -1414,7 +1472,9 @@ def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecode
             key, pos = decoder.raw_decode(text, pos)
             pos = skip(text, skip(text, pos).end() + 1).end()  # type: ignore[union-attr]  # past ':'
             if key == step:
-                found = pos  # no early return: json.loads keeps the last of duplicate keys
+                found = pos  # json.loads keeps the last of duplicate keys, so look on …
+                if text.find(json.dumps(step), pos) < 0:  # … unless no such key can follow
+                    return found
         elif index == step:
             return pos
         _, pos = decoder.raw_decode(text, pos)
@@ -1447,9 +1507,12 @@ _TEXT_PIECES = frozenset(
 )
 
 
-def read_stream(chunks: Iterable[bytes], on_text: Callable[[str], None]) -> Reply:
-    """Assemble a streamed reply, handing each piece of text to on_text as it arrives."""
-    message = _StreamedMessage()
+def read_stream(
+    chunks: Iterable[bytes], on_text: Callable[[str], None], limit: int = MAX_RESPONSE_BYTES
+) -> Reply:
+    """Assemble a streamed reply, handing each piece of text to on_text as it arrives; the
+    message it assembles may hold at most `limit` bytes (the events' framing does not count)."""
+    message = _StreamedMessage(limit)
     for data in _sse_data(chunks):
         if data == "[DONE]":
             break
@@ -1514,11 +1577,12 @@ def _take_field(line: str, data: list[str]) -> None:
 class _StreamedMessage:
     """The assistant message a stream's deltas describe, with its finish_reason and usage."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_RESPONSE_BYTES) -> None:
         self.fields: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
         self.finish_reason: Any = None
         self.usage: dict[str, Any] = {}
+        self.limit, self.size = limit, 0  # what the deltas carry, not the events' framing
 
     def add(self, chunk: Any) -> str | None:
         """Take one chunk; returns its piece of text, if it carried one."""
@@ -1540,6 +1604,9 @@ class _StreamedMessage:
         delta = choice.get("delta") or {}
         if not isinstance(delta, dict):
             raise ApiError("the stream carried a delta that is not an object")
+        self.size += len(_compact(delta))
+        if self.size > self.limit:
+            raise ApiError(f"the streamed reply grew past {self.limit} bytes; refusing to read on")
         for key, value in delta.items():
             if key == "tool_calls":
                 self._add_calls(value or [])
@@ -1596,19 +1663,24 @@ class _StreamedMessage:
 
     def reply(self) -> Reply:
         """The assembled message as a Reply; the same checks as a whole reply gets."""
-        message: dict[str, Any] = {"role": "assistant", **self.fields}
+        message: dict[str, Any] = {"role": "assistant", **_settled(self.fields)}
         if self.calls:
-            message["tool_calls"] = [_finished_call(call) for call in self.calls]
+            message["tool_calls"] = [_finished_call(_settled(call)) for call in self.calls]
         return _reply_from(_compact(message), message, self.finish_reason, self.usage)
+
+
+class _Pieces(list[str]):
+    """The pieces of one text field, joined once when the message is done (joining as they
+    come would copy the text so far on every delta: quadratic in a long answer)."""
 
 
 def _merged(key: str, old: Any, new: Any) -> Any:
     """One delta's value joined to what earlier deltas carried for the same key."""
     if old is None:
-        return new
+        return _Pieces([new]) if key in _TEXT_PIECES and isinstance(new, str) else new
     if new is None:
         return old
-    if isinstance(old, str) and isinstance(new, str):
+    if isinstance(old, _Pieces | str) and isinstance(new, str):
         return _joined_text(key, old, new)
     if isinstance(old, dict) and isinstance(new, dict):
         joined = dict(old)
@@ -1620,11 +1692,26 @@ def _merged(key: str, old: Any, new: Any) -> Any:
     return new
 
 
-def _joined_text(key: str, old: str, new: str) -> str:
-    """A text field again: a piece to append, or a repeat to keep once."""
-    if key == "name":  # a call's name comes whole; a second one is a repeat, never a piece
+def _joined_text(key: str, old: str | _Pieces, new: str) -> Any:
+    """Text sent again: one more piece, or (for a field that does not come in pieces) a
+    repeat to keep once."""
+    if isinstance(old, _Pieces):
+        old.append(new)
+        return old
+    if key == "name" or old == new:  # a call's name comes whole; a second one is a repeat
         return old or new
-    return old + new if key in _TEXT_PIECES or old != new else old
+    return _Pieces([old, new])
+
+
+def _settled(value: Any) -> Any:
+    """A stream's assembled value with its text pieces joined."""
+    if isinstance(value, _Pieces):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {key: _settled(inner) for key, inner in value.items()}
+    if isinstance(value, list):
+        return [_settled(inner) for inner in value]
+    return value
 
 
 def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
@@ -1657,7 +1744,7 @@ def _is_complete_call(call: dict[str, Any], name: str) -> bool:
     if function.get("name") != name:
         return True
     # the same name again: a new call only if this one's arguments are already whole
-    arguments = function.get("arguments") or ""
+    arguments = _settled(function.get("arguments")) or ""
     if not isinstance(arguments, str):
         return True  # an object, sent whole
     try:
@@ -1715,7 +1802,9 @@ def dispatch(
     started = time.monotonic()
 
     def record(outcome: str, detail: Mapping[str, str]) -> None:
-        _audit_call(audit, call, context, round_number, outcome, started, detail)
+        # a filing's line is on disk before its in_flight row goes (Approvals): no batching
+        durable = outcome == "proposed"
+        _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
 
     content, outcome, detail = _execute(call, tools, context, approvals, record)
     if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
@@ -1778,8 +1867,11 @@ def _audit_call(
     outcome: str,
     started: float,
     detail: Mapping[str, str],
+    durable: bool = False,
 ) -> None:
-    audit.record(
+    """A call's line; inside the loop's batch, on disk with the reply's one fsync."""
+    write = audit.record if durable else audit.record_in_batch
+    write(
         "tool_call",
         turn_id=context.turn_id,
         round=round_number,
@@ -1915,8 +2007,11 @@ class ToolLoop:
                 return self._finish(turn, context, *self._ending(reply))
             # a plan the model did not finish writing is not a plan: none of it runs
             guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
-            try:
-                results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
+            try:  # the reply's lines, then one fsync, and only then can a result go back
+                with self.audit.batch():
+                    results = turn.add_results(
+                        self._run_calls(reply.tool_calls, context, turn, guard)
+                    )
             except AuditError as exc:  # fail closed: no unaudited result goes back
                 turn.close_open_calls("audit_failed")
                 return self._finish(turn, context, "audit_failed", error=str(exc))
@@ -2198,7 +2293,7 @@ def skip_calls(
 ) -> None:
     """Many calls that will not run, audited as one line: how many, and a digest of their ids."""
     ids = [call.id for call in calls]
-    audit.record(
+    audit.record_in_batch(
         "tool_calls_skipped",
         turn_id=context.turn_id,
         round=round_number,

@@ -4283,6 +4283,45 @@ class ClearOutcomeTest(LoopTestCase):
         )
 
 
+class CostTest(LoopTestCase):
+    """Costs that grow with the work, not faster; counted, never timed."""
+
+    def fsyncs_for(self, calls: int) -> int:
+        script = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')] * calls),
+            text_reply("ok"),
+        ]
+        with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
+            self.run_turn(script, loop={"max_calls_per_reply": 16})
+        return fsync.call_count
+
+    def test_a_reply_of_16_calls_costs_no_more_fsyncs_than_a_reply_of_one(self) -> None:
+        one, sixteen = self.fsyncs_for(1), self.fsyncs_for(16)
+        self.assertEqual(one, sixteen)
+        self.assertEqual(one, 2)  # the reply's lines together, then the turn's line
+        self.assertEqual(len(self.audit_records()), 17)
+
+    def test_a_stream_of_30000_chunks_completes_whatever_its_framing_weighs(self) -> None:
+        padding = {"system_fingerprint": "fp_" + "0" * 40, "obfuscation": "x" * 160}
+        events = [{**chunk({"content": "ab"}), **padding} for _ in range(30_000)]
+        body = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events)
+        self.assertGreater(len(body), fc.MAX_RESPONSE_BYTES)  # the wire outweighs the cap
+        pieces: list[str] = []
+        result, _ = self.run_turn([sse(body + b"data: [DONE]\n\n")], on_text=pieces.append)
+        self.assertEqual(result.stop_reason, "answered", result.error)
+        self.assertEqual(len("".join(pieces)), 60_000)
+
+    def test_what_a_stream_assembles_is_capped(self) -> None:
+        events = [chunk({"content": "x" * 1000}) for _ in range(40)]
+        result, _ = self.run_turn(
+            [fc.stream_reply([*events, "[DONE]"])],
+            client={"max_response_bytes": 20_000},
+            on_text=lambda text: None,
+        )
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("grew past 20000 bytes", result.error or "")
+
+
 # ---------------------------------------------------------------------------------- benchmarks
 
 
