@@ -3372,13 +3372,13 @@ class _Printer:
     def __call__(self, text: str) -> None:
         if self.broken:
             return
+        # subtle: set before writing, so a Ctrl-C the moment the text shows still ends its line
+        self.line_open = not text.endswith("\n")
         try:
             sys.stdout.write(text)
             sys.stdout.flush()
         except BrokenPipeError:
             self.broken = True
-            return
-        self.line_open = not text.endswith("\n")
 
     def end_line(self) -> None:
         if self.line_open and not self.broken:

@@ -1957,7 +1957,8 @@ class HostileReplyTest(LoopTestCase):
             with self.subTest(header=header):
                 self.sleeps.clear()
                 busy = ScriptedReply(b"{}", 429, (header,))
-                result, _ = self.run_turn([busy, text_reply("ok")], client={"max_retries": 1})
+                with self.assertLogs("function_calling", logging.WARNING):  # "…retry 1 of 1"
+                    result, _ = self.run_turn([busy, text_reply("ok")], client={"max_retries": 1})
                 self.assertEqual(result.stop_reason, "answered")
                 self.assertEqual(len(self.sleeps), 1)
                 self.assertTrue(0 < self.sleeps[0] <= 8)
@@ -2733,7 +2734,8 @@ class ApprovalTest(ApprovalCase):
         told = self.propose()
         tools = fc.tool_table(self.tools)
         power_cut = mock.patch.object(Approvals, "_mark", side_effect=RuntimeError("power cut"))
-        with power_cut, self.assertRaisesRegex(RuntimeError, "power cut"):
+        settled = self.assertLogs("function_calling", logging.WARNING)  # "…was not applied"
+        with power_cut, self.assertRaisesRegex(RuntimeError, "power cut"), settled:
             self.approvals.approve(told["approvalId"], tools, "alice")
         self.assertEqual(self.refunds(), [])
         self.approvals.approve(told["approvalId"], tools, "alice")
@@ -3252,7 +3254,8 @@ class AnyWriterTest(LoopTestCase):
             full = mock.patch.object(
                 Approvals, "_mark", side_effect=sqlite3.OperationalError("full")
             )
-            with full, self.assertRaises(sqlite3.OperationalError):
+            settled = self.assertLogs("function_calling", logging.WARNING)
+            with full, self.assertRaises(sqlite3.OperationalError), settled:
                 self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
             self.assertEqual([a.action_id for a in self.approvals.pending()], [action_id])
             self.approvals.approve(action_id, fc.tool_table([tool]), "alice")
