@@ -47,12 +47,12 @@ verification).
 from __future__ import annotations
 
 import argparse
+import base64
 import codecs
 import collections
 import concurrent.futures
 import email.utils
 import errno
-import functools
 import getpass
 import hashlib
 import hmac
@@ -74,7 +74,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -974,11 +973,10 @@ def _request_body(
 # ----------------------------------------------------------------------------- the transport
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """Never follow a 3xx: urllib would resend the Authorization header to the host it names."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # urllib then raises HTTPError with the 3xx status
+# One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
+# request would cost a TCP and (over https) a TLS handshake every round. http.client is the
+# transport urllib itself stands on; used directly, it follows no redirects (a 3xx is an
+# error here: following it would send the Authorization header to the host it names).
 
 
 # subtle: urllib's timeout bounds each socket operation, not the request: a server that sends
@@ -1051,21 +1049,31 @@ class _TimedHTTPSConnection(_TimedHTTPConnection, http.client.HTTPSConnection):
     pass
 
 
-class _TimedHTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        deadline: float = getattr(req, "deadline")  # noqa: B009 -- set by ChatClient._post
-        return self.do_open(functools.partial(_TimedHTTPConnection, deadline=deadline), req)
-
-
-class _TimedHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, context: ssl.SSLContext) -> None:
-        super().__init__(context=context)
-        self.tls_context = context
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        deadline: float = getattr(req, "deadline")  # noqa: B009 -- set by ChatClient._post
-        connection = functools.partial(_TimedHTTPSConnection, deadline=deadline)
-        return self.do_open(connection, req, context=self.tls_context)
+def _connection(
+    settings: Settings, context: ssl.SSLContext | None
+) -> tuple[_TimedHTTPConnection, str]:
+    """A connection to the base URL, or through the proxy the environment names for it
+    (HTTP_PROXY / HTTPS_PROXY, NO_PROXY honoured), and what the request line names: plain
+    http asks the proxy for the absolute URL; https goes through a CONNECT tunnel, so the
+    proxy sees neither key nor body."""
+    url = settings.base_url + "/chat/completions"
+    target = urllib.parse.urlsplit(url)
+    host, port = target.hostname or "", target.port
+    proxy = urllib.request.getproxies().get(target.scheme)
+    via = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(host) else None
+    if via is None:
+        if context is None:
+            return _TimedHTTPConnection(host, port, deadline=0.0), target.path
+        return _TimedHTTPSConnection(host, port, deadline=0.0, context=context), target.path
+    if context is None:
+        return _TimedHTTPConnection(via.hostname or "", via.port, deadline=0.0), url
+    tunnel = _TimedHTTPSConnection(via.hostname or "", via.port, deadline=0.0, context=context)
+    headers = {}
+    if via.username is not None:  # user:password@ in the proxy's URL
+        login = f"{urllib.parse.unquote(via.username)}:{urllib.parse.unquote(via.password or '')}"
+        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
+    tunnel.set_tunnel(host, port, headers)
+    return tunnel, target.path
 
 
 class _RetryableError(ApiError):
@@ -1080,9 +1088,12 @@ _log = logging.getLogger("function_calling")
 
 
 class ChatClient:
-    """Sends chat-completions requests with urllib; every failure becomes one ApiError.
+    """Sends chat-completions requests over one kept-alive connection; every failure becomes
+    one ApiError.
 
     Only the HTTP request is retried, never a tool: a reply is parsed once it has arrived whole.
+    A kept connection the server closed meanwhile is replaced before any byte of a response
+    arrived, and that is not a retry; a response that has begun is never sent again.
     """
 
     def __init__(
@@ -1094,12 +1105,17 @@ class ChatClient:
         self.settings = settings
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
         self._jitter = jitter
-        handlers: list[urllib.request.BaseHandler] = [_RefuseRedirects(), _TimedHTTPHandler()]
-        if settings.base_url.startswith(
-            "https:"
-        ):  # loading the CA store takes ~50 ms: only if used
-            handlers.append(_TimedHTTPSHandler(ssl.create_default_context()))
-        self._opener = urllib.request.build_opener(*handlers)
+        https = settings.base_url.startswith("https:")
+        # loading the CA store takes ~50 ms: only if used
+        self._tls = ssl.create_default_context() if https else None
+        self._kept: _TimedHTTPConnection | None = None  # the connection, once it exists
+        self._path = ""  # what the request line names (set with the connection)
+        self.connections_opened = 0  # how many connections this client has opened
+
+    def close(self) -> None:
+        """Close the kept connection (the next request opens a new one)."""
+        if self._kept is not None:
+            self._kept.close()
 
     def complete(
         self,
@@ -1173,34 +1189,61 @@ class ChatClient:
         self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
     ) -> Reply:
         deadline = min(time.monotonic() + self.settings.timeout, turn_deadline)
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.settings.api_key:
-            headers["Authorization"] = f"Bearer {self.settings.api_key}"
-        url = self.settings.base_url + "/chat/completions"
-        # the scheme was checked in Settings: only http and https get here
-        request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
-        request.deadline = deadline  # type: ignore[attr-defined]  # read by _TimedHTTPHandler
         try:
-            response = self._opener.open(request, timeout=max(deadline - time.monotonic(), 0.001))
-        except urllib.error.HTTPError as exc:
-            raise self._status_error(exc) from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-            cause = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            if isinstance(cause, ssl.SSLCertVerificationError):  # trying again will not help
+            response = self._response(body, deadline)
+        except (http.client.HTTPException, OSError) as exc:
+            self.close()
+            if isinstance(exc, ssl.SSLCertVerificationError):  # trying again will not help
                 raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
             # nothing arrived: as the official SDKs do, a connection failure or a timeout
             # before any response is retried
             raise _RetryableError(
                 f"could not reach the model API: {_transport_reason(exc)}", None, None
             ) from None
+        if response.status >= 300:
+            error = self._status_error(response)
+            self.close()  # its body was read only in part: the connection cannot be reused
+            raise error
         # From here on a response has begun: nothing is retried, so no text is printed twice.
-        with response:
-            try:
-                return self._read_reply(response, on_text)
-            except (http.client.HTTPException, OSError) as exc:
-                raise ApiError(
-                    f"the reply from the model API broke off: {_transport_reason(exc)}"
-                ) from None
+        try:
+            return self._read_reply(response, on_text)
+        except (http.client.HTTPException, OSError) as exc:
+            raise ApiError(
+                f"the reply from the model API broke off: {_transport_reason(exc)}"
+            ) from None
+        finally:
+            if not response.isclosed():  # a stream ended at [DONE], an error: not reusable
+                self.close()
+
+    def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
+        """Send the request and read the status line and headers, on the kept connection if
+        there is one. subtle: a server may close an idle connection at any time; if a reused
+        one fails before any byte of a response, the request goes again on a new connection."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        reused = self._kept is not None and self._kept.sock is not None
+        connection = self._connection(deadline)
+        try:
+            connection.request("POST", self._path, body, headers)
+            return connection.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if not reused:
+                raise
+            self.close()
+            connection = self._connection(deadline)
+            connection.request("POST", self._path, body, headers)
+            return connection.getresponse()
+
+    def _connection(self, deadline: float) -> _TimedHTTPConnection:
+        """The kept connection, with this request's deadline; opened when there is none."""
+        if self._kept is None:
+            self._kept, self._path = _connection(self.settings, self._tls)
+        if self._kept.sock is None:  # new, or closed: the next request connects (and counts)
+            self.connections_opened += 1
+        self._kept.deadline = deadline
+        self._kept.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
+        return self._kept
 
     def _read_reply(
         self, response: http.client.HTTPResponse, on_text: Callable[[str], None] | None
@@ -1216,26 +1259,25 @@ class ChatClient:
             on_text(reply.content)
         return reply
 
-    def _status_error(self, exc: urllib.error.HTTPError) -> ApiError:
-        try:  # subtle: an HTTPError holds the open connection; read what we show, then close it
-            body = exc.read(4096)  # by the request's deadline, like every other read
+    def _status_error(self, response: http.client.HTTPResponse) -> ApiError:
+        status = response.status
+        try:  # read what we show, then the connection is closed (see _post)
+            body = response.read(4096)  # by the request's deadline, like every other read
         except TimeoutError:
             body = b"(its body did not arrive before the deadline: timed out)"
         except (OSError, http.client.HTTPException):
             body = b""
-        finally:
-            exc.close()
-        if 300 <= exc.code < 400:
+        if 300 <= status < 400:
             return ApiError(
-                f"the model API answered HTTP {exc.code} (a redirect); not followed, because "
+                f"the model API answered HTTP {status} (a redirect); not followed, because "
                 "it would send the API key to another address. Check OPENAI_BASE_URL",
-                exc.code,
+                status,
             )
         text = self._redact(" ".join(body.decode("utf-8", "replace").split()))
-        message = f"the model API answered HTTP {exc.code}: {_cut(text, 300)}"
-        if _should_retry(exc.code, exc.headers):
-            return _RetryableError(message, exc.code, _retry_after(exc.headers))
-        return ApiError(message, exc.code, _error_code(body))
+        message = f"the model API answered HTTP {status}: {_cut(text, 300)}"
+        if _should_retry(status, response.headers):
+            return _RetryableError(message, status, _retry_after(response.headers))
+        return ApiError(message, status, _error_code(body))
 
     def _redact(self, text: str) -> str:
         """Text from a server, fit to show: a server may echo the request back, so the key,
@@ -1298,12 +1340,11 @@ def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
     # Content-Length tells a complete body from a cut one
     if response.length:
         raise http.client.IncompleteRead(b"", response.length)
+    response.close()  # read to its end (http.client does not say so itself): reusable
 
 
 def _transport_reason(exc: BaseException) -> str:  # noqa: PLR0911 -- one return per kind
     """Why a request failed, in words that name no host, path or header."""
-    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
-        exc = exc.reason
     if isinstance(exc, TimeoutError):
         return "timed out (no complete reply before the deadline)"
     if isinstance(exc, http.client.IncompleteRead):
@@ -3634,11 +3675,14 @@ class RecordedRequest:
 class ScriptedReply:
     """One scripted answer: status, raw body and headers, sent exactly as given. A body of
     several pieces (any iterable of bytes, a generator that pauses included) is sent piece
-    by piece, flushed, with no Content-Length: the way a stream arrives."""
+    by piece, flushed, with no Content-Length, and the connection closed after: the way a
+    stream arrives. `hang_up` closes a kept-alive connection after the reply without saying
+    so, as a server does whose idle timeout ran out."""
 
     body: bytes | Iterable[bytes]
     status: int = 200
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
+    hang_up: bool = False
 
 
 ScriptItem: TypeAlias = bytes | ScriptedReply | Callable[[RecordedRequest], "bytes | ScriptedReply"]
@@ -3662,6 +3706,7 @@ class ScriptedChatServer:
     def __init__(self, script: Sequence[ScriptItem]) -> None:
         self.script = list(script)
         self.requests: list[RecordedRequest] = []
+        self.connections = 0  # connections accepted: HTTP/1.1, so one may carry many requests
         self._lock = threading.Lock()
         self._server = _ScriptedHTTPServer(self)
         # a short poll interval: shutdown() waits up to one interval for the serving thread
@@ -3702,9 +3747,20 @@ class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _ScriptedHandler)
         self.owner = owner
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up on a kept-alive connection is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
     server: _ScriptedHTTPServer
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.owner._lock:
+            self.server.owner.connections += 1
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -3716,6 +3772,10 @@ class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
         pieces = [reply.body] if isinstance(reply.body, bytes) else reply.body
         if isinstance(reply.body, bytes):
             self.send_header("Content-Length", str(len(reply.body)))
+        else:  # no length: the end of the body is the end of the connection
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.close_connection = self.close_connection or reply.hang_up
         self.end_headers()
         with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
             for piece in pieces:

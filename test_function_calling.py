@@ -1314,6 +1314,57 @@ class EveryByteDeadlineTest(LoopTestCase):
         self.assert_ends_at_the_deadline(trickler(head, b"X-Trailer: more\r\n"))
 
 
+class ConnectionReuseTest(LoopTestCase):
+    """One kept-alive connection per client, counted by the server, never timed."""
+
+    def test_a_three_round_turn_uses_one_connection(self) -> None:
+        script = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1002"}')]),
+            text_reply("ok"),
+        ]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            result = loop.run("where?", ToolContext(DEMO_CUSTOMER))
+        self.assertEqual((result.stop_reason, result.rounds), ("answered", 3))
+        self.assertEqual((server.connections, client.connections_opened), (1, 1))
+        self.assertTrue(all("connection" not in r.headers for r in server.requests))  # no close
+
+    def test_chat_keeps_one_connection_across_turns(self) -> None:
+        with ScriptedChatServer(
+            [text_reply("one"), text_reply("two"), text_reply("three")]
+        ) as server:
+            done = self.cli("chat", env={"OPENAI_BASE_URL": server.base_url}, stdin="a\nb\nc\n")
+        self.assertEqual((done.returncode, done.stdout), (0, "one\ntwo\nthree\n"))
+        self.assertEqual(server.connections, 1)
+
+    def test_a_connection_the_server_closed_meanwhile_is_replaced_without_a_retry(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        script = [ScriptedReply(lookup, hang_up=True), text_reply("ok")]
+        result, requests = self.run_turn(script)  # max_retries=0: a retry would fail the turn
+        self.assertEqual((result.stop_reason, result.retries, len(requests)), ("answered", 0, 2))
+
+    def test_a_response_that_has_begun_is_never_sent_again(self) -> None:
+        def cut(connection: socket.socket, finished: threading.Event) -> None:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{")
+
+        with raw_server(cut) as url:
+            result = self.turn_against(url, retries=2)
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("broke off", result.error or "")
+        self.assertEqual(self.sleeps, [])  # not retried
+
+    def test_an_http_proxy_from_the_environment_is_asked_for_the_absolute_url(self) -> None:
+        with ScriptedChatServer([text_reply("via the proxy")]) as proxy:
+            environment = {"HTTP_PROXY": proxy.base_url.rsplit("/v1", 1)[0], "NO_PROXY": ""}
+            with mock.patch.dict(os.environ, environment):
+                client = ChatClient(Settings(base_url="http://api.example.invalid/v1", model="m"))
+                reply = client.complete([fc._message("user", "hi")])
+        self.assertEqual(reply.content, "via the proxy")
+        self.assertEqual(proxy.requests[0].path, "http://api.example.invalid/v1/chat/completions")
+
+
 class KeyLeakTest(LoopTestCase):
     def test_a_server_echoing_our_headers_never_gets_the_key_into_errors_logs_or_audit(
         self,
