@@ -1341,7 +1341,7 @@ class ConnectionReuseTest(LoopTestCase):
 
     def test_a_connection_the_server_closed_meanwhile_is_replaced_without_a_retry(self) -> None:
         lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
-        script = [ScriptedReply(lookup, hang_up=True), text_reply("ok")]
+        script: list[fc.ScriptItem] = [ScriptedReply(lookup, hang_up=True), text_reply("ok")]
         result, requests = self.run_turn(script)  # max_retries=0: a retry would fail the turn
         self.assertEqual((result.stop_reason, result.retries, len(requests)), ("answered", 0, 2))
 
