@@ -201,14 +201,14 @@ class Settings:
                 "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
                 " or a broken [IPv6] address"
             ) from None
-        # subtle: urllib would happily "POST" to file: and data: URLs
+        # subtle: a file: or data: URL names no server; it must not get as far as a request
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if self.api_key and not self.api_key.isascii():
             raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
         if self.api_key and not _is_header_safe(self.api_key):
-            # subtle: urllib's own error would print the header, key and all
+            # subtle: http.client's own error would print the header, key and all
             raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
         if not self.api_key and parts.hostname == "api.openai.com":
             raise ConfigError("OPENAI_API_KEY is not set (required for api.openai.com)")
@@ -979,7 +979,7 @@ def _request_body(
 # error here: following it would send the Authorization header to the host it names).
 
 
-# subtle: urllib's timeout bounds each socket operation, not the request: a server that sends
+# subtle: a socket timeout bounds each socket operation, not the request: a server that sends
 # its status line, a header, a "100 Continue", a chunk-size line or a trailer one byte at a
 # time, each within the timeout, would never trip it. So every read from the socket goes
 # through _DeadlineReader, which first shrinks the socket's timeout to what is left of the
@@ -3756,6 +3756,7 @@ class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
 class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
     server: _ScriptedHTTPServer
     protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+    disable_nagle_algorithm = True  # subtle: else each body waits ~40 ms for a delayed ACK
 
     def setup(self) -> None:
         super().setup()

@@ -4021,6 +4021,8 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
             "1",
             "-subj",
             "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
             "-keyout",
             str(key),
             "-out",
@@ -4395,23 +4397,107 @@ class SleepyTool(Tool):
 class Benchmarks(LoopTestCase):
     """Speed as ratios against a baseline measured in the same run: `make bench`."""
 
-    def test_a_loop_round_costs_little_more_than_a_bare_post(self) -> None:
-        rounds = 300
-        with ScriptedChatServer([text_reply("ok")] * (2 * rounds + 1)) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
-            loop.run("warm up", ToolContext(DEMO_CUSTOMER))
-            body = server.requests[0].body
-            port = int(server.base_url.split(":")[2].split("/")[0])
-            loop_times, bare_times = [], []
-            for _ in range(rounds):  # interleaved, so drift hits both alike
-                loop_times.append(timed(lambda: loop.run("warm up", ToolContext(DEMO_CUSTOMER))))
-                bare_times.append(timed(lambda: bare_post(port, body)))
-        loop_ms, bare_ms = statistics.median(loop_times), statistics.median(bare_times)
+    def test_a_tool_round_against_a_bare_post_on_a_kept_connection(self) -> None:
+        rounds = 200
+        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        for fsync in (False, True):
+            audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
+            approvals = Approvals(self.database, audit)
+            script = [lookup, text_reply("ok")] * (rounds + 1)
+            with (
+                ScriptedChatServer(script) as server,
+                ScriptedChatServer([text_reply("ok")] * rounds) as floor,
+            ):
+                client = ChatClient(Settings(base_url=server.base_url, model="bench"))
+                loop = ToolLoop(client, self.tools, audit, approvals=approvals)
+                loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+                body = server.requests[0].body
+                port = int(floor.base_url.split(":")[2].split("/")[0])
+                kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                loop_times, bare_times = [], []
+                for _ in range(rounds):  # interleaved, so drift hits both alike
+                    # a turn of one tool round: a model call, the tool, and the answer's call
+                    loop_times.append(timed(lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER))))
+                    bare_times.append(timed(lambda: bare_post_kept(kept, body)))
+                kept.close()
+            loop_ms, bare_ms = statistics.median(loop_times), statistics.median(bare_times)
+            report(
+                f"a turn of one tool round (fsync {'on' if fsync else 'off'}: two model calls,"
+                f" one tool call) / a bare http.client POST on a kept-alive connection ="
+                f" {loop_ms / bare_ms:.2f} (medians {loop_ms:.2f} ms / {bare_ms:.2f} ms)"
+            )
+
+    def test_connections_and_handshakes_per_three_round_turn(self) -> None:
+        lookups = alternating_lookups(2)
+        with ScriptedChatServer([*lookups, text_reply("ok")]) as server:
+            self.run_turn_on(server.base_url)
+            plain = server.connections
+        files = self_signed_certificate(self.data_dir)
+        if files is None:
+            report(f"connections per three-round turn: {plain} (no openssl: https not measured)")
+            return
+        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_tls.load_cert_chain(*files)
+        with ScriptedChatServer([*lookups, text_reply("ok")]) as server:
+            server._server.socket = server_tls.wrap_socket(server._server.socket, server_side=True)
+            self.run_turn_on(server.base_url.replace("http:", "https:"), cafile=files[0])
+            handshakes = server.connections
         report(
-            f"one loop round / a bare http.client POST of the same body = {loop_ms / bare_ms:.2f}"
-            f" (medians {loop_ms:.2f} ms / {bare_ms:.2f} ms over {rounds})"
+            f"connections per three-round turn: {plain}; TLS handshakes per https turn: {handshakes}"
         )
+
+    def run_turn_on(self, base_url: str, cafile: Path | None = None) -> None:
+        client = ChatClient(Settings(base_url=base_url, model="bench", max_retries=0))
+        if cafile:
+            client._tls = ssl.create_default_context(cafile=str(cafile))
+        result = ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
+            "where?", ToolContext(DEMO_CUSTOMER)
+        )
+        self.assertEqual(result.stop_reason, "answered", result.error)
+
+    def test_a_reply_of_16_calls_against_one(self) -> None:
+        def turn_with(calls: int) -> tuple[float, int]:
+            script = [
+                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')] * calls),
+                text_reply("ok"),
+            ]
+            with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
+                elapsed = timed(lambda: self.run_turn(script))
+            return elapsed, fsync.call_count - 1  # less the turn's own line
+
+        one = [turn_with(1) for _ in range(15)]
+        sixteen = [turn_with(16) for _ in range(15)]
+        ratio = statistics.median(t for t, _ in sixteen) / statistics.median(t for t, _ in one)
+        report(
+            f"fsyncs for a reply's calls: 16 calls {sixteen[0][1]}, 1 call {one[0][1]};"
+            f" time of a reply with 16 calls / with 1 = {ratio:.2f}"
+        )
+
+    def test_a_long_stream_costs_the_same_per_chunk(self) -> None:
+        def per_chunk(count: int) -> float:
+            events = [chunk({"content": "ab"}) for _ in range(count)]
+            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            elapsed = timed(
+                lambda: self.run_turn([sse(body + b"data: [DONE]\n\n")], on_text=lambda t: None)
+            )
+            return elapsed / count
+
+        small, large = per_chunk(1_000), per_chunk(30_000)
+        report(
+            f"a stream of 30,000 chunks completes; time per chunk at 30k / at 1k = {large / small:.2f}"
+        )
+
+    def test_finding_the_echo_against_parsing_alone(self) -> None:
+        for size in (1_000, 8_000_000):
+            body = json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": "x" * size}}]}
+            )
+            loads = statistics.median(timed(lambda: json.loads(body)) for _ in range(5))
+            both = statistics.median(
+                timed(lambda: (json.loads(body), fc._raw_span(body, ("choices", 0, "message"))))
+                for _ in range(5)
+            )
+            report(f"_raw_span + json.loads / json.loads at {size:,} bytes = {both / loads:.2f}")
 
     def test_four_slow_tools_take_about_as_long_as_one(self) -> None:
         def turn_with(calls: int) -> float:
@@ -4443,15 +4529,10 @@ def timed(action: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def bare_post(port: int, body: bytes) -> bytes:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        connection.request(
-            "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
-        )
-        return connection.getresponse().read()
-    finally:
-        connection.close()
+def bare_post_kept(connection: http.client.HTTPConnection, body: bytes) -> bytes:
+    """The floor: the same bytes POSTed on a connection kept alive, nothing else done."""
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    return connection.getresponse().read()
 
 
 def report(line: str) -> None:
