@@ -4398,34 +4398,33 @@ class Benchmarks(LoopTestCase):
     """Speed as ratios against a baseline measured in the same run: `make bench`."""
 
     def test_a_tool_round_against_a_bare_post_on_a_kept_connection(self) -> None:
-        rounds = 200
-        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         for fsync in (False, True):
-            audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
-            approvals = Approvals(self.database, audit)
-            script = [lookup, text_reply("ok")] * (rounds + 1)
-            with (
-                ScriptedChatServer(script) as server,
-                ScriptedChatServer([text_reply("ok")] * rounds) as floor,
-            ):
-                client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loop = ToolLoop(client, self.tools, audit, approvals=approvals)
-                loop.run("warm up", ToolContext(DEMO_CUSTOMER))
-                body = server.requests[0].body
-                port = int(floor.base_url.split(":")[2].split("/")[0])
-                kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                loop_times, bare_times = [], []
-                for _ in range(rounds):  # interleaved, so drift hits both alike
-                    # a turn of one tool round: a model call, the tool, and the answer's call
-                    loop_times.append(timed(lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER))))
-                    bare_times.append(timed(lambda: bare_post_kept(kept, body)))
-                kept.close()
-            loop_ms, bare_ms = statistics.median(loop_times), statistics.median(bare_times)
+            loop_ms, bare_ms = self.tool_round_against_a_bare_post(fsync, rounds=200)
             report(
                 f"a turn of one tool round (fsync {'on' if fsync else 'off'}: two model calls,"
                 f" one tool call) / a bare http.client POST on a kept-alive connection ="
                 f" {loop_ms / bare_ms:.2f} (medians {loop_ms:.2f} ms / {bare_ms:.2f} ms)"
             )
+
+    def tool_round_against_a_bare_post(self, fsync: bool, rounds: int) -> tuple[float, float]:
+        """Medians of a turn of one tool round, and of a bare POST of its first request."""
+        audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
+        approvals = Approvals(self.database, audit)
+        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        turns = ScriptedChatServer([lookup, text_reply("ok")] * (rounds + 1))
+        floor = ScriptedChatServer([text_reply("ok")] * rounds)
+        with turns, floor:
+            client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
+            loop = ToolLoop(client, self.tools, audit, approvals=approvals)
+            loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+            body = turns.requests[0].body
+            kept = http.client.HTTPConnection("127.0.0.1", int(floor.base_url.split(":")[2][:-3]))
+            loop_times, bare_times = [], []
+            for _ in range(rounds):  # interleaved, so drift hits both alike
+                loop_times.append(timed(lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER))))
+                bare_times.append(timed(lambda: bare_post_kept(kept, body)))
+            kept.close()
+        return statistics.median(loop_times), statistics.median(bare_times)
 
     def test_connections_and_handshakes_per_three_round_turn(self) -> None:
         lookups = alternating_lookups(2)
@@ -4442,9 +4441,8 @@ class Benchmarks(LoopTestCase):
             server._server.socket = server_tls.wrap_socket(server._server.socket, server_side=True)
             self.run_turn_on(server.base_url.replace("http:", "https:"), cafile=files[0])
             handshakes = server.connections
-        report(
-            f"connections per three-round turn: {plain}; TLS handshakes per https turn: {handshakes}"
-        )
+        handshaken = f"TLS handshakes per https one: {handshakes}"
+        report(f"connections per three-round turn: {plain}; {handshaken}")
 
     def run_turn_on(self, base_url: str, cafile: Path | None = None) -> None:
         client = ChatClient(Settings(base_url=base_url, model="bench", max_retries=0))
@@ -4483,19 +4481,16 @@ class Benchmarks(LoopTestCase):
             return elapsed / count
 
         small, large = per_chunk(1_000), per_chunk(30_000)
-        report(
-            f"a stream of 30,000 chunks completes; time per chunk at 30k / at 1k = {large / small:.2f}"
-        )
+        report(f"a stream of 30,000 chunks completes; per chunk, 30k / 1k = {large / small:.2f}")
 
     def test_finding_the_echo_against_parsing_alone(self) -> None:
         for size in (1_000, 8_000_000):
             body = json.dumps(
                 {"choices": [{"message": {"role": "assistant", "content": "x" * size}}]}
             )
-            loads = statistics.median(timed(lambda: json.loads(body)) for _ in range(5))
+            loads = statistics.median(timed(functools.partial(json.loads, body)) for _ in range(5))
             both = statistics.median(
-                timed(lambda: (json.loads(body), fc._raw_span(body, ("choices", 0, "message"))))
-                for _ in range(5)
+                timed(functools.partial(parse_and_span, body)) for _ in range(5)
             )
             report(f"_raw_span + json.loads / json.loads at {size:,} bytes = {both / loads:.2f}")
 
@@ -4527,6 +4522,10 @@ def timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
     return (time.perf_counter() - started) * 1000
+
+
+def parse_and_span(body: str) -> object:
+    return json.loads(body), fc._raw_span(body, ("choices", 0, "message"))
 
 
 def bare_post_kept(connection: http.client.HTTPConnection, body: bytes) -> bytes:
