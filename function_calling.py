@@ -1939,7 +1939,9 @@ class TurnResult:
     or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
     or "filtered" (stopped by the provider's content filter), with whatever text came; a
     guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
-    "api_error", "tool_failed" or "audit_failed" (`error` says what, safe to show). A turn
+    "api_error", "tool_failed", "audit_failed", "invalid_tool_call" (the server refused the
+    model's calls) or "unparsed_tool_call" (a call written as text; never run) — `error`
+    says what, safe to show. A turn
     that Ctrl-C ends is audited as "interrupted" before run() lets KeyboardInterrupt go on.
     messages: raw JSON texts, system prompt first; pass them as `history` (and `origin` as
     `history_origin`) to go on talking.
@@ -2091,7 +2093,7 @@ class ToolLoop:
         written = _call_written_as_text(reply.content, self.tools)
         if written:  # never run: what the model wrote is text, not a request we can trust
             return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
-        stop_reason, answer = _ending(reply)
+        stop_reason, answer = _plain_ending(reply)
         return stop_reason, answer, None
 
     def _guard(self, turn: _Turn) -> str | None:
@@ -2237,7 +2239,7 @@ class _Turn:
         self.open_calls.clear()
 
 
-def _ending(reply: Reply) -> tuple[str, str | None]:
+def _plain_ending(reply: Reply) -> tuple[str, str | None]:
     """How a reply without tool calls ends the turn: an answer, or plainly not one."""
     if reply.finish_reason == "length":
         return "incomplete", reply.content  # cut at the token limit: not a whole answer

@@ -4191,31 +4191,26 @@ class ClearOutcomeTest(LoopTestCase):
                         done.stderr, "function_calling.py needs Python 3.10 or newer\n"
                     )
 
+    def ask_child(self, base_url: str, *extra: str) -> subprocess.Popen[bytes]:
+        """`ask hi` as a child whose stdout and stderr the test reads as they come."""
+        return subprocess.Popen(
+            [sys.executable, str(MODULE), "ask", "hi", *extra, "--data-dir", str(self.data_dir)],
+            env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": base_url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
     def test_a_reader_that_leaves_early_is_a_quiet_exit_and_the_turn_is_audited(self) -> None:
         for extra in ((), ("--stream",)):
             long_answer = ScriptedChatServer([text_reply("the answer " * 1000)])
             with self.subTest(extra=extra), long_answer as server:
-                child = subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(MODULE),
-                        "ask",
-                        "hi",
-                        *extra,
-                        "--data-dir",
-                        str(self.data_dir),
-                    ],
-                    env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
+                child = self.ask_child(server.base_url, *extra)
                 assert child.stdout is not None and child.stderr is not None
                 child.stdout.close()  # as `| head -0` would
                 stderr = child.stderr.read()
                 child.stderr.close()
                 self.assertEqual(child.wait(timeout=60), fc.EXIT_BROKEN_PIPE)
-                self.assertEqual(stderr, "")
+                self.assertEqual(stderr, b"")
         self.assertEqual([t["stop_reason"] for t in self.audit_records("turn")], ["answered"] * 2)
 
     def test_an_answer_the_terminal_cannot_encode_is_printed_with_replacements(self) -> None:
@@ -4278,20 +4273,7 @@ class ClearOutcomeTest(LoopTestCase):
 
         reply = ScriptedReply(stall(), headers=(("Content-Type", "text/event-stream"),))
         with ScriptedChatServer([reply]) as server:
-            child = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(MODULE),
-                    "ask",
-                    "hi",
-                    "--stream",
-                    "--data-dir",
-                    str(self.data_dir),
-                ],
-                env={"PATH": os.environ.get("PATH", ""), "OPENAI_BASE_URL": server.base_url},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            child = self.ask_child(server.base_url, "--stream")
             assert child.stdout is not None
             self.assertEqual(child.stdout.read(len(b"Half an ans")), b"Half an ans")
             child.send_signal(signal.SIGINT)
