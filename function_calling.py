@@ -1212,7 +1212,7 @@ class ChatClient:
                 f"the reply from the model API broke off: {_transport_reason(exc)}"
             ) from None
         finally:
-            if not response.isclosed():  # a stream ended at [DONE], an error: not reusable
+            if not _drained(response):  # an error midway, a stream that went on: not reusable
                 self.close()
 
     def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
@@ -1323,6 +1323,19 @@ def _finite_wait(seconds: float) -> float:
     if not math.isfinite(seconds):
         raise ValueError(seconds)
     return max(seconds, 0.0)
+
+
+def _drained(response: http.client.HTTPResponse, budget: int = 65536) -> bool:
+    """Read what is left of a response (a stream's last chunk after [DONE], say), up to a
+    small budget and within its deadline, so its connection can carry the next request.
+    False if the response did not end within that."""
+    with suppress(http.client.HTTPException, OSError, ValueError):
+        while not response.isclosed() and budget > 0:
+            piece = response.read1(budget)
+            if not piece:
+                response.close()
+            budget -= len(piece)
+    return response.isclosed() and not response.length
 
 
 def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
@@ -3677,9 +3690,9 @@ class RecordedRequest:
 class ScriptedReply:
     """One scripted answer: status, raw body and headers, sent exactly as given. A body of
     several pieces (any iterable of bytes, a generator that pauses included) is sent piece
-    by piece, flushed, with no Content-Length, and the connection closed after: the way a
-    stream arrives. `hang_up` closes a kept-alive connection after the reply without saying
-    so, as a server does whose idle timeout ran out."""
+    by piece, flushed, chunked: the way a stream arrives. `hang_up` closes a kept-alive
+    connection after the reply without saying so, as a server does whose idle timeout ran
+    out."""
 
     body: bytes | Iterable[bytes]
     status: int = 200
@@ -3772,18 +3785,23 @@ class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(reply.status)
         for name, value in reply.headers:
             self.send_header(name, value)
-        pieces = [reply.body] if isinstance(reply.body, bytes) else reply.body
         if isinstance(reply.body, bytes):
             self.send_header("Content-Length", str(len(reply.body)))
-        else:  # no length: the end of the body is the end of the connection
-            self.send_header("Connection", "close")
-            self.close_connection = True
+        else:  # a body in pieces goes chunked, as a streaming server sends it
+            self.send_header("Transfer-Encoding", "chunked")
         self.close_connection = self.close_connection or reply.hang_up
         self.end_headers()
         with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
-            for piece in pieces:
-                self.wfile.write(piece)
-                self.wfile.flush()
+            self._write_body(reply.body)
+
+    def _write_body(self, body: bytes | Iterable[bytes]) -> None:
+        if isinstance(body, bytes):
+            self.wfile.write(body)
+            return
+        for piece in filter(None, body):  # an empty chunk would end the body
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
     do_GET = do_POST  # noqa: N815 (http.server's naming)
 

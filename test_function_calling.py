@@ -1339,6 +1339,23 @@ class ConnectionReuseTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stdout), (0, "one\ntwo\nthree\n"))
         self.assertEqual(server.connections, 1)
 
+    def test_a_streamed_turn_keeps_its_connection_too(self) -> None:
+        lookup = call_piece(
+            index=0,
+            id="a",
+            function={"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+        )
+        script = [
+            fc.stream_reply([lookup, chunk({}, "tool_calls"), "[DONE]"]),
+            fc.stream_reply([chunk({"content": "Shipped."}, "stop"), "[DONE]"]),
+        ]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            result = loop.run("where?", ToolContext(DEMO_CUSTOMER), on_text=lambda text: None)
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "Shipped."))
+        self.assertEqual(server.connections, 1)
+
     def test_a_connection_the_server_closed_meanwhile_is_replaced_without_a_retry(self) -> None:
         lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         script: list[fc.ScriptItem] = [ScriptedReply(lookup, hang_up=True), text_reply("ok")]
