@@ -4052,6 +4052,28 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
     return cert, key
 
 
+@contextmanager
+def relay_server(handle: Callable[[socket.socket, threading.Event], None]) -> Iterator[int]:
+    """A one-connection TCP server on 127.0.0.1 that hands its accepted socket to `handle`
+    (with an event set when the test is done); yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with suppress(OSError):
+            connection, _ = listener.accept()
+            with connection:
+                handle(connection, done)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        done.set()
+        listener.close()
+
+
 def runs(python: str) -> bool:
     """Does this interpreter start? (A pyenv shim for a version not in use does not.)"""
     done = subprocess.run([python, "-c", "pass"], capture_output=True, timeout=60, check=False)
@@ -4185,6 +4207,47 @@ class ClearOutcomeTest(LoopTestCase):
         for internal in ("_ssl.c", "127.0.0.1", "CERTIFICATE_VERIFY_FAILED"):
             self.assertNotIn(internal, done.stderr)
         self.assertEqual(done.stderr.count("\n"), 1)
+
+    def test_a_tls_handshake_sent_a_byte_at_a_time_ends_at_the_deadline(self) -> None:
+        files = self_signed_certificate(self.data_dir)
+        if files is None:
+            self.skipTest("no openssl command to make a certificate with")
+        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_tls.load_cert_chain(*files)
+        tls_listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(tls_listener.close)
+        finished = threading.Event()
+        self.addCleanup(finished.set)
+
+        def tls_server() -> None:  # a real TLS server: the handshake it sends is valid
+            with suppress(OSError):
+                connection, _ = tls_listener.accept()
+                with suppress(OSError, ssl.SSLError):
+                    server_tls.wrap_socket(connection, server_side=True).recv(1)
+
+        def pump(source: socket.socket, target: socket.socket, every: float) -> None:
+            with suppress(OSError):
+                data = source.recv(1 if every else 65536)
+                while data and not finished.is_set():
+                    target.sendall(data)
+                    time.sleep(every)
+                    data = source.recv(1 if every else 65536)
+
+        def trickling_relay(client: socket.socket, done: threading.Event) -> None:
+            with socket.create_connection(tls_listener.getsockname()) as upstream:
+                threading.Thread(target=pump, args=(client, upstream, 0), daemon=True).start()
+                pump(upstream, client, 0.05)  # the server's handshake, one byte every 50 ms
+
+        threading.Thread(target=tls_server, daemon=True).start()
+        with relay_server(trickling_relay) as port:
+            settings = Settings(base_url=f"https://127.0.0.1:{port}/v1", model="m", timeout=0.5)
+            client = ChatClient(settings)
+            client._tls = ssl.create_default_context(cafile=str(files[0]))
+            started = time.monotonic()
+            with self.assertRaisesRegex(fc.ApiError, "timed out"):
+                client.complete([fc._message("user", "hi")])
+            elapsed = time.monotonic() - started
+        self.assertLess(elapsed, 8)  # its handshake alone would take a minute at this pace
 
     def test_older_pythons_are_told_in_one_line(self) -> None:
         pyenv = Path(os.path.expanduser("~/.pyenv/versions"))
