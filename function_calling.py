@@ -31,12 +31,14 @@ Yours: write Tool subclasses, put them in an App, and call main(app=…) (README
 
 Sections, in the order one request meets them: settings · errors · tools and validation · the
 data the tools touch · audit · the audit chain · the request · the transport · the reply · the
-stream · dispatch (the trust boundary) · the loop · the workers · server quirks · approvals (the
-human side of writes) · the CLI · the scripted server used by `demo` and the tests.
+stream · dispatch (the trust boundary) · the loop · the workers · server quirks · start-up
+checks · approvals (the human side of writes) · the CLI · the scripted server used by `demo` and
+the tests.
 
 First reading, the whole mechanism (about 1,000 lines, this docstring included): errors,
 tools and validation, the request, the reply, dispatch, the loop. The reply holds the verbatim
-echo; settings holds the caps the code names; for tools that write, approvals come next.
+echo; settings holds the caps the code names; then start-up checks and, for tools that write,
+approvals.
 Hardening a first reading may skip: the transport (deadlines, retries, redirects), the stream
 (server-sent events, calls assembled from deltas), the workers (calls of one reply at once,
 and the calls that do not run), server quirks (calls the server refused or wrote as text,
@@ -2056,9 +2058,9 @@ class ToolLoop:
                     parallel_tool_calls=self.parallel_tool_calls,
                 )
             except ApiError as exc:
-                if exc.code == "tool_use_failed" and self._may_ask_again(turn):
+                if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
                     continue  # the server refused the model's call: a new round asks again
-                return self._finish(turn, context, *self._failure(exc, choice, turn))
+                return self._finish(turn, context, *_api_failure(exc, choice, turn))
             turn.add_reply(reply)
             if not reply.tool_calls:
                 return self._finish(turn, context, *self._ending(reply))
@@ -2082,25 +2084,6 @@ class ToolLoop:
             if self._answers_directly(results):
                 answer = "\n".join(result.content for result in results)
                 return self._finish(turn, context, "returned_direct", answer=answer)
-
-    def _may_ask_again(self, turn: _Turn) -> bool:
-        """After a server's tool_use_failed: is there a round left, and a try?"""
-        turn.refused_calls += 1
-        return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < self.max_rounds
-
-    def _failure(self, exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
-        """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
-        if exc.code == "tool_use_failed":
-            times = f"{turn.refused_calls} time{'s' if turn.refused_calls > 1 else ''}"
-            return (
-                "invalid_tool_call",
-                None,
-                f"the server refused the model's tool call {times}: {exc}",
-            )
-        if exc.status == 400 and choice != '"auto"':
-            forced = f"the request forced tool_choice {choice}; this server may not support it"
-            return "api_error", None, f"{exc} ({forced})"
-        return "api_error", None, str(exc)
 
     def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
         """How a reply without tool calls ends the turn: an answer, or plainly not one."""
@@ -2281,45 +2264,6 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
-    """The tools of one turn by exact name; refuses what a server would reject mid-conversation."""
-    table: dict[str, Tool] = {}
-    for tool in tools:
-        if not _TOOL_NAME.fullmatch(tool.name):
-            raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
-        if tool.name in table:
-            raise ConfigError(f"two tools are named {tool.name!r}")
-        schema = tool.parameters
-        if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
-            raise ConfigError(
-                f"tool {tool.name!r}: parameters must be an object schema"
-                " with additionalProperties false"
-            )
-        if not isinstance(schema.get("properties"), dict) or not isinstance(
-            schema.get("required"), list
-        ):
-            raise ConfigError(f"tool {tool.name!r}: parameters need 'properties' and 'required'")
-        problem = _strict_problem(schema, "parameters") if tool.strict else None
-        if problem:
-            raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
-        table[tool.name] = tool
-    return table
-
-
-def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
-    """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
-    for tool in tools:
-        if not tool.writes:
-            continue
-        if type(tool).apply is Tool.apply:
-            raise ConfigError(f"tool {tool.name!r} writes but has no apply step to approve")
-        if approvals is None:
-            raise ConfigError(f"tool {tool.name!r} writes: the loop needs Approvals for it")
-
-
 # ------------------------------------------------------------------------------- the workers
 # The calls of one reply run at once on a few threads, so four slow lookups take as long as
 # one; and the calls that do not run (a guard, the per-reply cap, a timeout) are answered and
@@ -2434,6 +2378,23 @@ _WRITTEN_CALL = re.compile(
 )
 
 
+def _asks_again(turn: _Turn, max_rounds: int) -> bool:
+    """After a server's tool_use_failed: is there a round left, and a try?"""
+    turn.refused_calls += 1
+    return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < max_rounds
+
+
+def _api_failure(exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
+    """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
+    if exc.code == "tool_use_failed":
+        times = f"{turn.refused_calls} time{'s' if turn.refused_calls > 1 else ''}"
+        return "invalid_tool_call", None, f"the server refused the model's tool call {times}: {exc}"
+    if exc.status == 400 and choice != '"auto"':
+        forced = f"the request forced tool_choice {choice}; this server may not support it"
+        return "api_error", None, f"{exc} ({forced})"
+    return "api_error", None, str(exc)
+
+
 def _call_written_as_text(content: str | None, tools: Mapping[str, Tool]) -> str | None:
     """The tool a reply's text calls, if it is a call written out as text: JSON with a name
     this turn offered and arguments. An answer that merely holds JSON is not one."""
@@ -2536,6 +2497,50 @@ def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+# ---------------------------------------------------------------------------- start-up checks
+# What a tool set must pass before its first round: names every server accepts, schemas the
+# validators can rely on (strict mode's rules where a tool asks for it), and a human's step
+# for every tool that writes. A misconfigured tool fails here, never halfway through a turn.
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
+    """The tools of one turn by exact name; refuses what a server would reject mid-conversation."""
+    table: dict[str, Tool] = {}
+    for tool in tools:
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
+        if tool.name in table:
+            raise ConfigError(f"two tools are named {tool.name!r}")
+        schema = tool.parameters
+        if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
+            raise ConfigError(
+                f"tool {tool.name!r}: parameters must be an object schema"
+                " with additionalProperties false"
+            )
+        if not isinstance(schema.get("properties"), dict) or not isinstance(
+            schema.get("required"), list
+        ):
+            raise ConfigError(f"tool {tool.name!r}: parameters need 'properties' and 'required'")
+        problem = _strict_problem(schema, "parameters") if tool.strict else None
+        if problem:
+            raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
+        table[tool.name] = tool
+    return table
+
+
+def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
+    """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
+    for tool in tools:
+        if not tool.writes:
+            continue
+        if type(tool).apply is Tool.apply:
+            raise ConfigError(f"tool {tool.name!r} writes but has no apply step to approve")
+        if approvals is None:
+            raise ConfigError(f"tool {tool.name!r} writes: the loop needs Approvals for it")
 
 
 # ----------------------------------------------------------------------------------- approvals
