@@ -4021,8 +4021,9 @@ class FirstReadingTest(unittest.TestCase):
         self.assertLessEqual(abs(total - claimed), claimed // 10, f"{total} lines")
 
 
-def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
-    """A throwaway certificate for 127.0.0.1, made with the openssl command if there is one."""
+def tls_server_context(folder: Path) -> tuple[ssl.SSLContext, Path] | None:
+    """A TLS server's context with a throwaway certificate for 127.0.0.1, made with the
+    openssl command if there is one, and the certificate's path (for a client to trust)."""
     if not shutil.which("openssl"):
         return None
     cert, key = folder / "cert.pem", folder / "key.pem"
@@ -4049,7 +4050,9 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
         check=True,
         timeout=60,
     )
-    return cert, key
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context, cert
 
 
 @contextmanager
@@ -4185,11 +4188,10 @@ class ClearOutcomeTest(LoopTestCase):
         )
 
     def test_a_tls_certificate_that_cannot_be_verified_is_one_clear_line(self) -> None:
-        files = self_signed_certificate(self.data_dir)
-        if files is None:
+        tls = tls_server_context(self.data_dir)
+        if tls is None:
             self.skipTest("no openssl command to make a certificate with")
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(*files)
+        context, _ = tls
         listener = socket.create_server(("127.0.0.1", 0))
         self.addCleanup(listener.close)
 
@@ -4209,11 +4211,10 @@ class ClearOutcomeTest(LoopTestCase):
         self.assertEqual(done.stderr.count("\n"), 1)
 
     def test_a_tls_handshake_sent_a_byte_at_a_time_ends_at_the_deadline(self) -> None:
-        files = self_signed_certificate(self.data_dir)
-        if files is None:
+        tls = tls_server_context(self.data_dir)
+        if tls is None:
             self.skipTest("no openssl command to make a certificate with")
-        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_tls.load_cert_chain(*files)
+        server_tls, certificate = tls
         tls_listener = socket.create_server(("127.0.0.1", 0))
         self.addCleanup(tls_listener.close)
         finished = threading.Event()
@@ -4242,7 +4243,7 @@ class ClearOutcomeTest(LoopTestCase):
         with relay_server(trickling_relay) as port:
             settings = Settings(base_url=f"https://127.0.0.1:{port}/v1", model="m", timeout=0.5)
             client = ChatClient(settings)
-            client._tls = ssl.create_default_context(cafile=str(files[0]))
+            client._tls = ssl.create_default_context(cafile=str(certificate))
             started = time.monotonic()
             with self.assertRaisesRegex(fc.ApiError, "timed out"):
                 client.complete([fc._message("user", "hi")])
@@ -4493,15 +4494,14 @@ class Benchmarks(LoopTestCase):
         with ScriptedChatServer([*lookups, text_reply("ok")]) as server:
             self.run_turn_on(server.base_url)
             plain = server.connections
-        files = self_signed_certificate(self.data_dir)
-        if files is None:
+        tls = tls_server_context(self.data_dir)
+        if tls is None:
             report(f"connections per three-round turn: {plain} (no openssl: https not measured)")
             return
-        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_tls.load_cert_chain(*files)
+        server_tls, certificate = tls
         with ScriptedChatServer([*lookups, text_reply("ok")]) as server:
             server._server.socket = server_tls.wrap_socket(server._server.socket, server_side=True)
-            self.run_turn_on(server.base_url.replace("http:", "https:"), cafile=files[0])
+            self.run_turn_on(server.base_url.replace("http:", "https:"), cafile=certificate)
             handshakes = server.connections
         handshaken = f"TLS handshakes per https one: {handshakes}"
         report(f"connections per three-round turn: {plain}; {handshaken}")
