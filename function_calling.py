@@ -79,7 +79,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
@@ -99,6 +99,7 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
     sys.exit("function_calling.py needs Python 3.10 or newer")
 
 __all__ = [
+    "TOOL_SOURCES",
     "ApiError",
     "App",
     "ApprovalError",
@@ -118,6 +119,8 @@ __all__ = [
     "ToolContext",
     "ToolError",
     "ToolLoop",
+    "ToolSource",
+    "ToolSourceError",
     "TurnResult",
     "audit_disagreements",
     "audit_stats",
@@ -270,6 +273,11 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
+class ToolSourceError(Exception):
+    """Tools from outside this file (a ToolSource: an MCP server) could not be had or used.
+    Its text is written for the user; the detail behind it goes to the audit log."""
+
+
 # ------------------------------------------------------------------- tools and validation
 
 
@@ -326,9 +334,25 @@ class Tool:
         """
         raise NotImplementedError
 
-    def run(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
-        """Check the argument names against the schema, then execute."""
+    def schema_problem(self) -> str | None:
+        """What makes `parameters` unfit for `validate`, if anything (tool_table asks once):
+        check_argument_names needs an object schema that names every key it allows."""
+        schema = self.parameters
+        if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
+            return "parameters must be an object schema with additionalProperties false"
+        if not isinstance(schema.get("properties"), dict) or not isinstance(
+            schema.get("required"), list
+        ):
+            return "parameters need 'properties' and 'required'"
+        return None
+
+    def validate(self, args: dict[str, Any]) -> None:
+        """The checks before execute, and again before apply: here, the argument names."""
         check_argument_names(args, self.parameters)
+
+    def run(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        """Validate, then execute."""
+        self.validate(args)
         return self.execute(args, context)
 
     def definition(self) -> dict[str, Any]:
@@ -2515,17 +2539,10 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
             raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
         if tool.name in table:
             raise ConfigError(f"two tools are named {tool.name!r}")
-        schema = tool.parameters
-        if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
-            raise ConfigError(
-                f"tool {tool.name!r}: parameters must be an object schema"
-                " with additionalProperties false"
-            )
-        if not isinstance(schema.get("properties"), dict) or not isinstance(
-            schema.get("required"), list
-        ):
-            raise ConfigError(f"tool {tool.name!r}: parameters need 'properties' and 'required'")
-        problem = _strict_problem(schema, "parameters") if tool.strict else None
+        problem = tool.schema_problem()
+        if problem:
+            raise ConfigError(f"tool {tool.name!r}: {problem}")
+        problem = _strict_problem(tool.parameters, "parameters") if tool.strict else None
         if problem:
             raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
         table[tool.name] = tool
@@ -2699,7 +2716,7 @@ class Approvals:
             args = self._bound_arguments(action)
             context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
             try:
-                check_argument_names(args, tool.parameters)
+                tool.validate(args)
                 outcome = tool.apply(args, context, db)
             except ToolError as exc:
                 raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
@@ -3084,6 +3101,27 @@ def _no_tools(database: Database) -> list[Tool]:
     return []
 
 
+class ToolSource:
+    """Tools from outside this file, offered beside an App's by `ask`, `chat` and `approve`
+    (the MCP section adds one): the flags that name them, and the tools those flags give,
+    open for as long as the command runs and closed however it ends."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        raise NotImplementedError
+
+    def open(self, args: argparse.Namespace, audit: AuditLog) -> AbstractContextManager[list[Tool]]:
+        raise NotImplementedError
+
+
+TOOL_SOURCES: list[ToolSource] = []  # sections further down add theirs
+
+
+def _source_tools(args: argparse.Namespace, audit: AuditLog, stack: ExitStack) -> list[Tool]:
+    return [
+        tool for source in TOOL_SOURCES for tool in stack.enter_context(source.open(args, audit))
+    ]
+
+
 @dataclass(frozen=True)
 class App:
     """What makes this file yours: your tools and the words around them. Pass it to main().
@@ -3120,7 +3158,7 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (ApprovalError, AuditError) as exc:
+    except (ApprovalError, AuditError, ToolSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except sqlite3.OperationalError as exc:  # "database is locked": another process holds it
@@ -3192,6 +3230,9 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         help=f"characters in one question ({MAX_QUESTION_CHARS})",
     )
     talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
+    sources = argparse.ArgumentParser(add_help=False)
+    for source in TOOL_SOURCES:
+        source.add_arguments(sources)
     human = argparse.ArgumentParser(add_help=False)
     human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
     human.add_argument(
@@ -3200,12 +3241,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
 
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     ask = commands.add_parser(
-        "ask", parents=[talk, data], help="ask one question, print the answer"
+        "ask", parents=[talk, data, sources], help="ask one question, print the answer"
     )
     ask.add_argument("question")
     ask.set_defaults(command=_cmd_ask)
     chat = commands.add_parser(
-        "chat", parents=[talk, data], help="talk, one line per turn, until EOF or /quit"
+        "chat", parents=[talk, data, sources], help="talk, one line per turn, until EOF or /quit"
     )
     chat.set_defaults(command=_cmd_chat)
     demo = commands.add_parser("demo", parents=[data], help="scripted turns offline, on 127.0.0.1")
@@ -3213,7 +3254,7 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
     pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
     pending.set_defaults(command=_cmd_pending)
     approve = commands.add_parser(
-        "approve", parents=[human, data], help="re-check and apply a pending write"
+        "approve", parents=[human, data, sources], help="re-check and apply a pending write"
     )
     approve.set_defaults(command=_cmd_approve)
     reject = commands.add_parser(
@@ -3331,15 +3372,16 @@ def _tool_loop(
     )
 
 
-def _conversation(args: argparse.Namespace, app: App) -> ToolLoop:
-    """The loop `ask` and `chat` talk through. The settings come first: a missing key must
-    not leave a fresh data directory behind."""
+def _conversation(args: argparse.Namespace, app: App, stack: ExitStack) -> ToolLoop:
+    """The loop `ask` and `chat` talk through, its tool sources open until `stack` closes.
+    The settings come first: a missing key must not leave a fresh data directory behind."""
     settings = Settings.from_env(os.environ, timeout=args.timeout, max_retries=args.retries)
     workspace = _open(args, app, create=True)
+    tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     return _tool_loop(
         app,
         workspace,
-        app.tools(workspace.database),
+        tools,
         ChatClient(settings),
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
@@ -3348,14 +3390,19 @@ def _conversation(args: argparse.Namespace, app: App) -> ToolLoop:
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
     question = _question(args.question, args.max_question)
-    loop = _conversation(args, app)
-    result, printer = _turn(loop, question, args)
+    with ExitStack() as stack:
+        loop = _conversation(args, app, stack)
+        result, printer = _turn(loop, question, args)
     return _report(result, printer)
 
 
 def _cmd_chat(args: argparse.Namespace, app: App) -> int:
     """One turn per line; the history carries every verbatim message into the next turn."""
-    loop = _conversation(args, app)
+    with ExitStack() as stack:
+        return _chat(_conversation(args, app, stack), args)
+
+
+def _chat(loop: ToolLoop, args: argparse.Namespace) -> int:
     history: Sequence[str] = ()
     origin: tuple[str, str] | None = None
     worst = EXIT_OK
@@ -3498,8 +3545,10 @@ def _cmd_pending(args: argparse.Namespace, app: App) -> int:
 
 def _cmd_approve(args: argparse.Namespace, app: App) -> int:
     workspace = _open(args, app, create=False)
-    tools = tool_table(app.tools(workspace.database))
-    outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
+    with ExitStack() as stack:
+        extra = _source_tools(args, workspace.audit, stack)
+        tools = tool_table([*app.tools(workspace.database), *extra])
+        outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
     print(f"approved {args.action_id} by {args.operator}: {canonical_json(outcome)}")
     return EXIT_OK
 
@@ -3874,6 +3923,1266 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
     }
     return json.dumps(body).encode("utf-8")
+
+
+# >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
+# "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
+# spoken to over stdio) under this file's policy: every argument checked against the tool's
+# own schema before it leaves, every write behind a human, every call audited. Nothing above
+# depends on it; to do without it, delete it in one cut (README: "MCP tools"):
+#     sed '/^# >>> MCP/,/^# <<< MCP/d' function_calling.py > cut.py
+
+__all__ += [  # extended here, so that the cut takes these names with it
+    "McpError",
+    "McpServer",
+    "McpTool",
+    "mcp_tools",
+    "schema_problem",
+    "schema_violation",
+]
+
+from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from operator import ge, gt, le, lt  # noqa: E402
+
+# ------------------------------------------------------- JSON Schema, the subset tools use
+# An MCP tool's inputSchema is the only contract its arguments have, so it is enforced here,
+# by hand, before anything is sent. The keywords below are checked exactly as draft 2020-12
+# means them (proved against the official JSON-Schema-Test-Suite in the tests); a schema with
+# a validation keyword outside them is refused at start-up, because a check that silently
+# skips a rule is worse than none. Annotations (title, description, default, examples,
+# format, …) constrain nothing and are accepted.
+
+MAX_SCHEMA_DEPTH = 64  # levels of a tool's schema; deeper is refused at start-up
+SCHEMA_KEYWORDS = frozenset(
+    (
+        "type",
+        "enum",
+        "const",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "$ref",
+        "$defs",
+        "definitions",
+    )
+)
+# Keywords that do validate (or change what a $ref means) and are not checked here.
+_UNCHECKED_KEYWORDS = frozenset(
+    (
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "minContains",
+        "maxContains",
+        "additionalItems",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "$id",
+        "$anchor",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+        "$recursiveAnchor",
+        "$vocabulary",
+    )
+)
+_SCHEMA_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+_ONE_SCHEMA = ("additionalProperties", "items", "not")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+# ECMA-262's \s: Python's re.ASCII would leave out the Unicode spaces
+_ECMA_SPACE = (
+    "\\t\\n\\v\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
+)
+_ECMA_LETTER_ESCAPES = frozenset("bBdDfnrstuvwWSx")
+_QUANTIFIER = re.compile(r"[*+?]|\{([0-9]+)(,([0-9]*))?\}")
+
+
+def schema_problem(schema: Any, unchecked: bool = False) -> str | None:
+    """Why schema_violation could not check `schema` exactly, or None. With unchecked=True,
+    keywords outside the subset (and patterns re cannot match as ECMA-262 does) are let
+    through, and go unchecked; a malformed schema is refused all the same."""
+    if _nested_deeper_than(schema, MAX_SCHEMA_DEPTH):
+        return f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels"
+    pending: list[tuple[Any, str]] = [(schema, "inputSchema")]
+    seen: set[int] = set()
+    while pending:
+        node, where = pending.pop()
+        if isinstance(node, bool) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if not isinstance(node, dict):
+            return f"{where} is not a schema (an object, true or false)"
+        for keyword, value in node.items():
+            if keyword in _UNCHECKED_KEYWORDS and not unchecked:
+                return f"{where} uses {keyword}, a keyword this validator does not check"
+            problem = _keyword_problem(schema, keyword, value, unchecked)
+            if problem:
+                return f"{where}.{keyword} {problem}"
+            pending.extend(_subschemas(keyword, value, f"{where}.{keyword}"))
+        if isinstance(node.get("$ref"), str):  # what it points at is checked like the rest
+            pending.append((_resolve(schema, node["$ref"]), node["$ref"]))
+    return _ref_loop(schema)
+
+
+def _keyword_problem(  # noqa: PLR0911 -- one return per kind of keyword
+    root: Any, keyword: str, value: Any, unchecked: bool
+) -> str | None:
+    if keyword == "type":
+        names = value if isinstance(value, list) else [value]
+        if not names or any(name not in _SCHEMA_TYPES for name in names):
+            return f"must name types among {', '.join(_SCHEMA_TYPES)}"
+    elif keyword == "required" and not (
+        isinstance(value, list) and all(isinstance(name, str) for name in value)
+    ):
+        return "must be a list of property names"
+    elif keyword == "enum" and not isinstance(value, list):
+        return "must be a list"
+    elif keyword in _NUMBERS and (_not_number(value) or (keyword == "multipleOf" and value <= 0)):
+        return "must be a number" + (" above 0" if keyword == "multipleOf" else "")
+    elif keyword in _COUNTS and _count(value) is None:
+        return "must be a whole number, 0 or more"
+    elif keyword == "uniqueItems" and not isinstance(value, bool):
+        return "must be true or false"
+    elif keyword == "pattern":
+        return _pattern_problem(value, unchecked)
+    elif keyword == "$ref":
+        return _ref_problem(root, value)
+    elif keyword in _ONE_SCHEMA and isinstance(value, list):
+        return "is a list: draft 7's tuple form, which 2020-12 writes as prefixItems"
+    elif keyword in _SCHEMA_LISTS and not (isinstance(value, list) and value):
+        return "must be a list of schemas"
+    elif keyword in _SCHEMA_MAPS and not isinstance(value, dict):
+        return "must map names to schemas"
+    return None
+
+
+def _subschemas(keyword: str, value: Any, where: str) -> list[tuple[Any, str]]:
+    if keyword in _ONE_SCHEMA:
+        return [(value, where)]
+    if keyword in _SCHEMA_LISTS:
+        return [(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if keyword in _SCHEMA_MAPS:
+        return [(item, f"{where}.{name}") for name, item in value.items()]
+    return []
+
+
+def _not_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int | float)
+
+
+def _count(value: Any) -> int | None:
+    """A length or count keyword's value: a whole number (2.0 counts as 2), 0 or more."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def _pattern_problem(pattern: Any, unchecked: bool) -> str | None:
+    if not isinstance(pattern, str):
+        return "must be a string"
+    try:
+        _ecma_pattern(pattern)
+    except re.error as exc:
+        if unchecked:
+            return None
+        return f"{_shown(pattern)} cannot be matched here as JSON Schema means it ({exc})"
+    return None
+
+
+def _ref_problem(root: Any, ref: Any) -> str | None:
+    if not isinstance(ref, str):
+        return "must be a string"
+    try:
+        target = _resolve(root, ref)
+    except LookupError:
+        return f"{_shown(ref)} does not point into this schema (only local #/… refs are followed)"
+    if not isinstance(target, dict | bool):
+        return f"{_shown(ref)} points at something that is not a schema"
+    return None
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The schema a local $ref points at (a JSON Pointer after '#'), or LookupError."""
+    if not ref.startswith("#"):
+        raise LookupError(ref)
+    pointer = urllib.parse.unquote(ref[1:])
+    if pointer and not pointer.startswith("/"):
+        raise LookupError(ref)  # a plain-name fragment needs $anchor, which is not followed
+    node = root
+    for token in pointer.split("/")[1:] if pointer else []:
+        step = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            raise LookupError(ref)
+    return node
+
+
+def _ref_loop(root: Any) -> str | None:
+    """A $ref chain that comes back to where it started without reading any data would make
+    the validator go round for ever: refused. (Through properties or items is recursion.)"""
+    # every schema, and the schemas it applies to the same value: its $ref target, allOf, …
+    same_value: dict[int, list[Any]] = {}
+    pending, nodes = [root], []
+    while pending:
+        node = pending.pop()
+        if not isinstance(node, dict) or id(node) in same_value:
+            continue
+        nodes.append(node)
+        here = [node[key] for key in ("not",) if key in node]
+        here += [item for key in ("allOf", "anyOf", "oneOf") for item in node.get(key, [])]
+        if "$ref" in node:
+            here.append(_resolve(root, node["$ref"]))
+        same_value[id(node)] = here
+        pending.extend(
+            child for keyword, value in node.items() for child, _ in _subschemas(keyword, value, "")
+        )
+    state: dict[int, str] = {}  # "open" while its chain is walked, "done" after
+    for start in nodes:
+        walk = [(start, iter(same_value[id(start)]))]
+        state.setdefault(id(start), "open")
+        while walk:
+            node, children = walk[-1]
+            child = next(children, None)
+            if child is None:
+                state[id(node)] = "done"
+                walk.pop()
+            elif isinstance(child, dict):
+                if state.get(id(child)) == "open":
+                    return "a $ref leads back to itself without reading any value"
+                if id(child) not in state:
+                    state[id(child)] = "open"
+                    walk.append((child, iter(same_value.get(id(child), []))))
+    return None
+
+
+def _ecma_pattern(pattern: str) -> re.Pattern[str]:
+    """A JSON Schema pattern (ECMA-262) as Python's re, meaning what it means there: \\d, \\w
+    and \\b ASCII (re.ASCII), \\s with its Unicode spaces, `$` only at the very end (Python's
+    also matches before a last "\\n"), `.` stopping at every line terminator, (?<name>…) a
+    named group. What re cannot mean the same way raises re.error: \\p{…}, Python's own
+    escapes (\\A, \\Z), and a repeated group that repeats inside, as (a+)+, whose backtracking
+    can take exponential time on a hostile value."""
+    out: list[str] = []
+    repeats: list[bool] = [False]  # per open group: does something inside it repeat?
+    position, in_class = 0, False
+    while position < len(pattern):
+        char = pattern[position]
+        if char == "\\":
+            escape = pattern[position + 1 : position + 2]
+            out.append(_ecma_escape(escape, in_class))
+            position += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+            out.append(char)
+        elif char == "[":
+            opening = "[^" if pattern.startswith("[^", position) else "["
+            if pattern.startswith("]", position + len(opening)):  # ECMA: [] none, [^] any
+                out.append("(?!)" if opening == "[" else "[\\s\\S]")
+                position += len(opening) + 1
+                continue
+            out.append(opening)
+            position += len(opening) - 1
+            in_class = True
+        elif char == "(":
+            repeats.append(False)
+            named = (
+                pattern.startswith("(?<", position)
+                and pattern[position + 3 : position + 4] not in "=!"
+            )
+            out.append("(?P<" if named else "(")
+            position += 3 if named else 1
+            continue
+        elif char == ")":
+            inner = repeats.pop() if len(repeats) > 1 else False
+            if inner and _repeats(pattern, position + 1):
+                raise re.error("a repeated group that repeats inside can take exponential time")
+            repeats[-1] = repeats[-1] or inner
+            out.append(char)
+        else:
+            out.append({"$": "\\Z", ".": "[^\\n\\r\\u2028\\u2029]"}.get(char, char))
+            if _repeats(pattern, position) and char in "*+{":
+                repeats[-1] = True
+        position += 1
+    return re.compile("".join(out), re.ASCII)
+
+
+def _ecma_escape(escape: str, in_class: bool) -> str:
+    if escape == "s":
+        return _ECMA_SPACE if in_class else f"[{_ECMA_SPACE}]"
+    if escape == "S":
+        if in_class:
+            raise re.error("\\S inside a character class")
+        return f"[^{_ECMA_SPACE}]"
+    if escape.isascii() and escape.isalpha() and escape not in _ECMA_LETTER_ESCAPES:
+        raise re.error(f"\\{escape} does not mean here what it means in JSON Schema")
+    if not escape:
+        raise re.error("a pattern ending in a backslash")
+    return "\\" + escape
+
+
+def _repeats(pattern: str, position: int) -> bool:
+    """Does a quantifier that can repeat more than once start at `position`?"""
+    match = _QUANTIFIER.match(pattern, position)
+    if not match or match.group() == "?":
+        return False
+    if match.group().startswith("{"):
+        most = match.group(3) if match.group(2) else match.group(1)
+        return most == "" or int(most) > 1
+    return True
+
+
+def schema_violation(value: Any, schema: Any, where: str = "arguments") -> str | None:
+    """The first way `value` breaks `schema`, as a message for the model (field, rule and
+    value, like the file's own checks), or None. The schema must have passed schema_problem;
+    keywords outside the subset are ignored (that is what accepting a schema unchecked means)."""
+    try:
+        return _SchemaCheck(schema).violation(value, schema, where)
+    except RecursionError:  # a long acyclic $ref chain: refuse, rather than guess
+        return f"{where}: the tool's schema is too deep to check this value against"
+
+
+@dataclass
+class _SchemaCheck:
+    """One check of one value: the schema's root (for $ref) and its compiled patterns."""
+
+    root: Any
+    patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
+
+    def violation(self, value: Any, schema: Any, where: str) -> str | None:
+        if schema is True:
+            return None
+        if schema is False:
+            return f"{where}: expected nothing here; got: {_shown(value)}"
+        checks = (
+            self._ref,
+            _type_violation,
+            _enum_violation,
+            self._string_violation,
+            _number_violation,
+            self._object_violation,
+            self._array_violation,
+            self._combined_violation,
+        )
+        for check in checks:
+            problem = check(value, schema, where)
+            if problem:
+                return problem
+        return None
+
+    def _ref(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+        if "$ref" not in schema:
+            return None
+        return self.violation(value, _resolve(self.root, schema["$ref"]), where)
+
+    def _string_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+        if not isinstance(value, str):
+            return None
+        least, most = _count(schema.get("minLength")), _count(schema.get("maxLength"))
+        if least is not None and len(value) < least:  # code points, as JSON Schema counts
+            return _rejection(where, f"at least {least} characters", value)
+        if most is not None and len(value) > most:
+            return _rejection(where, f"at most {most} characters", value)
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and not self._matches(pattern, value):
+            return _rejection(where, f"a string matching {_shown(pattern)}", value)
+        return None
+
+    def _matches(self, pattern: str, value: str) -> bool:
+        if pattern not in self.patterns:
+            try:
+                self.patterns[pattern] = _ecma_pattern(pattern)
+            except re.error:  # accepted unchecked: nothing to check it with
+                return True
+        return self.patterns[pattern].search(value) is not None  # unanchored, as JSON Schema
+
+    def _object_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+        if not isinstance(value, dict):
+            return None
+        properties: Mapping[str, Any] = schema.get("properties", {})
+        for name in schema.get("required", []):
+            if name not in value:
+                described = properties.get(name)
+                about = described.get("description") if isinstance(described, dict) else None
+                expected = about if isinstance(about, str) else "a value"
+                return (
+                    f"{_member(where, name)}: required; expected {_cut(expected, 80)}; got nothing"
+                )
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties:
+                problem = self.violation(item, properties[name], _member(where, name))
+            elif extra is False:
+                known = ", ".join(properties) or "no arguments"
+                problem = f"{_shown(name)}: expected only {known}; got an unknown key"
+            else:
+                problem = self.violation(item, extra, _member(where, name))
+            if problem:
+                return problem
+        return None
+
+    def _array_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+        if not isinstance(value, list):
+            return None
+        least, most = _count(schema.get("minItems")), _count(schema.get("maxItems"))
+        if least is not None and len(value) < least:
+            return _rejection(where, f"at least {least} items", value)
+        if most is not None and len(value) > most:
+            return _rejection(where, f"at most {most} items", value)
+        if schema.get("uniqueItems") is True and len({_json_key(item) for item in value}) < len(
+            value
+        ):
+            return _rejection(where, "items that are all different", value)
+        prefix: Sequence[Any] = schema.get("prefixItems", [])
+        rest = schema.get("items", True)
+        for index, item in enumerate(value):
+            problem = self.violation(
+                item, prefix[index] if index < len(prefix) else rest, f"{where}[{index}]"
+            )
+            if problem:
+                return problem
+        return None
+
+    def _combined_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+        for part in schema.get("allOf", []):
+            problem = self.violation(value, part, where)
+            if problem:
+                return problem
+        if "anyOf" in schema and all(
+            self.violation(value, part, where) for part in schema["anyOf"]
+        ):
+            return _rejection(
+                where, f"a value of one of the {len(schema['anyOf'])} forms anyOf allows", value
+            )
+        if "oneOf" in schema:
+            fits = sum(self.violation(value, part, where) is None for part in schema["oneOf"])
+            if fits != 1:
+                return _rejection(
+                    where, f"a value of exactly one of the oneOf forms (it fits {fits})", value
+                )
+        if "not" in schema and self.violation(value, schema["not"], where) is None:
+            return _rejection(where, "a value the schema's `not` does not describe", value)
+        return None
+
+
+def _member(where: str, name: str) -> str:
+    return name if where == "arguments" else f"{where}.{name}"
+
+
+def _type_violation(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+    if "type" not in schema:
+        return None
+    names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if any(_is_type(value, name) for name in names):
+        return None
+    return _rejection(
+        where, " or ".join(("an " if name[0] in "aeio" else "a ") + name for name in names), value
+    )
+
+
+def _is_type(value: Any, name: str) -> bool:
+    """JSON Schema's types: true is no number, and 5.0 is an integer."""
+    if name in ("number", "integer"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        return name == "number" or isinstance(value, int) or value.is_integer()
+    kinds: dict[str, Any] = {
+        "null": type(None),
+        "boolean": bool,
+        "string": str,
+        "array": list,
+        "object": dict,
+    }
+    return isinstance(value, kinds[name])
+
+
+def _enum_violation(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+    key = _json_key(value)
+    if "const" in schema and key != _json_key(schema["const"]):
+        return _rejection(where, f"exactly {_shown(schema['const'])}", value)
+    if "enum" in schema and key not in {_json_key(item) for item in schema["enum"]}:
+        return _rejection(
+            where, "one of " + ", ".join(_shown(item) for item in schema["enum"]), value
+        )
+    return None
+
+
+def _json_key(value: Any) -> Any:
+    """A hashable form in which two JSON values are equal exactly when JSON Schema says they
+    are: 1 and 1.0 alike, true and 1 not, objects whatever their key order."""
+    if isinstance(value, bool):
+        return ("boolean", value)
+    if isinstance(value, int | float):
+        return ("number", value)  # Python's own equality: 1 == 1.0, and their hashes agree
+    if isinstance(value, list):
+        return ("array", tuple(_json_key(item) for item in value))
+    if isinstance(value, dict):
+        return ("object", frozenset((name, _json_key(item)) for name, item in value.items()))
+    return (type(value).__name__, value)
+
+
+def _number_violation(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    bounds = (
+        ("minimum", ge, "at least"),
+        ("maximum", le, "at most"),
+        ("exclusiveMinimum", gt, "above"),
+        ("exclusiveMaximum", lt, "below"),
+    )
+    for keyword, holds, words in bounds:
+        if keyword in schema and not holds(value, schema[keyword]):
+            return _rejection(where, f"a number {words} {schema[keyword]}", value)
+    if "multipleOf" in schema and not _is_multiple(value, schema["multipleOf"]):
+        return _rejection(where, f"a multiple of {schema['multipleOf']}", value)
+    return None
+
+
+def _is_multiple(value: float, step: float) -> bool:
+    """Exact decimal arithmetic on the numbers as written: 0.0075 is a multiple of 0.0001,
+    though not in binary floating point."""
+
+    def exact(number: float) -> Fraction:
+        return Fraction(number) if isinstance(number, int) else Fraction(repr(number))
+
+    return (exact(value) / exact(step)).denominator == 1
+
+
+# ------------------------------------------------- the MCP client (JSON-RPC 2.0 over stdio)
+# An MCP server is a child process: one JSON-RPC message per line on its stdin and stdout.
+# It is infrastructure, and untrusted: every request has a deadline, a line is capped, a
+# message that is not JSON-RPC or answers a request never sent breaks the connection, its
+# stderr is kept for the audit log only, and it gets no environment variable it was not
+# given (OPENAI_API_KEY least of all). However a command ends, the process is reaped.
+
+import select  # noqa: E402 -- the MCP section's own imports, so that the cut takes them
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+
+MCP_MODERN = "2026-07-28"  # stateless: no handshake; every request carries _meta
+MCP_LEGACY = "2025-11-25"  # the initialize / notifications/initialized handshake
+MCP_LEGACY_ANSWERS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # tools alike
+MCP_CLIENT_INFO = {"name": "function_calling", "version": "1"}
+MCP_TIMEOUT_S = 30.0  # one request to a server, from the first byte written to the answer
+MCP_PROBE_TIMEOUT_S = 5.0  # server/discover: a legacy server may never answer it
+MCP_CLOSE_GRACE_S = 2.0  # after stdin closes, before SIGTERM (then SIGKILL)
+MAX_MCP_MESSAGE_BYTES = 4 * 1024 * 1024  # one line from the server
+MAX_MCP_STDERR_BYTES = 16 * 1024  # what the audit log keeps of a server's stderr
+MAX_MCP_TOOLS = 512
+MAX_MCP_PAGES = 64  # of tools/list
+MCP_IDEMPOTENCY_KEY = "dev.function-calling/idempotencyKey"  # in tools/call's _meta
+_UNSUPPORTED_VERSION = (-32004, -32022)  # codes seen for UnsupportedProtocolVersionError
+
+
+class McpError(ToolSourceError):
+    """An MCP server could not be used: it did not start, died, hung, broke the protocol or
+    refused a request. The text is ours (no server text in it); ends the turn."""
+
+
+class McpRefusedError(McpError):
+    """A JSON-RPC error answer: infrastructure. The server's own words go to the audit log."""
+
+    def __init__(self, message: str, code: Any, data: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.data = data
+
+
+class McpTimeoutError(McpError):
+    """No answer within the deadline. A late answer is dropped when it comes."""
+
+
+class _Answer:
+    """Where the reader thread leaves the answer to one request."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.message: dict[str, Any] = {}
+        self.error: McpError | None = None
+
+
+class McpServer:
+    """One MCP server, started from `command` (argv) as a child process; a context manager.
+
+    The protocol revision is chosen at start: server/discover with 2026-07-28's per-request
+    _meta first; a server that answers it speaks the modern revision. Any other error means
+    a legacy server: the 2025-11-25 initialize handshake follows on the same process; no
+    answer at all (or a dead process) means the server is restarted first, as its state is
+    unknown. `env` is the child's whole environment: nothing of ours is inherited.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = MCP_TIMEOUT_S,
+        probe_timeout: float = MCP_PROBE_TIMEOUT_S,
+        max_message_bytes: int = MAX_MCP_MESSAGE_BYTES,
+        audit: AuditLog | None = None,
+    ) -> None:
+        if not command:
+            raise ConfigError("an MCP server needs a command to start it")
+        self.command = list(command)
+        self.label = _cut(shlex.join(self.command), 200)  # for the user and the audit only
+        self.env = dict(env or {})
+        self.timeout = timeout
+        self.probe_timeout = probe_timeout
+        self.max_message_bytes = max_message_bytes
+        self.audit = audit
+        self.protocol: str | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # guards the fields below
+        self._writing = threading.Lock()  # one message at a time on the child's stdin
+        self._starting = threading.Lock()
+        self._pending: dict[int, _Answer] = {}
+        self._abandoned: set[int] = set()  # timed out: their answers may still come
+        self._next_id = 1
+        self._broken: McpError | None = None
+        self._stderr = bytearray()
+        self._stderr_bytes = 0
+
+    def __enter__(self) -> McpServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the public requests
+
+    def start(self) -> None:
+        """Start the process and agree on a revision; on any failure, nothing is left running."""
+        with self._starting:
+            try:
+                self._spawn()
+                self.protocol = self._negotiate()
+            except BaseException:
+                self.close()
+                raise
+            self.record("mcp_server", state="started", protocol=self.protocol)
+
+    def list_tools(self) -> list[Any]:
+        """Every tool the server lists, following nextCursor page by page."""
+        tools: list[Any] = []
+        cursor: Any = None
+        seen: set[str] = set()
+        for _ in range(MAX_MCP_PAGES):
+            page = self.request("tools/list", {} if cursor is None else {"cursor": cursor})
+            listed = page.get("tools")
+            if not isinstance(listed, list):
+                raise McpError(f"MCP server {self.label}: tools/list answered without a list")
+            tools += listed
+            if len(tools) > MAX_MCP_TOOLS:
+                raise McpError(f"MCP server {self.label}: more than {MAX_MCP_TOOLS} tools")
+            cursor = page.get("nextCursor")
+            if cursor is None:
+                return tools
+            if not isinstance(cursor, str) or cursor in seen:
+                raise McpError(f"MCP server {self.label}: tools/list pages that never end")
+            seen.add(cursor)
+        raise McpError(f"MCP server {self.label}: more than {MAX_MCP_PAGES} pages of tools")
+
+    def call_tool(
+        self, name: str, arguments: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """tools/call; the result as the server sent it (content, structuredContent, isError)."""
+        params: dict[str, Any] = {"name": name, "arguments": dict(arguments)}
+        if meta:
+            params["_meta"] = dict(meta)
+        return self.request("tools/call", params)
+
+    def request(
+        self, method: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> dict[str, Any]:
+        """One request and its result; a server that broke since is started again first."""
+        with self._starting:
+            if self._process is None or self._broken is not None:
+                self.close()
+                self._spawn()
+                self.protocol = self._negotiate()
+        return self._request(method, params, self.timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        """Close stdin, give the server MCP_CLOSE_GRACE_S to exit, then SIGTERM, then SIGKILL
+        its whole process group; reap it; write its exit and stderr to the audit log."""
+        with self._lock:
+            process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            with suppress(OSError):
+                process.stdin.close()  # type: ignore[union-attr]
+            try:
+                process.wait(MCP_CLOSE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGTERM)
+                with suppress(subprocess.TimeoutExpired):
+                    process.wait(MCP_CLOSE_GRACE_S / 4)
+        finally:  # even when Ctrl-C lands in the waits above: never leave it running
+            if process.poll() is None:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+            for thread in self._threads:
+                thread.join(1.0)
+            self._threads = []
+        self._record_stop(process)
+
+    # -- the process
+
+    def _spawn(self) -> None:
+        executable = shutil.which(self.command[0])  # on our PATH: the child gets none of ours
+        if executable is None:
+            raise McpError(f"MCP server {self.label}: {self.command[0]!r} was not found")
+        try:
+            process = subprocess.Popen(  # noqa: S603 -- the user's own command, no shell
+                [executable, *self.command[1:]],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self.env,
+                start_new_session=True,  # its own process group: one signal reaches them all
+                bufsize=0,
+            )
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise McpError(f"MCP server {self.label}: could not start ({reason})") from None
+        os.set_blocking(process.stdin.fileno(), False)  # type: ignore[union-attr]
+        self._stderr.clear()
+        self._stderr_bytes = 0
+        with self._lock:
+            self._process, self._broken = process, None
+            self._pending.clear()
+            self._abandoned.clear()
+        self._threads = [
+            threading.Thread(target=self._read_output, args=(process,), daemon=True),
+            threading.Thread(target=self._read_stderr, args=(process,), daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _negotiate(self) -> str:
+        """Which revision this server speaks (see the class docstring)."""
+        try:
+            found = self._request("server/discover", {}, self.probe_timeout, modern=True)
+        except McpRefusedError as exc:  # it answered: legacy, or modern without our version
+            versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
+            if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
+                return self._legacy_or_none(versions)
+            return self._initialize()
+        except McpError:  # silence or death: its state is unknown, so it starts afresh
+            self.close()
+            self._spawn()
+            return self._initialize()
+        versions = found.get("supportedVersions")
+        if isinstance(versions, list) and MCP_MODERN in versions:
+            return MCP_MODERN
+        return self._legacy_or_none(versions if isinstance(versions, list) else [])
+
+    def _legacy_or_none(self, versions: list[Any]) -> str:
+        if any(version in MCP_LEGACY_ANSWERS for version in versions):
+            return self._initialize()
+        offered = ", ".join(_shown(version) for version in versions[:8]) or "nothing"
+        raise McpError(
+            f"MCP server {self.label} speaks {offered}; this client speaks {MCP_MODERN}"
+            f" and {', '.join(MCP_LEGACY_ANSWERS)}"
+        )
+
+    def _initialize(self) -> str:
+        hello = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
+        result = self._request("initialize", hello, self.timeout, modern=False)
+        version = result.get("protocolVersion")
+        if version not in MCP_LEGACY_ANSWERS:
+            raise McpError(
+                f"MCP server {self.label} answered initialize with revision {_shown(version)},"
+                " which this client does not speak"
+            )
+        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        self._send(initialized, self.timeout, self._running())
+        return str(version)
+
+    # -- the messages
+
+    def _request(
+        self, method: str, params: Mapping[str, Any], timeout: float, modern: bool | None = None
+    ) -> dict[str, Any]:
+        modern = self.protocol == MCP_MODERN if modern is None else modern
+        if modern:
+            params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
+        answer = _Answer()
+        with self._lock:
+            process = self._process
+            if self._broken is not None or process is None:
+                raise self._broken or McpError(f"MCP server {self.label} is not running")
+            ident, self._next_id = self._next_id, self._next_id + 1
+            self._pending[ident] = answer
+        message = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
+        deadline = time.monotonic() + timeout
+        try:
+            self._send(message, timeout, process)
+            if not answer.ready.wait(max(0.0, deadline - time.monotonic())):
+                with self._lock:
+                    self._abandoned.add(ident)
+                raise McpTimeoutError(
+                    f"MCP server {self.label}: no answer to {method} in {timeout:g} s"
+                )
+        finally:
+            with self._lock:
+                self._pending.pop(ident, None)
+        if answer.error is not None:
+            raise answer.error
+        return self._result(method, answer.message, modern)
+
+    def _result(self, method: str, message: Mapping[str, Any], modern: bool) -> dict[str, Any]:
+        error = message.get("error")
+        if error is not None:
+            code = error.get("code") if isinstance(error, dict) else None
+            data = error.get("data") if isinstance(error, dict) else None
+            self.record("mcp_error", method=method, error=_cut(_compact(error), 2000))
+            shown = code if isinstance(code, int) and not isinstance(code, bool) else "?"
+            raise McpRefusedError(
+                f"MCP server {self.label} refused {method} (JSON-RPC error {shown});"
+                " the detail is in the audit log",
+                code,
+                data,
+            )
+        result = message.get("result")
+        if not isinstance(result, dict):
+            raise McpError(f"MCP server {self.label}: {method} answered with no result object")
+        kind = result.get("resultType", "complete")
+        if modern and kind != "complete":
+            raise McpError(
+                f"MCP server {self.label}: {method} answered {_shown(kind)}, which asks for"
+                " something this client does not do (it offers no capabilities)"
+            )
+        return result
+
+    def _send(
+        self, message: Mapping[str, Any], timeout: float, process: subprocess.Popen[bytes]
+    ) -> None:
+        """Write one line, every byte within the deadline; a half-written line breaks it."""
+        line = memoryview((_compact(message) + "\n").encode())
+        deadline = time.monotonic() + timeout
+        if not self._writing.acquire(timeout=timeout):
+            raise McpTimeoutError(
+                f"MCP server {self.label}: its input stayed busy for {timeout:g} s"
+            )
+        try:
+            while line:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stopped = McpTimeoutError(f"MCP server {self.label} stopped reading its input")
+                    raise self._break(stopped, process)
+                try:
+                    fd = process.stdin.fileno()  # type: ignore[union-attr]
+                    if select.select([], [fd], [], left)[1]:
+                        line = line[os.write(fd, line) :]
+                except BlockingIOError:
+                    continue
+                except (OSError, ValueError):  # a closed pipe: the server is gone
+                    raise self._break(self._gone(process), process) from None
+        finally:
+            self._writing.release()
+
+    def _read_output(self, process: subprocess.Popen[bytes]) -> None:
+        """The reader thread: each line one message, handed to the request it answers."""
+        if process.stdout is None:
+            return
+        stream = open(process.stdout.fileno(), "rb", buffering=65536, closefd=False)  # noqa: SIM115
+        while True:
+            try:
+                line = stream.readline(self.max_message_bytes + 1)
+            except (OSError, ValueError):
+                line = b""
+            if not line:
+                self._break(self._gone(process), process)
+                return
+            if len(line) > self.max_message_bytes:
+                limit = self.max_message_bytes
+                flood = McpError(f"MCP server {self.label} sent a line over {limit} bytes")
+                self._break(flood, process)
+                return
+            if line.strip() and not self._take(line, process):
+                return
+
+    def _take(self, line: bytes, process: subprocess.Popen[bytes]) -> bool:
+        """One line from the server; False if it broke the protocol (the server is stopped)."""
+        try:
+            message = json.loads(line, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError, ArgumentError):
+            message = None
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            garbage = McpError(f"MCP server {self.label} wrote something that is not JSON-RPC")
+            self._break(garbage, process)
+            return False
+        if "method" in message:  # a request or notification of the server's own
+            if "id" in message:
+                self._decline(message, process)
+            return True
+        ident = message.get("id")
+        with self._lock:
+            answer = self._pending.get(ident) if type(ident) is int else None  # True is not 1
+            if answer is None and ident in self._abandoned:  # timed out, answered late
+                self._abandoned.discard(ident)
+                return True
+        if answer is None or not ("result" in message or "error" in message):
+            lie = f"MCP server {self.label} answered a request it was not sent ({_shown(ident)})"
+            self._break(McpError(lie), process)
+            return False
+        answer.message = message
+        answer.ready.set()
+        return True
+
+    def _decline(self, request: Mapping[str, Any], process: subprocess.Popen[bytes]) -> None:
+        """This client offers the server nothing (no sampling, roots or elicitation): ping is
+        answered, anything else is "method not found"."""
+        reply: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"]}
+        if request.get("method") == "ping":
+            reply["result"] = {}
+        else:
+            reply["error"] = {"code": -32601, "message": "this client offers no such method"}
+        with suppress(McpError):
+            self._send(reply, self.timeout, process)
+
+    def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
+        """Keep the start of the server's stderr for the audit log; read (and count) the rest,
+        so that a chatty server never blocks on a full pipe."""
+        stream = process.stderr
+        while stream is not None:
+            try:
+                chunk = stream.read(65536)
+            except (OSError, ValueError):
+                return
+            if not chunk:
+                return
+            self._stderr_bytes += len(chunk)
+            self._stderr += chunk[: max(0, MAX_MCP_STDERR_BYTES - len(self._stderr))]
+
+    def _gone(self, process: subprocess.Popen[bytes]) -> McpError:
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(0.5)
+        code = process.poll()
+        how = "stopped" if code is None else f"exited with status {code}"
+        return McpError(f"MCP server {self.label} {how} before it answered")
+
+    def _break(self, error: McpError, process: subprocess.Popen[bytes]) -> McpError:
+        """`process` cannot be trusted any more: every waiting request gets `error`, and it is
+        killed (close, or the next request, reaps it). A process already replaced is left be."""
+        with self._lock:
+            if process is not self._process:
+                return error
+            self._broken = self._broken or error
+            waiting = list(self._pending.values())
+        for answer in waiting:
+            answer.error = self._broken
+            answer.ready.set()
+        if process.poll() is None:
+            _signal_group(process, signal.SIGKILL)
+        return self._broken
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._process is None:
+                raise McpError(f"MCP server {self.label} is not running")
+            return self._process
+
+    def record(self, event: str, **fields: Any) -> None:
+        """A line in the audit log (if this server has one), naming the server."""
+        if self.audit is not None:
+            self.audit.record(event, server=self.label, **fields)
+
+    def _record_stop(self, process: subprocess.Popen[bytes]) -> None:
+        """How the server ended, and the start of its stderr: for operators, never the model.
+        A log that cannot be written here is already failing the turn; it is not repeated."""
+        with suppress(AuditError):
+            self.record(
+                "mcp_server",
+                state="stopped",
+                exit_code=process.returncode,
+                stderr=self._stderr.decode("utf-8", "replace"),
+                stderr_bytes=self._stderr_bytes,
+            )
+
+
+def _modern_meta() -> dict[str, Any]:
+    return {
+        "io.modelcontextprotocol/protocolVersion": MCP_MODERN,
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": MCP_CLIENT_INFO,
+    }
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)  # its own group (start_new_session): children too
+
+
+# ----------------------------------------------------------- MCP tools under this file's policy
+
+
+class McpCallTimeoutError(ToolError):
+    """An MCP tool gave no result in time: the call is answered as failed; the turn goes on."""
+
+    code: ClassVar[str] = "timeout"
+
+
+class McpTool(Tool):
+    """A tool of an MCP server, made a Tool by mcp_tools: its arguments are checked against
+    the server's inputSchema here, before they leave; if it writes, the call files a pending
+    action and runs only when a human approves (with the approval id as an idempotency key
+    in _meta); its result is converted to text a tool message can carry."""
+
+    server: ClassVar[McpServer]
+    mcp_name: ClassVar[str]
+
+    def schema_problem(self) -> str | None:
+        return None  # mcp_tools checked it, with its own rules for servers' schemas
+
+    def validate(self, args: dict[str, Any]) -> None:
+        problem = schema_violation(args, self.parameters)
+        if problem:
+            raise ArgumentError(problem)
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        if self.writes:  # what the human approves; nothing leaves before that
+            return {"mcpTool": self.mcp_name}
+        return self._call(args, {})
+
+    def apply(
+        self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
+    ) -> dict[str, Any]:
+        return self._call(args, {MCP_IDEMPOTENCY_KEY: context.approval_id})
+
+    def _call(self, args: dict[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            result = self.server.call_tool(self.mcp_name, args, meta)
+        except McpTimeoutError:
+            timeout = self.server.timeout
+            raise McpCallTimeoutError(f"the tool gave no result within {timeout:g} s") from None
+        if _nested_deeper_than(result, MAX_SCHEMA_DEPTH):
+            raise McpError(f"MCP server {self.server.label}: a result nested too deep")
+        text = "\n".join(_content_line(block) for block in _blocks(result))
+        if result.get("isError") is True:  # the tool's own message: data, the turn goes on
+            raise ToolError(_visible(_cut(text, MAX_RESULT_BYTES)) or "the tool reported an error")
+        converted: dict[str, Any] = {"content": text}
+        if "structuredContent" in result:
+            converted["structuredContent"] = result["structuredContent"]
+        return converted
+
+
+def _visible(text: str) -> str:
+    """Control characters escaped (\\x1b, not an escape sequence): this text may reach a
+    terminal, through `approve`."""
+    return "".join(
+        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
+    )
+
+
+def _blocks(result: Mapping[str, Any]) -> list[Any]:
+    content = result.get("content")
+    return content if isinstance(content, list) else []
+
+
+def _content_line(block: Any) -> str:
+    """A content block as text: text as it is; the rest in one line each, since a
+    chat-completions tool message carries text only."""
+    if not isinstance(block, dict):
+        return "[a content block that is not an object]"
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        return str(block["text"])
+    if kind in ("image", "audio"):
+        data = block.get("data")
+        size = len(data) * 3 // 4 if isinstance(data, str) else 0
+        return f"[{kind}: {_cut(str(block.get('mimeType')), 80)}, about {size} bytes, not shown]"
+    if kind == "resource_link":
+        return f"[resource link: {_cut(str(block.get('uri')), 300)}]"
+    if kind == "resource":
+        resource = block.get("resource")
+        uri = resource.get("uri") if isinstance(resource, dict) else None
+        return f"[embedded resource: {_cut(str(uri), 300)}, not shown]"
+    return f"[a content block of type {_cut(_shown(kind), 80)}, not shown]"
+
+
+_MCP_TOOL_NAME = re.compile(r"[A-Za-z0-9_./-]{1,128}")
+
+
+def mcp_wire_name(mcp_name: str) -> str:
+    """The name the model sees. MCP allows `.`, `/` and 128 characters; chat-completions
+    servers accept ^[A-Za-z0-9_-]{1,64}$. A name that fits is kept; any other is made to fit
+    and given 8 hex digits of its SHA-256, so that it depends on nothing but the name
+    (stable across runs, as an approval needs) and two names never map to one."""
+    if _TOOL_NAME.fullmatch(mcp_name):
+        return mcp_name
+    fitted = re.sub(r"[^A-Za-z0-9_-]", "_", mcp_name)[:55]
+    return f"{fitted}_{hashlib.sha256(mcp_name.encode()).hexdigest()[:8]}"
+
+
+def mcp_tools(
+    server: McpServer, read_only: Iterable[str] = (), unchecked: Iterable[str] = ()
+) -> list[McpTool]:
+    """The server's tools as Tools. Only the tools named in `read_only` (MCP names) run
+    without a human's approval: the server's readOnlyHint is its own claim, and not taken.
+    A schema with validation keywords the validator does not check is refused (ConfigError)
+    unless its tool is named in `unchecked`. The mapping of names is audited both ways."""
+    read_only, unchecked = set(read_only), set(unchecked)
+    tools = [_mcp_tool(server, listed, read_only, unchecked) for listed in server.list_tools()]
+    server.record(
+        "mcp_tools",
+        protocol=server.protocol,
+        tools=[
+            {"name": tool.name, "mcp_name": tool.mcp_name, "writes": tool.writes} for tool in tools
+        ],
+    )
+    return tools
+
+
+def _mcp_tool(server: McpServer, listed: Any, read_only: set[str], unchecked: set[str]) -> McpTool:
+    name = listed.get("name") if isinstance(listed, dict) else None
+    if not isinstance(name, str) or not _MCP_TOOL_NAME.fullmatch(name):
+        raise McpError(f"MCP server {server.label} listed a tool named {_shown(name)}")
+    schema = listed.get("inputSchema")
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise McpError(f"MCP server {server.label}: tool {name} has no object inputSchema")
+    problem = schema_problem(schema, unchecked=name in unchecked)
+    if problem:
+        raise ConfigError(
+            f"MCP tool {name}: {problem}; pass --mcp-unchecked {name} to accept it unchecked"
+        )
+    about = listed.get("description")
+    wire_name, description = mcp_wire_name(name), about if isinstance(about, str) else ""
+
+    class Bound(McpTool):  # Tool's name, schema and writes are class attributes
+        pass
+
+    Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
+    Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
+    return Bound()
+
+
+# --------------------------------------------------------------------- the MCP flags of the CLI
+
+
+class _McpFlags(ToolSource):
+    """--mcp COMMAND (repeatable) on ask, chat and approve: each server is started for the
+    command, its tools offered beside the App's, and it is stopped when the command ends."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--mcp",
+            action="append",
+            default=[],
+            metavar="COMMAND",
+            help="start an MCP server (a command line, split as a shell would, run without a"
+            " shell) and offer its tools; repeatable",
+        )
+        parser.add_argument(
+            "--mcp-read-only",
+            action="append",
+            default=[],
+            metavar="NAME,…",
+            help="MCP tools that may run without approval; every other MCP tool is a write",
+        )
+        parser.add_argument(
+            "--mcp-unchecked",
+            action="append",
+            default=[],
+            metavar="NAME,…",
+            help="MCP tools whose schemas use keywords the validator does not check: accept"
+            " them, those keywords unchecked",
+        )
+        parser.add_argument(
+            "--mcp-env",
+            action="append",
+            default=[],
+            metavar="NAME[=VALUE]",
+            help="a variable for the MCP servers, which get none otherwise (NAME alone: ours)",
+        )
+        parser.add_argument(
+            "--mcp-timeout",
+            type=_seconds(3600),
+            default=MCP_TIMEOUT_S,
+            help=f"one request to an MCP server ({MCP_TIMEOUT_S:g} s)",
+        )
+
+    @contextmanager
+    def open(self, args: argparse.Namespace, audit: AuditLog) -> Iterator[list[Tool]]:
+        read_only, unchecked = _names(args.mcp_read_only), _names(args.mcp_unchecked)
+        if (read_only or unchecked) and not args.mcp:
+            raise ConfigError("--mcp-read-only and --mcp-unchecked name tools of an --mcp server")
+        env = _mcp_env(args.mcp_env, os.environ)
+        with ExitStack() as stack:
+            tools: list[McpTool] = []
+            for command in args.mcp:
+                try:
+                    argv = shlex.split(command)
+                except ValueError as exc:
+                    raise ConfigError(f"--mcp {command!r}: {exc}") from None
+                server = McpServer(argv, env=env, timeout=args.mcp_timeout, audit=audit)
+                stack.enter_context(server)
+                tools += mcp_tools(server, read_only, unchecked)
+            unknown = sorted((read_only | unchecked) - {tool.mcp_name for tool in tools})
+            if unknown:
+                raise ConfigError(f"no MCP server offers a tool named {', '.join(unknown)}")
+            yield list(tools)
+
+
+def _names(values: Sequence[str]) -> set[str]:
+    return {name.strip() for value in values for name in value.split(",") if name.strip()}
+
+
+def _mcp_env(choices: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The servers' whole environment: NAME=VALUE as given, NAME alone as ours has it."""
+    env: dict[str, str] = {}
+    for choice in choices:
+        name, equals, value = choice.partition("=")
+        if not name or "\0" in choice:
+            raise ConfigError(f"--mcp-env {choice!r}: expected NAME or NAME=VALUE")
+        if not equals:
+            if name not in environ:
+                raise ConfigError(f"--mcp-env {name}: not set here, so there is nothing to pass")
+            value = environ[name]
+        env[name] = value
+    return env
+
+
+TOOL_SOURCES.append(_McpFlags())
+# <<< MCP
 
 
 # >>> EXAMPLE: a small shop. Everything from this line to the "<<< EXAMPLE" line is the worked
