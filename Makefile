@@ -5,11 +5,12 @@ PYTHON ?= python3
 SOURCES := function_calling.py test_function_calling.py
 LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
+MCP_VENV := .venv-mcp
 RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint bench
+.PHONY: run demo test test-all lint bench interop
 
 # With a key or a base URL (a local server needs no key), ask that model; with neither,
 # run the offline scripted demo.
@@ -36,7 +37,8 @@ test-all:
 bench:
 	@FUNCTION_CALLING_BENCH=1 $(PYTHON) test_function_calling.py Benchmarks 2>&1
 
-# The same checks on a copy with the example cut out, as README's "Cut the example" says.
+# The same checks on a copy with the example cut out, as README's "Cut the example" says,
+# and on one with the MCP section cut out too.
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(SOURCES)
 	$(LINT_VENV)/bin/ruff format --check --line-length 100 $(SOURCES)
@@ -46,9 +48,32 @@ lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/function_calling.py
 	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
 		$(LINT_VENV)/cut/function_calling.py
+	sed '/^# >>> MCP/,/^# <<< MCP/d' $(LINT_VENV)/cut/function_calling.py > $(LINT_VENV)/cut/both.py
+	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/both.py
+	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
+		$(LINT_VENV)/cut/both.py
 
 $(LINT_VENV)/.installed:
 	rm -rf $(LINT_VENV)
 	$(PYTHON) -m venv $(LINT_VENV)
 	$(LINT_VENV)/bin/pip install --quiet --disable-pip-version-check $(LINT_TOOLS)
+	touch $@
+
+# The README's MCP server on the official Python SDK, both majors (2: the 2026-07-28 revision,
+# 1: the 2025-11-25 handshake), downloaded into .venv-mcp/; the module itself never needs them.
+interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
+	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
+	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
+	$(PYTHON) test_function_calling.py RealMcpServerTest 2>&1
+
+$(MCP_VENV)/2/.installed:
+	rm -rf $(MCP_VENV)/2
+	$(PYTHON) -m venv $(MCP_VENV)/2
+	$(MCP_VENV)/2/bin/pip install --quiet --disable-pip-version-check mcp==2.3.0
+	touch $@
+
+$(MCP_VENV)/1/.installed:
+	rm -rf $(MCP_VENV)/1
+	$(PYTHON) -m venv $(MCP_VENV)/1
+	$(MCP_VENV)/1/bin/pip install --quiet --disable-pip-version-check mcp==1.30.0
 	touch $@

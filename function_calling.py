@@ -274,8 +274,8 @@ class AuditError(Exception):
 
 
 class ToolSourceError(Exception):
-    """Tools from outside this file (a ToolSource: an MCP server) could not be had or used.
-    Its text is written for the user; the detail behind it goes to the audit log."""
+    """Tools from outside this file (a ToolSource's: a server's, say) could not be had or
+    used. Its text is written for the user; the detail behind it goes to the audit log."""
 
 
 # ------------------------------------------------------------------- tools and validation
@@ -1233,14 +1233,18 @@ class ChatClient:
             raise error
         # From here on a response has begun: nothing is retried, so no text is printed twice.
         try:
-            return self._read_reply(response, on_text)
+            reply = self._read_reply(response, on_text)
         except (http.client.HTTPException, OSError) as exc:
+            self.close()
             raise ApiError(
                 f"the reply from the model API broke off: {_transport_reason(exc)}"
             ) from None
-        finally:
-            if not _drained(response):  # an error midway, a stream that went on: not reusable
-                self.close()
+        except BaseException:  # an error midway, Ctrl-C: closed now, the rest never waited for
+            self.close()
+            raise
+        if not _drained(response):  # a stream that went on after [DONE]: not reusable
+            self.close()
+        return reply
 
     def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
         """Send the request and read the status line and headers, on the kept connection if
@@ -3103,7 +3107,7 @@ def _no_tools(database: Database) -> list[Tool]:
 
 class ToolSource:
     """Tools from outside this file, offered beside an App's by `ask`, `chat` and `approve`
-    (the MCP section adds one): the flags that name them, and the tools those flags give,
+    (a section further down may add one): the flags that name them, and the tools those flags give,
     open for as long as the command runs and closed however it ends."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -3936,9 +3940,10 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "McpError",
     "McpServer",
     "McpTool",
+    "json_schema_problem",
+    "json_schema_violation",
     "mcp_tools",
-    "schema_problem",
-    "schema_violation",
+    "mcp_wire_name",
 ]
 
 from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
@@ -4025,8 +4030,8 @@ _ECMA_LETTER_ESCAPES = frozenset("bBdDfnrstuvwWSx")
 _QUANTIFIER = re.compile(r"[*+?]|\{([0-9]+)(,([0-9]*))?\}")
 
 
-def schema_problem(schema: Any, unchecked: bool = False) -> str | None:
-    """Why schema_violation could not check `schema` exactly, or None. With unchecked=True,
+def json_schema_problem(schema: Any, unchecked: bool = False) -> str | None:
+    """Why json_schema_violation could not check `schema` exactly, or None. With unchecked=True,
     keywords outside the subset (and patterns re cannot match as ECMA-262 does) are let
     through, and go unchecked; a malformed schema is refused all the same."""
     if _nested_deeper_than(schema, MAX_SCHEMA_DEPTH):
@@ -4265,9 +4270,9 @@ def _repeats(pattern: str, position: int) -> bool:
     return True
 
 
-def schema_violation(value: Any, schema: Any, where: str = "arguments") -> str | None:
+def json_schema_violation(value: Any, schema: Any, where: str = "arguments") -> str | None:
     """The first way `value` breaks `schema`, as a message for the model (field, rule and
-    value, like the file's own checks), or None. The schema must have passed schema_problem;
+    value, like the file's own checks), or None. The schema must have passed json_schema_problem;
     keywords outside the subset are ignored (that is what accepting a schema unchecked means)."""
     try:
         return _SchemaCheck(schema).violation(value, schema, where)
@@ -4499,7 +4504,7 @@ MCP_LEGACY_ANSWERS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  #
 MCP_CLIENT_INFO = {"name": "function_calling", "version": "1"}
 MCP_TIMEOUT_S = 30.0  # one request to a server, from the first byte written to the answer
 MCP_PROBE_TIMEOUT_S = 5.0  # server/discover: a legacy server may never answer it
-MCP_CLOSE_GRACE_S = 2.0  # after stdin closes, before SIGTERM (then SIGKILL)
+MCP_CLOSE_GRACE_S = 1.0  # after stdin closes, before SIGTERM (then SIGKILL)
 MAX_MCP_MESSAGE_BYTES = 4 * 1024 * 1024  # one line from the server
 MAX_MCP_STDERR_BYTES = 16 * 1024  # what the audit log keeps of a server's stderr
 MAX_MCP_TOOLS = 512
@@ -4974,7 +4979,7 @@ class McpTool(Tool):
         return None  # mcp_tools checked it, with its own rules for servers' schemas
 
     def validate(self, args: dict[str, Any]) -> None:
-        problem = schema_violation(args, self.parameters)
+        problem = json_schema_violation(args, self.parameters)
         if problem:
             raise ArgumentError(problem)
 
@@ -5079,7 +5084,7 @@ def _mcp_tool(server: McpServer, listed: Any, read_only: set[str], unchecked: se
     schema = listed.get("inputSchema")
     if not isinstance(schema, dict) or schema.get("type") != "object":
         raise McpError(f"MCP server {server.label}: tool {name} has no object inputSchema")
-    problem = schema_problem(schema, unchecked=name in unchecked)
+    problem = json_schema_problem(schema, unchecked=name in unchecked)
     if problem:
         raise ConfigError(
             f"MCP tool {name}: {problem}; pass --mcp-unchecked {name} to accept it unchecked"

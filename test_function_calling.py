@@ -3766,6 +3766,7 @@ class CliTest(LoopTestCase):
 README = HERE / "README.md"
 README_BLOCK = re.compile(r"^```python(?: file=(\S+))?\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 EXAMPLE_CUT = re.compile(r"^# >>> EXAMPLE.*?^# <<< EXAMPLE\n", re.DOTALL | re.MULTILINE)
+MCP_CUT = re.compile(r"^# >>> MCP.*?^# <<< MCP\n", re.DOTALL | re.MULTILINE)
 
 
 def readme_examples() -> list[tuple[str | None, str]]:
@@ -3983,6 +3984,28 @@ class MakeItYoursTest(HelpDeskCase):
         no_demo, _ = self.my_app("demo")
         self.assertEqual(no_demo.returncode, 2)
         self.assertIn("no scripted demo", no_demo.stderr)
+
+    def test_a_copy_with_the_mcp_section_cut_out_still_runs_the_recipe(self) -> None:
+        module = self.folder / "function_calling.py"
+        kept, count = MCP_CUT.subn("", module.read_text())
+        self.assertEqual(count, 1)
+        self.assertIn("sed '/^# >>> MCP/,/^# <<< MCP/d' function_calling.py", README.read_text())
+        if shutil.which("sed"):
+            sed = ["sed", "/^# >>> MCP/,/^# <<< MCP/d", str(module)]
+            self.assertEqual(
+                subprocess.run(sed, capture_output=True, text=True, check=True).stdout, kept
+            )
+        section = MCP_CUT.search(MODULE.read_text())
+        assert section is not None
+        named = [n for n in top_level_names(section.group()) if re.search(rf"\b{n}\b", kept)]
+        self.assertEqual(named, [], "the rest names the MCP section")
+        self.assertEqual(re.findall(r"(?i).{0,30}mcp.{0,30}", kept), [])
+        module.write_text(kept)
+        done, _ = self.my_app("ask", "Is T-000123 open?", script=LOOKUP_THEN_FIX)
+        self.assertEqual((done.returncode, done.stdout), (0, "T-000123 is open.\n"))
+        unknown, _ = self.my_app("ask", "hi", "--mcp", "true")
+        self.assertEqual(unknown.returncode, 2)
+        self.assertIn("unrecognized arguments: --mcp", unknown.stderr)
 
     def test_the_generic_defaults_say_nothing_of_the_example(self) -> None:
         for text in (fc.SYSTEM_PROMPT, fc.ROUND_CAP_ANSWER, fc.REPEATED_CALLS_ANSWER):
@@ -4348,9 +4371,11 @@ class ClearOutcomeTest(LoopTestCase):
         self.assertEqual(len(server.requests), 1)
 
     def test_ctrl_c_during_a_streamed_answer_ends_the_line_and_audits_the_turn(self) -> None:
+        released = threading.Event()
+
         def stall() -> Iterator[bytes]:
             yield b'data: {"choices":[{"index":0,"delta":{"content":"Half an ans"}}]}\n\n'
-            time.sleep(30)
+            released.wait(30)  # until the child has gone: the server's thread then ends
 
         reply = ScriptedReply(stall(), headers=(("Content-Type", "text/event-stream"),))
         with ScriptedChatServer([reply]) as server:
@@ -4358,7 +4383,9 @@ class ClearOutcomeTest(LoopTestCase):
             assert child.stdout is not None
             self.assertEqual(child.stdout.read(len(b"Half an ans")), b"Half an ans")
             child.send_signal(signal.SIGINT)
-            out, err = child.communicate(timeout=60)
+            # the stream stays open 30 s more: a child that waited for its end would time out
+            out, err = child.communicate(timeout=20)
+            released.set()
         self.assertEqual(child.returncode, fc.EXIT_INTERRUPTED)
         self.assertEqual((out, err), (b"\n", b"interrupted\n"))
         (turn,) = self.audit_records("turn")
@@ -4442,6 +4469,720 @@ class CostTest(LoopTestCase):
 
 
 # ---------------------------------------------------------------------------------- benchmarks
+
+
+# ------------------------------------------------------------------- MCP tools (the MCP section)
+
+SCHEMA_SUITE = HERE.parent / "shared" / "json-schema-test-suite" / "draft2020-12"
+# Groups of the official suite whose schemas the validator refuses at start-up, each with why.
+# The test checks both ways: each of these is refused, and every group not here is run.
+SCHEMA_SUITE_SKIPS = {
+    (
+        "additionalProperties.json",
+        "non-ASCII pattern with additionalProperties",
+    ): "patternProperties",
+    (
+        "additionalProperties.json",
+        "additionalProperties being false does not allow other properties",
+    ): "patternProperties",
+    ("additionalProperties.json", "additionalProperties with propertyNames"): "propertyNames",
+    ("additionalProperties.json", "dependentSchemas with additionalProperties"): "dependentSchemas",
+    ("defs.json", "validate definition against metaschema"): "a remote $ref (the metaschema)",
+    (
+        "not.json",
+        "collect annotations inside a 'not', even if collection is disabled",
+    ): "unevaluatedProperties",
+    (
+        "pattern.json",
+        "pattern with Unicode property escape requires unicode mode",
+    ): "\\p{…}, which Python's re does not have",
+    (
+        "properties.json",
+        "properties, patternProperties, additionalProperties interaction",
+    ): "patternProperties",
+    ("ref.json", "remote ref, containing refs itself"): "a remote $ref",
+    ("ref.json", "Recursive references between schemas"): "$id",
+    ("ref.json", "ref creates new scope when adjacent to keywords"): "unevaluatedProperties",
+    ("ref.json", "refs with relative uris and defs"): "$id",
+    ("ref.json", "relative refs with absolute uris and defs"): "$id",
+    ("ref.json", "$id must be resolved against nearest parent, not just immediate parent"): "$id",
+    ("ref.json", "order of evaluation: $id and $ref"): "$id",
+    ("ref.json", "order of evaluation: $id and $anchor and $ref"): "$id",
+    ("ref.json", "order of evaluation: $id and $ref on nested schema"): "$id",
+    ("ref.json", "simple URN base URI with $ref via the URN"): "$id",
+    ("ref.json", "simple URN base URI with JSON pointer"): "$id",
+    ("ref.json", "URN base URI with NSS"): "$id",
+    ("ref.json", "URN base URI with r-component"): "$id",
+    ("ref.json", "URN base URI with q-component"): "$id",
+    ("ref.json", "URN base URI with URN and JSON pointer ref"): "$id",
+    ("ref.json", "URN base URI with URN and anchor ref"): "$id",
+    ("ref.json", "URN ref with nested pointer ref"): "$id",
+    ("ref.json", "ref to if"): "$id",
+    ("ref.json", "ref to then"): "$id",
+    ("ref.json", "ref to else"): "$id",
+    ("ref.json", "ref with absolute-path-reference"): "$id",
+    ("ref.json", "$id with file URI still resolves pointers - *nix"): "$id",
+    ("ref.json", "$id with file URI still resolves pointers - windows"): "$id",
+}
+
+
+@unittest.skipUnless(SCHEMA_SUITE.is_dir(), "the JSON-Schema-Test-Suite is not beside the project")
+class SchemaSuiteTest(unittest.TestCase):
+    """The official draft 2020-12 cases for the keywords the validator supports."""
+
+    def test_every_case_passes_or_its_group_is_refused_by_name(self) -> None:
+        passed, skipped, refused = 0, 0, set()
+        for path in sorted(SCHEMA_SUITE.glob("*.json")):
+            for group in json.loads(path.read_text(encoding="utf-8")):
+                key = (path.name, group["description"])
+                if fc.json_schema_problem(group["schema"]) is not None:
+                    refused.add(key)
+                    skipped += len(group["tests"])
+                    continue
+                for case in group["tests"]:
+                    with self.subTest(file=path.name, group=key[1], case=case["description"]):
+                        found = fc.json_schema_violation(case["data"], group["schema"])
+                        self.assertEqual(found is None, case["valid"], found)
+                        passed += 1
+        self.assertEqual(refused, set(SCHEMA_SUITE_SKIPS), "skipped groups, each with a reason")
+        self.assertGreater(passed, 550)
+        report(f"JSON-Schema-Test-Suite: {passed} cases passed, {skipped} skipped by group")
+
+
+STOCK_SCHEMA: dict[
+    str, Any
+] = {  # as the official Python SDK writes one: titles, no additionalProperties
+    "type": "object",
+    "title": "lookupArguments",
+    "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{3}$", "title": "Sku"},
+        "count": {
+            "anyOf": [{"type": "integer", "minimum": 1, "maximum": 10}, {"type": "null"}],
+            "default": None,
+        },
+    },
+    "required": ["sku"],
+}
+
+
+class SchemaRulesTest(unittest.TestCase):
+    def test_the_rules_the_file_teaches_hold_for_server_schemas(self) -> None:
+        ok = fc.json_schema_violation
+        self.assertIsNone(ok({"sku": "ABC-123"}, STOCK_SCHEMA))
+        self.assertIsNone(ok({"sku": "ABC-123", "count": 5.0}, STOCK_SCHEMA))  # a whole float
+        self.assertIsNone(ok({"sku": "ABC-123", "note": "x"}, STOCK_SCHEMA))  # as its schema says
+        self.assertIn("count", ok({"sku": "ABC-123", "count": True}, STOCK_SCHEMA) or "")
+        self.assertIn("sku: required", ok({}, STOCK_SCHEMA) or "")
+        for digits in ("ABC-\u0661\u0662\u0663", "ABC-\uff11\uff12\uff13", "ABC-123\n"):
+            self.assertIn(
+                "sku: expected a string matching", ok({"sku": digits}, STOCK_SCHEMA) or ""
+            )
+        unanchored = {"type": "string", "pattern": "[0-9]"}
+        self.assertIsNone(ok("abc1def", unanchored))
+        refs = {
+            "$defs": {"id": {"type": "string", "maxLength": 3}},
+            "properties": {"a": {"$ref": "#/$defs/id"}},
+        }
+        self.assertIn("a: expected at most 3 characters", ok({"a": "abcd"}, refs) or "")
+
+    def test_what_cannot_be_checked_exactly_is_refused_naming_the_keyword(self) -> None:
+        refused = {
+            "patternProperties": {"type": "object", "patternProperties": {"^x": {}}},
+            "if": {"type": "object", "properties": {"a": {"if": {}, "then": {}}}},
+            "\\p": {"type": "object", "properties": {"a": {"pattern": "\\p{L}"}}},
+            "exponential": {"type": "object", "properties": {"a": {"pattern": "^(a+)+$"}}},
+            "leads back": {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+                "$ref": "#/$defs/a",
+            },
+            "does not point": {
+                "type": "object",
+                "properties": {"a": {"$ref": "https://example.com/s"}},
+            },
+            "deeper": json.loads('{"items": ' * 70 + "{}" + "}" * 70),
+            "prefixItems": {"type": "object", "properties": {"a": {"items": [{}, {}]}}},
+        }
+        for fragment, schema in refused.items():
+            with self.subTest(fragment):
+                self.assertIn(fragment, fc.json_schema_problem(schema) or "")
+        self.assertIsNone(fc.json_schema_problem(refused["patternProperties"], unchecked=True))
+        annotations = {
+            "type": "object",
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": "t",
+            "description": "d",
+            "examples": [{}],
+            "deprecated": False,
+            "$comment": "c",
+            "properties": {"when": {"type": "string", "format": "date-time", "default": "now"}},
+        }
+        self.assertIsNone(fc.json_schema_problem(annotations))
+
+
+FAKE_MCP_SERVER = r'''
+"""A fake MCP server for the tests: python3 fake_mcp.py REVISION BEHAVIOURS LOG."""
+import json, os, sys, time
+
+REVISION, BEHAVIOURS, LOG = sys.argv[1], set(sys.argv[2].split(",")), sys.argv[3]
+MODERN, LEGACY = "2026-07-28", "2025-11-25"
+OBJECT = {"type": "object"}
+TOOLS = [
+    {"name": "stock.lookup", "description": "Stock of one SKU.", "inputSchema": {
+        "type": "object", "title": "lookupArguments", "required": ["sku"],
+        "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{3}$", "title": "Sku"}}}},
+    {"name": "orders/cancel", "description": "Cancel an order.", "inputSchema": {
+        "type": "object", "properties": {"orderId": {"type": "string"}}, "required": ["orderId"],
+        "additionalProperties": False}},
+    {"name": "media", "description": "Pictures.", "inputSchema": OBJECT},
+    {"name": "fails", "description": "Always fails.", "inputSchema": OBJECT},
+    {"name": "env", "description": "Its environment.", "inputSchema": OBJECT},
+    {"name": "x" * 100, "description": "A long name.", "inputSchema": OBJECT},
+]
+if "unsupported" in BEHAVIOURS:
+    ODD = {"type": "object", "patternProperties": {"^a": {}}}
+    TOOLS.append({"name": "odd", "inputSchema": ODD})
+
+
+def log(entry):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def send(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def result(ident, value):
+    send({"jsonrpc": "2.0", "id": ident, "result": value})
+
+
+def error(ident, code, text, data=None):
+    send({"jsonrpc": "2.0", "id": ident, "error": {"code": code, "message": text, "data": data}})
+
+
+def call(ident, name, arguments):
+    if name == "media":
+        result(ident, {"content": [
+            {"type": "text", "text": "two pictures:"},
+            {"type": "image", "data": "aGVsbG8=", "mimeType": "image/png"},
+            {"type": "audio", "data": "aGVsbG8=", "mimeType": "audio/wav"},
+            {"type": "resource", "resource": {"uri": "file:///r.txt", "text": "secret"}},
+            {"type": "resource_link", "uri": "file:///l.txt", "name": "l"}]})
+    elif name == "fails":
+        text = {"type": "text", "text": "no such SKU\x1b[2J"}
+        result(ident, {"content": [text], "isError": True})
+    elif name == "env":
+        result(ident, {"content": [{"type": "text", "text": json.dumps(sorted(os.environ))}]})
+    elif "hang" in BEHAVIOURS:
+        time.sleep(3600)
+    elif "crash" in BEHAVIOURS:
+        sys.stderr.write("Traceback: /srv/secret/path.py\n")
+        os._exit(3)
+    elif "lie" in BEHAVIOURS:
+        result(ident + 1000, {"content": []})
+    elif "garbage" in BEHAVIOURS:
+        sys.stdout.write("INFO starting the tool\n")
+        sys.stdout.flush()
+    elif "flood" in BEHAVIOURS:
+        sys.stdout.write("[" * (5 * 1024 * 1024))
+        sys.stdout.flush()
+    elif "noise" in BEHAVIOURS:
+        for _ in range(200):
+            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "x"}})
+        send({"jsonrpc": "2.0", "id": "srv-1", "method": "sampling/createMessage", "params": {}})
+        sys.stderr.write("e" * 300000)
+        sys.stderr.flush()
+        result(ident, {"content": [{"type": "text", "text": "quiet now"}]})
+    else:
+        echoed = json.dumps({"tool": name, "arguments": arguments})
+        result(ident, {"content": [{"type": "text", "text": echoed}],
+                       "structuredContent": {"in_stock": 7}})
+
+
+def main():
+    log({"started": os.getpid()})
+    initialized = False
+    for line in sys.stdin:
+        message = json.loads(line)
+        log(message)
+        method, ident = message.get("method"), message.get("id")
+        params = message.get("params") or {}
+        version = (params.get("_meta") or {}).get("io.modelcontextprotocol/protocolVersion")
+        if ident is None or method is None:  # a notification, or our answer to its request
+            initialized = initialized or method == "notifications/initialized"
+            continue
+        if REVISION == "modern":
+            if version != MODERN:
+                data = {"supported": [MODERN], "requested": version}
+                error(ident, -32022, "Unsupported protocol version", data)
+                continue
+        elif method == "initialize":
+            hello = {"protocolVersion": LEGACY, "capabilities": {}, "serverInfo": {"name": "fake"}}
+            result(ident, hello)
+            continue
+        elif not initialized:
+            if "silent-probe" not in BEHAVIOURS:
+                error(ident, -32602, "Invalid request parameters")
+            continue
+        if method == "server/discover":
+            found = {"resultType": "complete", "supportedVersions": [MODERN], "capabilities": {}}
+            result(ident, found)
+        elif method == "tools/list":
+            if "endless-pages" in BEHAVIOURS:
+                result(ident, {"tools": TOOLS[:1], "nextCursor": "again"})
+            elif "paginate" in BEHAVIOURS:
+                page = int(params.get("cursor") or 0)
+                more = {"nextCursor": str(page + 1)} if page + 1 < len(TOOLS) else {}
+                result(ident, {"tools": TOOLS[page:page + 1], **more})
+            else:
+                result(ident, {"tools": TOOLS})
+        elif method == "tools/call":
+            call(ident, params["name"], params.get("arguments"))
+        else:
+            error(ident, -32601, "Method not found")
+
+
+main()
+'''
+STOCK = fc.mcp_wire_name("stock.lookup")
+CANCEL = fc.mcp_wire_name("orders/cancel")
+
+
+class McpCase(LoopTestCase):
+    """A fake MCP server written beside the data directory; its log records every message."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.fake = self.data_dir / "fake_mcp.py"
+        self.fake.write_text(FAKE_MCP_SERVER)
+        self.mcp_log = self.data_dir / "mcp.log"
+
+    def command(self, revision: str = "legacy", *behaviours: str) -> str:
+        return shlex.join(
+            [
+                sys.executable,
+                str(self.fake),
+                revision,
+                ",".join(behaviours) or "-",
+                str(self.mcp_log),
+            ]
+        )
+
+    def received(self) -> list[dict[str, Any]]:
+        if not self.mcp_log.exists():
+            return []
+        return [json.loads(line) for line in self.mcp_log.read_text().splitlines()]
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [m["params"] for m in self.received() if m.get("method") == "tools/call"]
+
+    def assert_reaped(self) -> None:
+        """Every process the fake server ran as is gone (and not a zombie: reaped)."""
+        pids = [m["started"] for m in self.received() if "started" in m]
+        self.assertTrue(pids)
+        for pid in pids:
+            with self.assertRaises(ProcessLookupError, msg=f"server {pid} still there"):
+                os.kill(pid, 0)
+
+    def ask(
+        self,
+        script: Sequence[fc.ScriptItem],
+        *flags: str,
+        revision: str = "legacy",
+        behaviours: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
+        with ScriptedChatServer(script) as server:
+            done = self.cli(
+                "ask",
+                "Is ABC-123 in stock?",
+                "--customer",
+                "c-1",
+                "--mcp",
+                self.command(revision, *behaviours),
+                *flags,
+                env={"OPENAI_BASE_URL": server.base_url, **(env or {})},
+            )
+        return done, server.requests
+
+
+class McpToolsTest(McpCase):
+    def test_discovered_tools_are_offered_validated_called_and_audited(self) -> None:
+        script = [
+            tool_call_reply([(STOCK, '{"sku": "abc-123"}')]),  # refused here, never sent
+            tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]),
+            text_reply("7 in stock."),
+        ]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "7 in stock.\n"), done.stderr)
+        offered = {
+            t["function"]["name"]: t["function"] for t in json.loads(requests[0].body)["tools"]
+        }
+        self.assertEqual(offered[STOCK]["description"], "Stock of one SKU.")
+        self.assertEqual(offered[STOCK]["parameters"]["properties"]["sku"]["title"], "Sku")
+        for name in offered:
+            self.assertRegex(name, r"^[A-Za-z0-9_-]{1,64}$")
+        (rejected,) = tool_results(requests[1])
+        self.assertEqual(rejected["error"], "invalid_arguments")
+        self.assertIn("sku: expected a string matching", rejected["message"])
+        answered = tool_results(requests[2])[-1]
+        self.assertEqual(answered["structuredContent"], {"in_stock": 7})
+        self.assertEqual(
+            json.loads(answered["content"]),
+            {"tool": "stock.lookup", "arguments": {"sku": "ABC-123"}},
+        )
+        self.assertEqual(
+            [c["arguments"] for c in self.calls()], [{"sku": "ABC-123"}]
+        )  # once, as checked
+        outcomes = [(r["tool"], r["outcome"]) for r in self.audit_records()]
+        self.assertEqual(outcomes, [(STOCK, "rejected:invalid_arguments"), (STOCK, "ok")])
+        (mapping,) = self.audit_records("mcp_tools")
+        both_ways = {(t["name"], t["mcp_name"]) for t in mapping["tools"]}
+        self.assertIn((STOCK, "stock.lookup"), both_ways)
+        self.assertIn((CANCEL, "orders/cancel"), both_ways)
+        states = [r["state"] for r in self.audit_records("mcp_server")]
+        self.assertEqual(states, ["started", "stopped"])
+        self.assert_reaped()
+
+    def test_names_map_stably_and_without_collisions(self) -> None:
+        names = ["stock.lookup", "stock_lookup", "orders/cancel", "x" * 100, "x" * 101, "ok-name"]
+        mapped = [fc.mcp_wire_name(name) for name in names]
+        self.assertEqual(len(set(mapped)), len(mapped))
+        self.assertEqual(mapped[1], "stock_lookup")
+        self.assertEqual(mapped[5], "ok-name")
+        for name in mapped:
+            self.assertRegex(name, r"^[A-Za-z0-9_-]{1,64}$")
+        self.assertEqual(mapped, [fc.mcp_wire_name(name) for name in names])  # stable
+
+    def test_a_write_waits_for_a_human_and_runs_once_on_approval(self) -> None:
+        script = [
+            tool_call_reply([(CANCEL, '{"orderId": "A-1"}')]),
+            text_reply("A person will confirm."),
+        ]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (told,) = tool_results(requests[1])
+        self.assertEqual((told["status"], told["mcpTool"]), ("requires_approval", "orders/cancel"))
+        self.assertEqual(self.calls(), [])  # nothing left for the server before a human said yes
+        action_id = told["approvalId"]
+        self.assertIn(action_id, self.cli("pending").stdout)
+        approved = self.cli("approve", action_id, "--operator", "ops", "--mcp", self.command())
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        self.assertIn(f"approved {action_id} by ops", approved.stdout)
+        (call,) = self.calls()
+        self.assertEqual(call["arguments"], {"orderId": "A-1"})
+        self.assertEqual(call["_meta"], {fc.MCP_IDEMPOTENCY_KEY: action_id})
+        (decision,) = self.audit_records("approval_decision")
+        self.assertEqual(decision["outcome"], "approved")
+        self.assertIn("orders/cancel", decision["result"]["content"])
+        again = self.cli("approve", action_id, "--mcp", self.command())
+        self.assertEqual(again.returncode, 1)
+        self.assertIn("already approved", again.stderr)
+        self.assertEqual(len(self.calls()), 1)
+        without = self.cli("approve", action_id)  # the server is not there to carry it out
+        self.assertEqual(without.returncode, 1)
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+        self.assert_reaped()
+
+    def test_every_mcp_tool_not_named_read_only_is_a_write_whatever_it_claims(self) -> None:
+        done, requests = self.ask(
+            [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["status"], "requires_approval")
+        self.assertEqual(self.calls(), [])
+
+    def test_results_are_text_a_tool_message_carries(self) -> None:
+        script = [tool_call_reply([("media", "{}"), ("fails", "{}")]), text_reply("ok")]
+        done, requests = self.ask(script, "--mcp-read-only", "media,fails")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        media, fails = tool_results(requests[1])
+        lines = media["content"].splitlines()
+        self.assertEqual(lines[0], "two pictures:")
+        self.assertRegex(lines[1], r"^\[image: image/png, about \d+ bytes, not shown\]$")
+        self.assertRegex(lines[2], r"^\[audio: audio/wav")
+        self.assertEqual(lines[3], "[embedded resource: file:///r.txt, not shown]")
+        self.assertEqual(lines[4], "[resource link: file:///l.txt]")
+        self.assertNotIn("secret", media["content"])
+        self.assertEqual(
+            fails["error"], "tool_error"
+        )  # the tool's own words: data, the turn went on
+        self.assertIn("no such SKU", fails["message"])
+
+    def test_both_revisions_are_spoken_and_chosen_by_the_probe(self) -> None:
+        for revision in ("modern", "legacy"):
+            with self.subTest(revision):
+                self.mcp_log.unlink(missing_ok=True)
+                script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+                done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", revision=revision)
+                self.assertEqual(done.returncode, 0, done.stderr)
+                sent = [m for m in self.received() if "method" in m]
+                methods = [m["method"] for m in sent]
+                self.assertEqual(methods[0], "server/discover")
+                self.assertEqual(
+                    sent[0]["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"],
+                    "2026-07-28",
+                )
+                if revision == "modern":
+                    self.assertEqual(methods[1:], ["tools/list", "tools/call"])
+                    for message in sent:
+                        self.assertEqual(
+                            message["params"]["_meta"]["io.modelcontextprotocol/protocolVersion"],
+                            "2026-07-28",
+                        )
+                else:
+                    self.assertEqual(
+                        methods[1:],
+                        ["initialize", "notifications/initialized", "tools/list", "tools/call"],
+                    )
+                    self.assertEqual(sent[1]["params"]["protocolVersion"], "2025-11-25")
+                    self.assertNotIn("_meta", sent[-1]["params"])
+                line = [r for r in self.audit_records("mcp_server") if r["state"] == "started"][-1]
+                self.assertEqual(
+                    line["protocol"], "2026-07-28" if revision == "modern" else "2025-11-25"
+                )
+
+    def test_a_legacy_server_that_never_answers_the_probe_is_restarted_then_initialized(
+        self,
+    ) -> None:
+        argv = shlex.split(self.command("legacy", "silent-probe"))
+        with fc.McpServer(argv, probe_timeout=0.3, audit=self.audit) as server:
+            self.assertEqual(server.protocol, "2025-11-25")
+            self.assertEqual(len(fc.mcp_tools(server)), 6)
+        started = [m for m in self.received() if "started" in m]
+        self.assertEqual(len(started), 2)  # the probe's process, and a fresh one for initialize
+        self.assert_reaped()
+
+    def test_pages_are_followed_and_pages_without_end_refused(self) -> None:
+        argv = shlex.split(self.command("modern", "paginate"))
+        with fc.McpServer(argv) as server:
+            self.assertEqual(len(server.list_tools()), 6)
+        argv = shlex.split(self.command("modern", "endless-pages"))
+        with fc.McpServer(argv) as server, self.assertRaisesRegex(fc.McpError, "never end"):
+            server.list_tools()
+        self.assert_reaped()
+
+    def test_a_schema_outside_the_subset_is_refused_at_start_unless_accepted(self) -> None:
+        done, requests = self.ask([text_reply("ok")], behaviours=["unsupported"])
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("patternProperties", done.stderr)
+        self.assertIn("--mcp-unchecked odd", done.stderr)
+        self.assertEqual(requests, [])
+        done, _ = self.ask([text_reply("ok")], "--mcp-unchecked", "odd", behaviours=["unsupported"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        typo = self.ask([text_reply("ok")], "--mcp-read-only", "stock.lokup")[0]
+        self.assertEqual(typo.returncode, 2)
+        self.assertIn("no MCP server offers a tool named stock.lokup", typo.stderr)
+        self.assert_reaped()
+
+    def test_the_server_gets_no_variable_it_was_not_given(self) -> None:
+        script = [tool_call_reply([("env", "{}")]), text_reply("ok")]
+        secrets_env = {"OPENAI_API_KEY": FAKE_KEY, "HOME": "/root", "EXTRA": "yes"}
+        done, requests = self.ask(
+            script,
+            "--mcp-read-only",
+            "env",
+            "--mcp-env",
+            "EXTRA",
+            "--mcp-env",
+            "MODE=x",
+            env=secrets_env,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        seen = set(json.loads(tool_results(requests[1])[0]["content"]))
+        self.assertLessEqual(
+            seen - {"LC_CTYPE"}, {"EXTRA", "MODE"}
+        )  # LC_CTYPE: Python's own locale coercion
+        self.assertIn("EXTRA", seen)
+        self.assertNotIn("OPENAI_API_KEY", seen)
+
+
+class McpHostileServerTest(McpCase):
+    """A server is infrastructure, and untrusted: one clear error, never a hang or a traceback,
+    and the process always reaped."""
+
+    def assert_turn_ended(self, behaviour: str, words: str) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("never asked")]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=[behaviour])
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(len(requests), 1)  # the turn ended with the call
+        self.assertIn("failed; details are in the audit log", done.stderr)
+        self.assertNotIn("/srv/secret", done.stderr + done.stdout)
+        (record,) = self.audit_records()
+        self.assertEqual(record["outcome"], "error:exception")
+        self.assertIn(words, record["error"])
+        self.assert_reaped()
+
+    def test_a_server_that_dies_mid_call(self) -> None:
+        self.assert_turn_ended("crash", "exited with status 3")
+        (stopped,) = [r for r in self.audit_records("mcp_server") if r["state"] == "stopped"]
+        self.assertIn("/srv/secret/path.py", stopped["stderr"])  # for operators, in the audit only
+
+    def test_a_server_that_answers_a_request_it_was_not_sent(self) -> None:
+        self.assert_turn_ended("lie", "answered a request it was not sent")
+
+    def test_a_server_that_prints_garbage_on_stdout(self) -> None:
+        self.assert_turn_ended("garbage", "not JSON-RPC")
+
+    def test_a_server_that_floods_one_line(self) -> None:
+        self.assert_turn_ended("flood", "a line over")
+
+    def test_a_server_that_hangs_gets_the_call_answered_as_failed(self) -> None:
+        script = [
+            tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]),
+            text_reply("It did not answer."),
+        ]
+        done, requests = self.ask(
+            script, "--mcp-read-only", "stock.lookup", "--mcp-timeout", "0.5", behaviours=["hang"]
+        )
+        self.assertEqual((done.returncode, done.stdout), (0, "It did not answer.\n"), done.stderr)
+        (timed_out,) = tool_results(requests[1])
+        self.assertEqual(timed_out["error"], "timeout")
+        self.assert_reaped()
+
+    def test_notifications_requests_and_stderr_noise_change_nothing(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["noise"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], "quiet now")
+        self.assertEqual(done.stderr, "")
+        (declined,) = [m for m in self.received() if m.get("id") == "srv-1"]
+        self.assertEqual(declined["error"]["code"], -32601)  # this client offers no sampling
+        (stopped,) = [r for r in self.audit_records("mcp_server") if r["state"] == "stopped"]
+        self.assertEqual(stopped["stderr_bytes"], 300000)
+        self.assertEqual(len(stopped["stderr"]), fc.MAX_MCP_STDERR_BYTES)
+
+    def test_a_command_that_is_not_there_or_not_a_server(self) -> None:
+        missing = self.cli(
+            "ask",
+            "hi",
+            "--mcp",
+            "no-such-mcp-server-here",
+            env={"OPENAI_BASE_URL": "http://127.0.0.1:9"},
+        )
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("'no-such-mcp-server-here' was not found", missing.stderr)
+        silent = self.cli(
+            "ask", "hi", "--mcp", "true", env={"OPENAI_BASE_URL": "http://127.0.0.1:9"}
+        )
+        self.assertEqual(silent.returncode, 1)
+        self.assertIn("before it answered", silent.stderr)
+        bad = self.cli(
+            "ask", "hi", "--mcp", "'unclosed", env={"OPENAI_BASE_URL": "http://127.0.0.1:9"}
+        )
+        self.assertEqual(bad.returncode, 2)
+
+    def test_ctrl_c_while_a_call_hangs_reaps_the_server(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("never")]
+        with ScriptedChatServer(script) as server:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(MODULE),
+                    "chat",
+                    "--customer",
+                    "c",
+                    "--mcp",
+                    self.command("legacy", "hang"),
+                    "--mcp-read-only",
+                    "stock.lookup",
+                ],
+                env={
+                    "PATH": os.environ.get("PATH", ""),
+                    "OPENAI_BASE_URL": server.base_url,
+                    "FUNCTION_CALLING_DATA": str(self.data_dir),
+                },
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            assert child.stdin is not None
+            child.stdin.write("Is ABC-123 in stock?\n")
+            child.stdin.flush()
+            deadline = time.monotonic() + 20
+            while not self.calls() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertTrue(self.calls())
+            child.send_signal(signal.SIGINT)
+            _, stderr = child.communicate(timeout=20)
+        self.assertEqual(child.returncode, 130, stderr)
+        self.assertNotIn("Traceback", stderr)
+        self.assert_reaped()
+
+    def test_a_server_that_broke_is_started_afresh_on_its_next_use(self) -> None:
+        argv = shlex.split(self.command("legacy", "crash"))
+        with fc.McpServer(argv, audit=self.audit) as server:
+            with self.assertRaisesRegex(fc.McpError, "exited with status 3"):
+                server.call_tool("stock.lookup", {"sku": "ABC-123"})
+            listed = server.call_tool("env", {})
+            seen = set(json.loads(listed["content"][0]["text"])) - {"LC_CTYPE"}  # Python's own
+            self.assertEqual(seen, set())
+        self.assertEqual(len([m for m in self.received() if "started" in m]), 2)
+        self.assert_reaped()
+
+
+# Pythons with the official SDK installed (make interop): version 2 speaks 2026-07-28, version 1
+# the 2025-11-25 handshake.
+REAL_MCP_PYTHONS = {
+    "2026-07-28": os.environ.get("FUNCTION_CALLING_MCP_PYTHON", ""),
+    "2025-11-25": os.environ.get("FUNCTION_CALLING_MCP1_PYTHON", ""),
+}
+
+
+@unittest.skipUnless(any(REAL_MCP_PYTHONS.values()), "no Python with `mcp` given (make interop)")
+class RealMcpServerTest(LoopTestCase):
+    """The README's server, on the official Python SDK: discovery, a checked read, a write
+    filed and then approved, exactly as the README tells it."""
+
+    def test_the_readme_server_works_as_documented(self) -> None:
+        (code,) = [code for name, code in readme_examples() if name == "my_mcp_server.py"]
+        for revision, python in REAL_MCP_PYTHONS.items():
+            if python:
+                with self.subTest(revision=revision):
+                    self.run_the_readme_server(code, python, revision)
+
+    def run_the_readme_server(self, code: str, python: str, revision: str) -> None:
+        if revision == "2025-11-25":  # version 1 of the SDK calls it FastMCP
+            code = code.replace(
+                "from mcp.server.mcpserver import MCPServer",
+                "from mcp.server.fastmcp import FastMCP as MCPServer",
+            )
+        (self.data_dir / "my_mcp_server.py").write_text(code)
+        command = shlex.join([python, "my_mcp_server.py"])
+        earlier = len(self.audit_records("mcp_server")) if self.audit_path.exists() else 0
+        script = [
+            tool_call_reply([("lookup", '{"sku": 5}')]),
+            tool_call_reply(
+                [("lookup", '{"sku": "ABC-123"}'), ("reserve", '{"sku": "ABC-123", "count": 2}')]
+            ),
+            text_reply("7 in stock; a person will confirm the reservation."),
+        ]
+        with ScriptedChatServer(script) as server:
+            done = self.cli(
+                "ask",
+                "Is ABC-123 in stock?",
+                "--mcp",
+                command,
+                "--mcp-read-only",
+                "lookup",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        offered = [t["function"]["name"] for t in json.loads(server.requests[0].body)["tools"]]
+        self.assertLessEqual({"lookup", "reserve"}, set(offered))  # beside the shop's
+        self.assertEqual(tool_results(server.requests[1])[0]["error"], "invalid_arguments")
+        looked, reserved = tool_results(server.requests[2])[-2:]
+        self.assertEqual(looked["structuredContent"], {"result": 7})
+        self.assertEqual(reserved["status"], "requires_approval")
+        approved = self.cli("approve", reserved["approvalId"], "--mcp", command)
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        self.assertIn("reserved 2 of ABC-123", approved.stdout)
+        ours = self.audit_records("mcp_server")[earlier:]
+        started = [r for r in ours if r["state"] == "started"]
+        self.assertEqual({r["protocol"] for r in started}, {revision})
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
 
 
 class SleepyTool(Tool):
