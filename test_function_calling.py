@@ -5358,21 +5358,61 @@ def _counting_result(stream: Any, descriptions: bool, verbosity: int) -> _Counti
     return _CountingResult(stream, descriptions, verbosity)
 
 
-def _run_with_summary() -> int:
+def _run_with_summary(argv: list[str]) -> int:
     """Run the suite and end with 'N passed, N failed[, N skipped]' on its own line."""
     runner = unittest.TextTestRunner(resultclass=_counting_result, verbosity=1)
-    program = unittest.main(module=__name__, exit=False, testRunner=runner)
+    program = unittest.main(module=__name__, argv=argv, exit=False, testRunner=runner)
     result = program.result
     assert isinstance(result, _CountingResult)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     skipped = len(result.skipped)
     sys.stdout.flush()
-    summary = f"{result.passed} passed, {failed} failed" + (
-        f", {skipped} skipped" if skipped else ""
-    )
-    print(summary, file=sys.stderr, flush=True)
+    print(_summary(result.passed, failed, skipped), file=sys.stderr, flush=True)
     return 0 if result.wasSuccessful() else 1
 
 
+def _summary(passed: int, failed: int, skipped: int) -> str:
+    return f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
+
+
+SHARDS = 2  # the whole suite runs as this many processes at once: most of it waits, not computes
+
+
+def _run_in_shards() -> int:
+    """The whole suite, its test classes dealt round-robin to SHARDS child processes; their
+    output is printed whole, one after the other, and the counts added up."""
+    classes = sorted(
+        name
+        for name, value in globals().items()
+        if isinstance(value, type)
+        and issubclass(value, unittest.TestCase)
+        and unittest.defaultTestLoader.getTestCaseNames(value)
+    )
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, *classes[shard::SHARDS]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for shard in range(SHARDS)
+    ]
+    counts, status = [0, 0, 0], 0
+    for child in children:
+        output, _ = child.communicate()
+        lines = output.rstrip("\n").splitlines() or [""]
+        print("\n".join(lines[:-1]), flush=True)
+        found = re.fullmatch(r"(\d+) passed, (\d+) failed(?:, (\d+) skipped)?", lines[-1])
+        if found is None:
+            print(lines[-1], "(a shard of the suite did not finish)", flush=True)
+            counts[1] += 1
+        else:
+            for index, number in enumerate(found.groups()):
+                counts[index] += int(number or 0)
+        status = status or child.returncode or (found is None)
+    print(_summary(*counts), file=sys.stderr, flush=True)
+    return int(status)
+
+
 if __name__ == "__main__":
-    sys.exit(_run_with_summary())
+    sys.exit(_run_in_shards() if len(sys.argv) == 1 else _run_with_summary(sys.argv))
