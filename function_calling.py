@@ -4508,6 +4508,8 @@ MCP_CLOSE_GRACE_S = 1.0  # after stdin closes, before SIGTERM (then SIGKILL)
 MAX_MCP_MESSAGE_BYTES = 4 * 1024 * 1024  # one line from the server
 MAX_MCP_STDERR_BYTES = 16 * 1024  # what the audit log keeps of a server's stderr
 MAX_MCP_TOOLS = 512
+MAX_MCP_DESCRIPTION_CHARS = 4096  # a tool's description rides along in every request
+MAX_MCP_SCHEMA_BYTES = 64 * 1024  # and so does its inputSchema
 MAX_MCP_PAGES = 64  # of tools/list
 MCP_IDEMPOTENCY_KEY = "dev.function-calling/idempotencyKey"  # in tools/call's _meta
 _UNSUPPORTED_VERSION = (-32004, -32022)  # codes seen for UnsupportedProtocolVersionError
@@ -4597,10 +4599,10 @@ class McpServer:
             try:
                 self._spawn()
                 self.protocol = self._negotiate()
+                self.record("mcp_server", state="started", protocol=self.protocol)
             except BaseException:
                 self.close()
                 raise
-            self.record("mcp_server", state="started", protocol=self.protocol)
 
     def list_tools(self) -> list[Any]:
         """Every tool the server lists, following nextCursor page by page."""
@@ -5003,11 +5005,26 @@ class McpTool(Tool):
             raise McpError(f"MCP server {self.server.label}: a result nested too deep")
         text = "\n".join(_content_line(block) for block in _blocks(result))
         if result.get("isError") is True:  # the tool's own message: data, the turn goes on
-            raise ToolError(_visible(_cut(text, MAX_RESULT_BYTES)) or "the tool reported an error")
-        converted: dict[str, Any] = {"content": text}
-        if "structuredContent" in result:
-            converted["structuredContent"] = result["structuredContent"]
-        return converted
+            message = _cut(text, MAX_RESULT_BYTES // 2)
+            raise ToolError(_visible(message) or "the tool reported an error")
+        return _fitted(text, result.get("structuredContent"))
+
+
+def _fitted(text: str, structured: Any) -> dict[str, Any]:
+    """The result the model gets, within MAX_RESULT_BYTES as JSON: structuredContent whole or
+    left out (cut JSON is no JSON), the text cut visibly to fit beside it."""
+    converted: dict[str, Any] = {"content": text}
+    if structured is not None:
+        size = len(_compact(structured))
+        converted["structuredContent"] = (
+            structured if size <= MAX_RESULT_BYTES // 2 else f"[cut: {size} bytes of JSON]"
+        )
+    size, kept = len(_compact(converted)), len(text)
+    while size > MAX_RESULT_BYTES:  # a character is at least one byte of JSON: this ends
+        kept = max(0, kept - (size - MAX_RESULT_BYTES) - 80)
+        converted["content"] = text[:kept] + f"…[cut: the text was {len(text)} characters]"
+        size = len(_compact(converted))
+    return converted
 
 
 def _visible(text: str) -> str:
@@ -5044,9 +5061,6 @@ def _content_line(block: Any) -> str:
     return f"[a content block of type {_cut(_shown(kind), 80)}, not shown]"
 
 
-_MCP_TOOL_NAME = re.compile(r"[A-Za-z0-9_./-]{1,128}")
-
-
 def mcp_wire_name(mcp_name: str) -> str:
     """The name the model sees. MCP allows `.`, `/` and 128 characters; chat-completions
     servers accept ^[A-Za-z0-9_-]{1,64}$. A name that fits is kept; any other is made to fit
@@ -5079,18 +5093,21 @@ def mcp_tools(
 
 def _mcp_tool(server: McpServer, listed: Any, read_only: set[str], unchecked: set[str]) -> McpTool:
     name = listed.get("name") if isinstance(listed, dict) else None
-    if not isinstance(name, str) or not _MCP_TOOL_NAME.fullmatch(name):
+    if not (isinstance(name, str) and 0 < len(name) <= 128 and name.isprintable()):
         raise McpError(f"MCP server {server.label} listed a tool named {_shown(name)}")
     schema = listed.get("inputSchema")
     if not isinstance(schema, dict) or schema.get("type") != "object":
         raise McpError(f"MCP server {server.label}: tool {name} has no object inputSchema")
+    if len(_compact(schema)) > MAX_MCP_SCHEMA_BYTES:
+        raise McpError(f"MCP server {server.label}: tool {name}'s inputSchema is over 64 KiB")
     problem = json_schema_problem(schema, unchecked=name in unchecked)
     if problem:
         raise ConfigError(
             f"MCP tool {name}: {problem}; pass --mcp-unchecked {name} to accept it unchecked"
         )
     about = listed.get("description")
-    wire_name, description = mcp_wire_name(name), about if isinstance(about, str) else ""
+    description = _cut(about, MAX_MCP_DESCRIPTION_CHARS) if isinstance(about, str) else ""
+    wire_name = mcp_wire_name(name)
 
     class Bound(McpTool):  # Tool's name, schema and writes are class attributes
         pass

@@ -4674,6 +4674,9 @@ def call(ident, name, arguments):
         result(ident, {"content": [text], "isError": True})
     elif name == "env":
         result(ident, {"content": [{"type": "text", "text": json.dumps(sorted(os.environ))}]})
+    elif "big" in BEHAVIOURS:
+        big = "x" * 100000
+        result(ident, {"content": [{"type": "text", "text": big}], "structuredContent": {"x": big}})
     elif "hang" in BEHAVIOURS:
         time.sleep(3600)
     elif "crash" in BEHAVIOURS:
@@ -4909,6 +4912,23 @@ class McpToolsTest(McpCase):
             fails["error"], "tool_error"
         )  # the tool's own words: data, the turn went on
         self.assertIn("no such SKU", fails["message"])
+
+    def test_a_result_over_the_cap_is_cut_visibly_and_never_as_broken_json(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["big"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        self.assertIn("[cut: the text was 100000 characters]", result["content"])
+        self.assertRegex(result["structuredContent"], r"^\[cut: \d+ bytes of JSON")
+        self.assertLessEqual(len(tool_messages(requests[1])[0]["content"]), fc.MAX_RESULT_BYTES)
+
+    def test_two_servers_offering_one_name_are_refused_at_start(self) -> None:
+        twice = ["--mcp", self.command("modern")]
+        done, requests = self.ask([text_reply("ok")], *twice)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("two tools are named", done.stderr)
+        self.assertEqual(requests, [])
+        self.assert_reaped()
 
     def test_both_revisions_are_spoken_and_chosen_by_the_probe(self) -> None:
         for revision in ("modern", "legacy"):
