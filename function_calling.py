@@ -2609,6 +2609,17 @@ CREATE TABLE IF NOT EXISTS in_flight (
 );
 """
 
+# What each decision produced, written in the decision's own transaction: what a conversation
+# that filed the action is told on its next turn (Conversations). Its own part: databases made
+# before it get the table the first time they are opened.
+_OUTCOMES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS action_outcomes (
+    action_id   TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
+    result_json TEXT,                -- what apply returned (approved)
+    reason      TEXT                 -- what the person said (rejected), if anything
+);
+"""
+
 
 @dataclass(frozen=True)
 class PendingAction:
@@ -2654,6 +2665,7 @@ class Approvals:
         clock: Callable[[], float] = time.time,
     ) -> None:
         database.install("approvals", 1, _APPROVALS_SCHEMA)
+        database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
         self.database = database
         self.audit = audit
         self.ttl_seconds = ttl_seconds
@@ -2730,19 +2742,43 @@ class Approvals:
                     detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
                 ) from None
             self._mark(db, action, "approved", operator)
+            _record_outcome(db, action_id, result=canonical_json(outcome))
             return action, outcome
 
         return self._decide(action_id, "approve", operator, carry_out)
 
-    def reject(self, action_id: str, operator: str) -> None:
-        """Close an open action without running it."""
+    def reject(self, action_id: str, operator: str, reason: str | None = None) -> None:
+        """Close an open action without running it; `reason` is what the model will be told."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
             action = self._open_action(db, action_id)
             self._mark(db, action, "rejected", operator)
-            return action, {}
+            _record_outcome(db, action_id, reason=reason)
+            return action, {"reason": reason} if reason else {}
 
         self._decide(action_id, "reject", operator, carry_out)
+
+    def decisions(self, action_ids: Sequence[str], customer_id: str) -> list[dict[str, Any]]:
+        """What became of those of these actions (of this customer) that are no longer
+        waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
+        a crash left half decided is settled first, so that this agrees with the audit log."""
+        if not action_ids:
+            return []
+        with _turn_lock(self._lock_path, wait=False) as ours:
+            if ours:
+                self._settle()
+        marks = ", ".join("?" for _ in action_ids)
+        with closing(self.database.connect_read_only()) as db:
+            rows = db.execute(
+                "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
+                " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
+                f" LEFT JOIN action_outcomes o USING (action_id)"
+                f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
+                (customer_id, *action_ids),
+            ).fetchall()
+        now, found = _iso(self.clock()), {row[0]: row for row in rows}
+        decided = [_decision(found[i], now) for i in action_ids if i in found]
+        return [told for told in decided if told is not None]
 
     @contextmanager
     def _one_at_a_time(self) -> Iterator[None]:
@@ -2950,6 +2986,33 @@ class Approvals:
             raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
 
 
+def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
+    """One action's decision as the model is told it; None while it still waits."""
+    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
+    if status == "pending" and expires_at > now:
+        return None
+    told: dict[str, Any] = {
+        "approvalId": action_id,
+        "tool": tool,
+        "arguments": json.loads(arguments_json),
+    }
+    if status in ("pending", "expired"):
+        return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
+    told |= {"decision": status, "decidedBy": by, "decidedAt": at}
+    if status == "approved":
+        return {**told, "result": json.loads(result_json) if result_json else None}
+    return {**told, "reason": reason, "done": "nothing"}
+
+
+def _record_outcome(
+    db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
+) -> None:
+    db.execute(
+        "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
+        (action_id, result, reason),
+    )
+
+
 _DECIDED = {"approve": "approved", "reject": "rejected"}
 _ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
 _TURNS_WITHOUT_FLOCK = threading.Lock()  # Windows: the threads of one process take turns
@@ -3089,6 +3152,278 @@ def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# ------------------------------------------------------------------------------ conversations
+# Pause and resume. Every turn of a saved conversation is written, whole, in one transaction
+# as it ends: its raw wire messages (byte-exact echoes included) and which server and model
+# wrote them. A crash mid-turn leaves the previous turn's state, never half of one. When an
+# action the conversation filed has been decided since its last turn, the next turn tells
+# the model first, in the one form every chat-completions server accepts from the
+# application and nobody else can write: a tool call of the application's and its result.
+
+MAX_HISTORY_BYTES = 256 * 1024  # of saved turns sent again; past it the oldest whole turns go
+NOTICE_TOOL = "application_notice"  # the application's own call: never a tool the model has
+
+_CONVERSATIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation_id TEXT PRIMARY KEY,
+    customer_id     TEXT NOT NULL,    -- a conversation is continued only for its customer
+    created_at      TEXT NOT NULL,
+    system_json     TEXT NOT NULL     -- the system message, as first sent
+);
+CREATE TABLE IF NOT EXISTS conversation_turns (
+    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
+    turn            INTEGER NOT NULL,
+    messages_json   TEXT NOT NULL,    -- the turn's raw messages, a JSON array of strings
+    base_url        TEXT NOT NULL,    -- who wrote them: another server gets them portable
+    model           TEXT NOT NULL,
+    stop_reason     TEXT NOT NULL,
+    told_json       TEXT NOT NULL,    -- the actions whose decisions this turn told the model
+    ended_at        TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, turn)
+);
+"""
+
+
+class ConversationError(Exception):
+    """No such conversation for this customer; the CLI exits 2."""
+
+
+@dataclass(frozen=True)
+class SavedTurn:
+    """One turn as it was saved: its messages, exactly as sent and received."""
+
+    messages: tuple[str, ...]
+    origin: tuple[str, str]  # (base URL, model)
+    stop_reason: str
+    told: tuple[str, ...]  # approval ids whose decisions this turn told the model
+    ended_at: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A saved conversation: whose it is, its system message, and its turns, oldest first."""
+
+    conversation_id: str
+    customer_id: str
+    created_at: str
+    system: str
+    turns: tuple[SavedTurn, ...] = ()
+
+    def history(self, max_bytes: int = MAX_HISTORY_BYTES) -> tuple[str, ...]:
+        """What the next turn sends before its own messages: the system message, then as many
+        of the newest turns as fit in `max_bytes`, each whole (a tool call is never sent
+        without its result), oldest of them first."""
+        kept: list[SavedTurn] = []
+        size = 0
+        for turn in reversed(self.turns):
+            size += sum(len(message.encode()) for message in turn.messages)
+            if size > max_bytes:
+                break
+            kept.insert(0, turn)
+        return (self.system, *(message for turn in kept for message in turn.messages))
+
+    @property
+    def origin(self) -> tuple[str, str] | None:
+        return self.turns[-1].origin if self.turns else None
+
+    def told(self) -> set[str]:
+        return {action_id for turn in self.turns for action_id in turn.told}
+
+    def filed(self) -> list[str]:
+        """The approval ids this conversation's tool results announced, in order."""
+        found: list[str] = []
+        for turn in self.turns:
+            for raw in turn.messages:
+                found += [i for i in _announced_approval(raw) if i not in found]
+        return found
+
+
+def _announced_approval(raw: str) -> list[str]:
+    """The approval id a tool message of ours announced (dispatch's requires_approval)."""
+    message = json.loads(raw)
+    if message.get("role") != "tool" or not isinstance(message.get("content"), str):
+        return []
+    try:
+        content = json.loads(message["content"])
+    except ValueError:  # a result cut at the cap, or a tool's own text
+        return []
+    if not isinstance(content, dict) or content.get("status") != "requires_approval":
+        return []
+    action_id = content.get("approvalId")
+    return [action_id] if isinstance(action_id, str) and _ACTION_ID.fullmatch(action_id) else []
+
+
+class Conversations:
+    """Saved conversations, in the data directory's database: start, load, list, and turn,
+    which runs one turn of a ToolLoop on a conversation and saves it."""
+
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
+        database.install("conversations", 1, _CONVERSATIONS_SCHEMA)
+        self.database = database
+        self.clock = clock
+
+    def start(self, customer_id: str, system_prompt: str) -> Conversation:
+        conversation = Conversation(
+            "conv-" + secrets.token_hex(10),
+            customer_id,
+            _iso(self.clock()),
+            _message("system", system_prompt),
+        )
+        with self.database.write_transaction() as db:
+            db.execute(
+                "INSERT INTO conversations (conversation_id, customer_id, created_at, system_json)"
+                " VALUES (?, ?, ?, ?)",
+                (
+                    conversation.conversation_id,
+                    customer_id,
+                    conversation.created_at,
+                    conversation.system,
+                ),
+            )
+        return conversation
+
+    def load(self, conversation_id: str, customer_id: str) -> Conversation:
+        """The conversation, if it is this customer's; ConversationError otherwise (another
+        customer's reads exactly like a missing one)."""
+        with closing(self.database.connect_read_only()) as db:
+            row = db.execute(
+                "SELECT created_at, system_json FROM conversations"
+                " WHERE conversation_id = ? AND customer_id = ?",
+                (conversation_id, customer_id),
+            ).fetchone()
+            turns = db.execute(
+                "SELECT messages_json, base_url, model, stop_reason, told_json, ended_at"
+                " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn",
+                (conversation_id,),
+            ).fetchall()
+        if row is None:
+            shown = conversation_id if _CONVERSATION_ID.fullmatch(conversation_id) else "that id"
+            raise ConversationError(f"no conversation {shown} for customer {customer_id}")
+        saved = tuple(
+            SavedTurn(tuple(json.loads(m)), (url, model), stop, tuple(json.loads(told)), ended)
+            for m, url, model, stop, told, ended in turns
+        )
+        return Conversation(conversation_id, customer_id, row[0], row[1], saved)
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every saved conversation, newest activity first: id, customer, turns, last turn."""
+        with closing(self.database.connect_read_only()) as db:
+            rows = db.execute(
+                "SELECT c.conversation_id, c.customer_id, c.created_at, COUNT(t.turn),"
+                " MAX(t.ended_at) FROM conversations c"
+                " LEFT JOIN conversation_turns t USING (conversation_id)"
+                " GROUP BY c.conversation_id ORDER BY COALESCE(MAX(t.ended_at), c.created_at)"
+                " DESC, c.conversation_id"
+            ).fetchall()
+        keys = ("conversationId", "customer", "created", "turns", "lastTurn")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    def turn(
+        self,
+        loop: ToolLoop,
+        conversation: Conversation,
+        question: str,
+        context: ToolContext,
+        approvals: Approvals | None = None,
+        on_text: Callable[[str], None] | None = None,
+        max_history_bytes: int = MAX_HISTORY_BYTES,
+    ) -> tuple[TurnResult, Conversation]:
+        """One turn of `conversation`, saved as it ends. Decisions made since its last turn
+        on actions it filed are told first (and audited). A turn that raises (Ctrl-C) is not
+        saved: the conversation stays at its previous turn."""
+        if context.customer_id != conversation.customer_id:
+            raise ConversationError(
+                f"no conversation {conversation.conversation_id} for customer {context.customer_id}"
+            )
+        history = conversation.history(max_history_bytes)
+        notice, told = self._notice(conversation, approvals, loop.audit, context)
+        result = loop.run(
+            question,
+            context,
+            (*history, *notice),
+            on_text=on_text,
+            history_origin=conversation.origin,
+        )
+        new = result.messages[len(history) :]
+        return result, self._save(conversation, new, result, told)
+
+    def _notice(
+        self,
+        conversation: Conversation,
+        approvals: Approvals | None,
+        audit: AuditLog,
+        context: ToolContext,
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The application's call and its result telling the decisions, or nothing."""
+        waiting = [i for i in conversation.filed() if i not in conversation.told()]
+        decisions = approvals.decisions(waiting, conversation.customer_id) if approvals else []
+        if not decisions:
+            return (), ()
+        call_id = "call_app_" + secrets.token_hex(8)
+        content = _compact(
+            {
+                "from": "the application (not the user, not a tool the model called)",
+                "about": "decisions people made on requests this conversation filed",
+                "decisions": decisions,
+            }
+        )
+        told = tuple(d["approvalId"] for d in decisions)
+        audit.record(
+            "decision_notice",
+            turn_id=context.turn_id,
+            customer_id=context.customer_id,
+            conversation_id=conversation.conversation_id,
+            approval_ids=list(told),
+            content=content,
+        )
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": NOTICE_TOOL, "arguments": "{}"},
+        }
+        asked = _compact({"role": "assistant", "content": None, "tool_calls": [call]})
+        return (asked, _tool_message(call_id, content)), told
+
+    def _save(
+        self,
+        conversation: Conversation,
+        messages: Sequence[str],
+        result: TurnResult,
+        told: tuple[str, ...],
+    ) -> Conversation:
+        """The turn, whole, in one transaction: a crash before the commit leaves none of it."""
+        turn = SavedTurn(
+            tuple(messages), result.origin, result.stop_reason, told, _iso(self.clock())
+        )
+        try:
+            self._insert(conversation, turn)
+        except sqlite3.IntegrityError:  # two processes continued it at once: the first one won
+            raise ConversationError(
+                f"{conversation.conversation_id} was continued elsewhere meanwhile; this turn"
+                " was answered but not saved"
+            ) from None
+        return replace(conversation, turns=(*conversation.turns, turn))
+
+    def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
+        with self.database.write_transaction() as db:
+            db.execute(
+                "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
+                " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    conversation.conversation_id,
+                    len(conversation.turns) + 1,
+                    json.dumps(list(turn.messages)),
+                    *turn.origin,
+                    turn.stop_reason,
+                    json.dumps(list(turn.told)),
+                    turn.ended_at,
+                ),
+            )
+
+
+_CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
 # ----------------------------------------------------------------------------------- the CLI
 # Exit codes: 0 answered · 1 failed (the API or network, a tool's infrastructure, the audit
 # log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
@@ -3160,6 +3495,9 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
         code: int = args.command(args, app)
         return code
     except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConversationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (ApprovalError, AuditError, ToolSourceError) as exc:
@@ -3234,6 +3572,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         help=f"characters in one question ({MAX_QUESTION_CHARS})",
     )
     talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
+    talk.add_argument(
+        "--max-history",
+        type=_whole(1024, 1_000_000_000),
+        default=MAX_HISTORY_BYTES,
+        help=f"bytes of a saved conversation sent again ({MAX_HISTORY_BYTES})",
+    )
     sources = argparse.ArgumentParser(add_help=False)
     for source in TOOL_SOURCES:
         source.add_arguments(sources)
@@ -3248,11 +3592,15 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         "ask", parents=[talk, data, sources], help="ask one question, print the answer"
     )
     ask.add_argument("question")
+    ask.add_argument("--conversation", metavar="ID", help="add this turn to a saved conversation")
     ask.set_defaults(command=_cmd_ask)
     chat = commands.add_parser(
         "chat", parents=[talk, data, sources], help="talk, one line per turn, until EOF or /quit"
     )
+    chat.add_argument("--resume", metavar="ID", help="carry on a saved conversation")
     chat.set_defaults(command=_cmd_chat)
+    listing = commands.add_parser("conversations", parents=[data], help="list saved conversations")
+    listing.set_defaults(command=_cmd_conversations)
     demo = commands.add_parser("demo", parents=[data], help="scripted turns offline, on 127.0.0.1")
     demo.set_defaults(command=_cmd_demo)
     pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
@@ -3263,6 +3611,9 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
     approve.set_defaults(command=_cmd_approve)
     reject = commands.add_parser(
         "reject", parents=[human, data], help="close a pending write unrun"
+    )
+    reject.add_argument(
+        "--reason", type=_reason, help="why, for the conversation that asked (500 characters)"
     )
     reject.set_defaults(command=_cmd_reject)
     log = argparse.ArgumentParser(add_help=False)
@@ -3275,6 +3626,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", parents=[log, data], help="turns, rounds, errors, tokens")
     stats.set_defaults(command=_cmd_stats)
     return parser
+
+
+def _reason(text: str) -> str:
+    if not text.strip() or len(text) > 500 or not text.isprintable():
+        raise argparse.ArgumentTypeError("expected 1 to 500 printable characters")
+    return text
 
 
 def _printable_id(text: str) -> str:
@@ -3376,13 +3733,15 @@ def _tool_loop(
     )
 
 
-def _conversation(args: argparse.Namespace, app: App, stack: ExitStack) -> ToolLoop:
+def _conversation(
+    args: argparse.Namespace, app: App, stack: ExitStack
+) -> tuple[ToolLoop, _Workspace]:
     """The loop `ask` and `chat` talk through, its tool sources open until `stack` closes.
     The settings come first: a missing key must not leave a fresh data directory behind."""
     settings = Settings.from_env(os.environ, timeout=args.timeout, max_retries=args.retries)
     workspace = _open(args, app, create=True)
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
-    return _tool_loop(
+    loop = _tool_loop(
         app,
         workspace,
         tools,
@@ -3390,25 +3749,41 @@ def _conversation(args: argparse.Namespace, app: App, stack: ExitStack) -> ToolL
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
     )
+    return loop, workspace
+
+
+def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: str | None) -> _Saved:
+    """The conversation `chosen` names (this customer's only), or a new one; said on stderr."""
+    store = Conversations(workspace.database)
+    if chosen is None:
+        conversation = store.start(args.customer, app.system_prompt)
+        shown = conversation.conversation_id
+        print(f"conversation {shown} (continue it: chat --resume {shown})", file=sys.stderr)
+    else:
+        conversation = store.load(chosen, args.customer)
+        turns = len(conversation.turns)
+        print(f"conversation {chosen}, {turns} turn{'s' * (turns != 1)} so far", file=sys.stderr)
+    return _Saved(store, conversation, workspace.approvals)
 
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
     question = _question(args.question, args.max_question)
     with ExitStack() as stack:
-        loop = _conversation(args, app, stack)
-        result, printer = _turn(loop, question, args)
+        loop, workspace = _conversation(args, app, stack)
+        saved = _saved(args, app, workspace, args.conversation) if args.conversation else None
+        result, printer = _turn(loop, question, args, saved)
     return _report(result, printer)
 
 
 def _cmd_chat(args: argparse.Namespace, app: App) -> int:
-    """One turn per line; the history carries every verbatim message into the next turn."""
+    """One turn per line, each saved as it ends; the history carries every verbatim message
+    into the next turn, and `--resume ID` carries on a saved conversation."""
     with ExitStack() as stack:
-        return _chat(_conversation(args, app, stack), args)
+        loop, workspace = _conversation(args, app, stack)
+        return _chat(loop, args, _saved(args, app, workspace, args.resume))
 
 
-def _chat(loop: ToolLoop, args: argparse.Namespace) -> int:
-    history: Sequence[str] = ()
-    origin: tuple[str, str] | None = None
+def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
     worst = EXIT_OK
     for line in _read_lines(sys.stdin):
         if line.strip() == "/quit":
@@ -3421,8 +3796,7 @@ def _chat(loop: ToolLoop, args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
             continue
-        result, printer = _turn(loop, question, args, history, origin)
-        history, origin = result.messages, result.origin  # a guard ends one turn, not the chat
+        result, printer = _turn(loop, question, args, saved)  # a guard ends one turn only
         worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
     return worst
 
@@ -3443,18 +3817,35 @@ def _question(text: str, most: int) -> str:
     return text
 
 
+@dataclass
+class _Saved:
+    """The saved conversation a CLI turn belongs to: where it lives, and its state so far."""
+
+    store: Conversations
+    conversation: Conversation
+    approvals: Approvals
+
+
 def _turn(
-    loop: ToolLoop,
-    question: str,
-    args: argparse.Namespace,
-    history: Sequence[str] = (),
-    origin: tuple[str, str] | None = None,
+    loop: ToolLoop, question: str, args: argparse.Namespace, saved: _Saved | None = None
 ) -> tuple[TurnResult, _Printer | None]:
-    """One turn for the CLI, streamed if asked; Ctrl-C still ends the printed line."""
+    """One turn for the CLI, streamed if asked, saved if it belongs to a conversation; Ctrl-C
+    still ends the printed line."""
     printer = _Printer() if args.stream else None
     context = ToolContext(args.customer)
     try:
-        result = loop.run(question, context, history, on_text=printer, history_origin=origin)
+        if saved is None:
+            result = loop.run(question, context, on_text=printer)
+        else:
+            result, saved.conversation = saved.store.turn(
+                loop,
+                saved.conversation,
+                question,
+                context,
+                saved.approvals,
+                on_text=printer,
+                max_history_bytes=args.max_history,
+            )
     except KeyboardInterrupt:
         if printer:
             printer.end_line()
@@ -3558,8 +3949,18 @@ def _cmd_approve(args: argparse.Namespace, app: App) -> int:
 
 
 def _cmd_reject(args: argparse.Namespace, app: App) -> int:
-    _open(args, app, create=False).approvals.reject(args.action_id, args.operator)
+    _open(args, app, create=False).approvals.reject(args.action_id, args.operator, args.reason)
     print(f"rejected {args.action_id} by {args.operator}; nothing was run")
+    return EXIT_OK
+
+
+def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
+    listed = Conversations(_open(args, app, create=False).database).list()
+    for item in listed:
+        last = item["lastTurn"] or "no turn yet"
+        print(f"{item['conversationId']}  {item['customer']}  {item['turns']} turns  {last}")
+    if not listed:
+        print("no saved conversations")
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 from __future__ import annotations
 
 import ast
+import collections
 import email.utils
 import functools
 import hashlib
@@ -3356,14 +3357,15 @@ class DatabaseTest(LoopTestCase):
             return dict(db.execute("SELECT component, version FROM schema_versions"))
 
     def test_each_part_keeps_its_own_schema_version(self) -> None:
-        self.assertEqual(self.versions(), {"approvals": 1, "shop": 1})
+        self.assertEqual(self.versions(), {"approvals": 1, "approval_outcomes": 1, "shop": 1})
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
         with closing(sqlite3.connect(self.db_path)) as db:
             self.assertEqual(db.execute("SELECT COUNT(*) FROM extra").fetchone(), (1,))
         with self.assertRaisesRegex(ConfigError, "holds shop schema 1; this code knows schema 2"):
             self.database.install("shop", 2, "CREATE TABLE orders2 (x)")
-        self.assertEqual(self.versions(), {"approvals": 1, "shop": 1, "extra": 3})
+        parts = {"approvals": 1, "approval_outcomes": 1, "shop": 1, "extra": 3}
+        self.assertEqual(self.versions(), parts)
 
     def test_a_schema_installs_whole_or_not_at_all_whatever_its_semicolons(self) -> None:
         self.database.install(
@@ -3605,7 +3607,11 @@ class CliTest(LoopTestCase):
             ],
             stdin="Where is ORD-1001?\nWhere was it last seen?\n",
         )
-        self.assertEqual((done.returncode, done.stderr), (0, ""))
+        self.assertEqual(done.returncode, 0)
+        self.assertRegex(
+            done.stderr,
+            r"^conversation conv-[0-9a-f]{20} \(continue it: chat --resume conv-[0-9a-f]{20}\)\n$",
+        )
         self.assertEqual(done.stdout, "ORD-1001 has shipped.\nIt left the Memphis hub.\n")
         first_turn = [json.dumps(m) for m in requests[1].json()["messages"]]
         second_turn = [json.dumps(m) for m in requests[2].json()["messages"]]
@@ -4469,6 +4475,382 @@ class CostTest(LoopTestCase):
 
 
 # ---------------------------------------------------------------------------------- benchmarks
+
+
+# -------------------------------------------------------------------- conversations (resume)
+
+CONVERSATION_LINE = re.compile(r"conversation (conv-[0-9a-f]{20})")
+REFUND_1003 = [
+    tool_call_reply([("requestShippingRefund", '{"orderId": "ORD-1003"}')]),
+    text_reply("A person will confirm the refund."),
+]
+
+
+class ConversationTest(ApprovalCase):
+    """Pause and resume: a saved conversation carries on byte for byte, and a human's decision
+    reaches the model on the next turn."""
+
+    def talk(
+        self,
+        script: Sequence[fc.ScriptItem],
+        *args: str,
+        stdin: str = "",
+        env: dict[str, str] | None = None,
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
+        """A command against the conversation's model: one server for the whole test, as a
+        real one keeps its URL (another URL is another server, and gets portable history)."""
+        self.server.script.extend(script)
+        seen = len(self.server.requests)
+        done = self.cli(
+            *args, env={"OPENAI_BASE_URL": self.server.base_url, **(env or {})}, stdin=stdin
+        )
+        return done, self.server.requests[seen:]
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.server = ScriptedChatServer([])
+        self.server.__enter__()
+        self.addCleanup(self.server.__exit__, None, None, None)
+
+    def started(self, done: subprocess.CompletedProcess[str]) -> str:
+        found = CONVERSATION_LINE.search(done.stderr)
+        assert found is not None, done.stderr
+        return found.group(1)
+
+    def test_chat_resumes_a_saved_conversation_byte_for_byte(self) -> None:
+        call = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
+        answer = text_reply("It has shipped.")
+        done, before = self.talk([call, answer], "chat", stdin="Where is ORD-1001?\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        conversation_id = self.started(done)
+        listed = self.cli("conversations").stdout
+        self.assertIn(f"{conversation_id}  {DEMO_CUSTOMER}  1 turns", listed)
+        resume = ["chat", "--resume", conversation_id]
+        done, after = self.talk([text_reply("From Memphis.")], *resume, stdin="From where?\n")
+        self.assertEqual((done.returncode, done.stdout), (0, "From Memphis.\n"), done.stderr)
+        self.assertIn(f"conversation {conversation_id}, 1 turn so far", done.stderr)
+        body = after[0].body
+        for reply in (call, answer):  # each assistant message exactly as it arrived
+            text = reply.decode()
+            start = text.index("{", text.index('"message":'))
+            end = json.JSONDecoder().raw_decode(text, start)[1]
+            self.assertIn(text[start:end].encode(), body)
+        sent = after[0].json()["messages"]
+        self.assertEqual(
+            sent[:5], before[1].json()["messages"] + [json.loads(answer)["choices"][0]["message"]]
+        )
+        self.assertEqual(sent[5:], [{"role": "user", "content": "From where?"}])
+        asked = ["ask", "And now?", "--conversation", conversation_id]
+        self.assertEqual(self.talk([text_reply("ok")], *asked)[0].returncode, 0)
+        self.assertIn(
+            f"{conversation_id}  {DEMO_CUSTOMER}  3 turns", self.cli("conversations").stdout
+        )
+
+    def test_a_decision_reaches_the_model_on_the_next_turn_marked_as_the_applications(self) -> None:
+        done, requests = self.talk(REFUND_1003, "chat", stdin="ORD-1003 came late; refund it?\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        conversation_id = self.started(done)
+        action_id = tool_results(requests[1])[0]["approvalId"]
+        approved = self.cli("approve", action_id, "--operator", "alice")
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        done, resumed = self.talk(
+            [text_reply("Yes, 5.99 USD came back.")],
+            "chat",
+            "--resume",
+            conversation_id,
+            stdin="Was my refund approved?\n",
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        messages = resumed[0].json()["messages"]
+        raw = [json.dumps(m) for m in messages]
+        assert_every_call_answered_once_in_order(self, raw)
+        notice_call, notice, question = messages[-3:]
+        self.assertEqual(question, {"role": "user", "content": "Was my refund approved?"})
+        self.assertEqual(
+            notice_call["tool_calls"][0]["function"],
+            {"name": "application_notice", "arguments": "{}"},
+        )
+        told = json.loads(notice["content"])
+        self.assertIn("the application", told["from"])
+        (decision,) = told["decisions"]
+        self.assertEqual(
+            {k: decision[k] for k in ("approvalId", "decision", "decidedBy", "tool")},
+            {
+                "approvalId": action_id,
+                "decision": "approved",
+                "decidedBy": "alice",
+                "tool": "requestShippingRefund",
+            },
+        )
+        self.assertEqual(
+            decision["result"], {"orderId": "ORD-1003", "refunded": "5.99", "currency": "USD"}
+        )
+        answered = [m for m in messages if m["role"] == "tool"]
+        self.assertEqual(len(answered), 2)  # the refund's own, once, and the notice
+        (line,) = self.audit_records("decision_notice")
+        self.assertEqual(
+            (line["conversation_id"], line["approval_ids"]), (conversation_id, [action_id])
+        )
+        self.assertEqual(line["content"], notice["content"])
+        done, again = self.talk(
+            [text_reply("ok")], "ask", "Anything else?", "--conversation", conversation_id
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(
+            again[0].json()["messages"][-1], {"role": "user", "content": "Anything else?"}
+        )
+        self.assertEqual(len(self.audit_records("decision_notice")), 1)  # told once
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+
+    def test_a_rejection_tells_its_reason_and_an_expiry_says_nothing_was_done(self) -> None:
+        conversations = fc.Conversations(self.database)
+        clock = [time.time()]
+        approvals = Approvals(self.database, self.audit, ttl_seconds=60, clock=lambda: clock[0])
+        saved = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        script = [
+            tool_call_reply([("requestShippingRefund", '{"orderId": "ORD-1003"}')]),
+            text_reply("Filed."),
+            text_reply("Noted."),
+            text_reply("Noted again."),
+        ]
+        with ScriptedChatServer(script) as server:
+            loop = ToolLoop(
+                ChatClient(Settings(base_url=server.base_url, model="m")),
+                self.tools,
+                self.audit,
+                approvals=approvals,
+            )
+            result, saved = conversations.turn(
+                loop, saved, "refund ORD-1003", ToolContext(DEMO_CUSTOMER), approvals
+            )
+            first = tool_results(server.requests[1])[0]["approvalId"]
+            approvals.reject(first, "bob", reason="the delay was the carrier's strike")
+            _, saved = conversations.turn(
+                loop, saved, "and?", ToolContext(DEMO_CUSTOMER), approvals
+            )
+            told = json.loads(json.loads(server.requests[2].body)["messages"][-2]["content"])
+            self.assertEqual(
+                {k: told["decisions"][0][k] for k in ("decision", "decidedBy", "reason", "done")},
+                {
+                    "decision": "rejected",
+                    "decidedBy": "bob",
+                    "reason": "the delay was the carrier's strike",
+                    "done": "nothing",
+                },
+            )
+        self.assertEqual(result.stop_reason, "answered")
+        reloaded = conversations.load(saved.conversation_id, DEMO_CUSTOMER)
+        self.assertEqual(reloaded, saved)
+        self.assertEqual([t.told for t in reloaded.turns], [(), (first,)])
+        # an action that expired unanswered is told too
+        with ScriptedChatServer([*REFUND_1003, text_reply("Sorry.")]) as server:
+            loop = ToolLoop(
+                ChatClient(Settings(base_url=server.base_url, model="m")),
+                self.tools,
+                self.audit,
+                approvals=approvals,
+            )
+            _, saved = conversations.turn(
+                loop, saved, "refund it again", ToolContext(DEMO_CUSTOMER), approvals
+            )
+            clock[0] += 120
+            _, saved = conversations.turn(
+                loop, saved, "and now?", ToolContext(DEMO_CUSTOMER), approvals
+            )
+            told = json.loads(json.loads(server.requests[2].body)["messages"][-2]["content"])
+            self.assertEqual(told["decisions"][0]["decision"], "expired")
+
+    def test_a_conversation_is_continued_only_for_its_customer(self) -> None:
+        done, _ = self.talk([text_reply("hi")], "chat", stdin="hello\n")
+        conversation_id = self.started(done)
+        other, requests = self.talk(
+            [text_reply("never")],
+            "chat",
+            "--resume",
+            conversation_id,
+            "--customer",
+            OTHER_CUSTOMER,
+            stdin="hi\n",
+        )
+        self.assertEqual(other.returncode, 2)
+        self.assertIn(
+            f"no conversation {conversation_id} for customer {OTHER_CUSTOMER}", other.stderr
+        )
+        self.assertEqual(requests, [])
+        missing = self.cli(
+            "ask",
+            "hi",
+            "--conversation",
+            "conv-" + "0" * 20,
+            env={"OPENAI_BASE_URL": "http://127.0.0.1:9"},
+        )
+        self.assertEqual(missing.returncode, 2)
+        odd = self.cli(
+            "ask", "hi", "--conversation", "\x1b[2J", env={"OPENAI_BASE_URL": "http://127.0.0.1:9"}
+        )
+        self.assertNotIn("\x1b", odd.stderr)
+
+    def test_past_the_cap_the_oldest_whole_turns_are_not_sent(self) -> None:
+        lines = "".join(f"question {n} {'x' * 400}\n" for n in range(6))
+        script = [
+            tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]),
+            *[text_reply(f"answer {n}") for n in range(7)],
+        ]
+        done, _ = self.talk(script, "chat", stdin=lines)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        conversation_id = self.started(done)
+        done, requests = self.talk(
+            [text_reply("ok")],
+            "chat",
+            "--resume",
+            conversation_id,
+            "--max-history",
+            "2048",
+            stdin="last\n",
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        messages = requests[0].json()["messages"]
+        raw = [json.dumps(m) for m in messages]
+        assert_every_call_answered_once_in_order(self, raw)
+        self.assertEqual(messages[0]["role"], "system")
+        self.assertEqual(messages[1]["role"], "user")  # a whole turn starts where the cut is
+        sent = [
+            m["content"].split()[1]
+            for m in messages
+            if m["role"] == "user" and m["content"] != "last"
+        ]
+        self.assertEqual(sent, sent and [str(n) for n in range(6 - len(sent), 6)])  # the newest
+        self.assertLess(0, len(sent))
+        self.assertLess(len(sent), 6)
+        self.assertNotIn("tool", [m["role"] for m in messages])  # the first turn's call went whole
+
+    def test_a_resumed_conversation_goes_portable_to_another_model(self) -> None:
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "getOrderStatus", "arguments": '{"orderId":"ORD-1001"}'},
+        }
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "reasoning_content": "secret thoughts",
+        }
+        reasoning = json.dumps(
+            {"choices": [{"message": message, "finish_reason": "tool_calls"}]}
+        ).encode()
+        done, _ = self.talk(
+            [reasoning, text_reply("hi")], "chat", stdin="hello\n", env={"OPENAI_MODEL": "one"}
+        )
+        conversation_id = self.started(done)
+        _, same = self.talk(
+            [text_reply("ok")],
+            "chat",
+            "--resume",
+            conversation_id,
+            stdin="again\n",
+            env={"OPENAI_MODEL": "one"},
+        )
+        self.assertIn(
+            b"secret thoughts", same[0].body
+        )  # its own reasoning, to the model that wrote it
+        _, other = self.talk(
+            [text_reply("ok")],
+            "chat",
+            "--resume",
+            conversation_id,
+            stdin="again\n",
+            env={"OPENAI_MODEL": "two"},
+        )
+        self.assertNotIn(b"secret thoughts", other[0].body)
+        assert_every_call_answered_once_in_order(
+            self, [json.dumps(m) for m in other[0].json()["messages"]]
+        )
+
+    def test_a_kill_during_a_turn_leaves_the_previous_turn_resumable(self) -> None:
+        done, _ = self.talk([text_reply("first answer")], "chat", stdin="first\n")
+        conversation_id = self.started(done)
+        stalled = threading.Event()
+
+        def stall() -> Iterator[bytes]:
+            stalled.set()
+            yield b""
+            time.sleep(30)
+
+        with ScriptedChatServer([ScriptedReply(stall())]) as server:
+            child = subprocess.Popen(
+                [sys.executable, str(MODULE), "chat", "--resume", conversation_id],
+                env={
+                    "PATH": os.environ.get("PATH", ""),
+                    "OPENAI_BASE_URL": server.base_url,
+                    "FUNCTION_CALLING_DATA": str(self.data_dir),
+                },
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert child.stdin is not None
+            child.stdin.write(b"second\n")
+            child.stdin.flush()
+            self.assertTrue(stalled.wait(20))
+            child.kill()
+            child.communicate(timeout=20)
+        self.assertIn(
+            f"{conversation_id}  {DEMO_CUSTOMER}  1 turns", self.cli("conversations").stdout
+        )
+        done, requests = self.talk(
+            [text_reply("ok")], "chat", "--resume", conversation_id, stdin="third\n"
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        users = [m["content"] for m in requests[0].json()["messages"] if m["role"] == "user"]
+        self.assertEqual(users, ["first", "third"])
+
+    def test_a_kill_at_any_write_of_a_turn_leaves_a_whole_conversation(self) -> None:
+        done, _ = self.talk(REFUND_1003, "chat", stdin="refund ORD-1003\n")
+        conversation_id = self.started(done)
+        action_id = self.approvals.pending()[0].action_id
+        self.approvals.approve(action_id, fc.tool_table(self.tools), "alice")
+        script = self.data_dir / "crashing_child.py"
+        script.write_text(CRASHING_APPROVER)
+        points = [
+            f"{kind}:{n}:{when}"
+            for kind, count in (("commit", 6), ("append", 2))  # every commit and append of it
+            for n in range(1, count + 1)
+            for when in ("before", "after")
+        ]
+        kills: collections.Counter[str] = collections.Counter()
+        for point in points:
+            with self.subTest(point=point), ScriptedChatServer([text_reply("ok")]) as server:
+                before = len(self.saved(conversation_id).turns)
+                resume = ["chat", "--resume", conversation_id, "--data-dir", str(self.data_dir)]
+                child = subprocess.run(
+                    [sys.executable, str(script), "kill", point, *resume],
+                    env={
+                        "PATH": os.environ.get("PATH", ""),
+                        "PYTHONPATH": str(HERE),
+                        "OPENAI_BASE_URL": server.base_url,
+                    },
+                    input="Was it approved?\n",
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                saved = self.saved(conversation_id)
+                added = len(saved.turns) - before
+                self.assertIn(added, (0, 1))  # the turn whole, or none of it
+                for turn in saved.turns:
+                    assert_every_call_answered_once_in_order(self, turn.messages)
+                told = [t for turn in saved.turns for t in turn.told]
+                self.assertEqual(told, [action_id] * min(1, len(saved.turns) - 1))  # once, saved
+                if child.returncode == -signal.SIGKILL:
+                    kills["saved" if added else "lost"] += 1
+        self.assertGreater(kills["lost"], 0)  # killed before the turn's commit: not saved
+        self.assertGreater(kills["saved"], 0)  # killed just after it: saved whole
+        self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
+
+    def saved(self, conversation_id: str) -> fc.Conversation:
+        return fc.Conversations(self.database).load(conversation_id, DEMO_CUSTOMER)
 
 
 # ------------------------------------------------------------------- MCP tools (the MCP section)
