@@ -20,20 +20,22 @@ Glossary: a *round* is one model call plus the tool calls it asked for; a *turn*
 message and all its rounds. A turn ends when a reply asks for no tool, or at the round cap.
 
 Run:  python function_calling.py demo            (offline: a scripted model on 127.0.0.1)
-      python function_calling.py ask "QUESTION"   [--stream]
-      python function_calling.py chat | pending | approve ID | reject ID | verify-audit | stats
+      python function_calling.py ask "QUESTION"   [--stream] [--conversation ID]
+      python function_calling.py chat [--resume ID] | conversations | pending | approve ID |
+                                 reject ID | verify-audit | stats
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
-      yours"). A worked example, when this copy still has it, comes last, between EXAMPLE
-      markers; nothing before it depends on it, and one cut removes it.
+      yours"). Two parts, when this copy still has them, come last between markers, and
+      nothing before them depends on either: MCP tools (tools from Model Context Protocol
+      servers, under the same policy) and a worked example; one cut removes each.
 
 Sections, in the order one request meets them: settings · errors · tools and validation · the
 data the tools touch · audit · the audit chain · the request · the transport · the reply · the
 stream · dispatch (the trust boundary) · the loop · the workers · server quirks · start-up
-checks · approvals (the human side of writes) · the CLI · the scripted server used by `demo` and
-the tests.
+checks · approvals (the human side of writes) · conversations (pause and resume) · the CLI ·
+the scripted server used by `demo` and the tests.
 
 First reading, the whole mechanism (about 1,000 lines, this docstring included): errors,
 tools and validation, the request, the reply, dispatch, the loop. The reply holds the verbatim
@@ -109,9 +111,13 @@ __all__ = [
     "AuditLog",
     "ChatClient",
     "ConfigError",
+    "Conversation",
+    "ConversationError",
+    "Conversations",
     "Database",
     "PendingAction",
     "RecordedRequest",
+    "SavedTurn",
     "ScriptedChatServer",
     "ScriptedReply",
     "Settings",
