@@ -5072,6 +5072,8 @@ def call(ident, name, arguments):
         result(ident, {"content": [text], "isError": True})
     elif name == "env":
         result(ident, {"content": [{"type": "text", "text": json.dumps(sorted(os.environ))}]})
+    elif "rpc-error" in BEHAVIOURS:
+        error(ident, -32603, "Internal error at /srv/secret/db.py: connection refused")
     elif "big" in BEHAVIOURS:
         big = "x" * 100000
         result(ident, {"content": [{"type": "text", "text": big}], "structuredContent": {"x": big}})
@@ -5286,6 +5288,18 @@ class McpToolsTest(McpCase):
         self.assertEqual(self.cli("verify-audit").returncode, 0)
         self.assert_reaped()
 
+    def test_a_write_the_tool_refuses_at_approval_is_not_carried_out_and_stays_open(self) -> None:
+        done, requests = self.ask([tool_call_reply([("fails", "{}")]), text_reply("Filed.")])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        action_id = tool_results(requests[1])[0]["approvalId"]
+        refused = self.cli("approve", action_id, "--mcp", self.command())
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("not carried out: no such SKU\\x1b[2J", refused.stderr)  # escaped
+        self.assertNotIn("\x1b", refused.stderr)
+        self.assertIn(action_id, self.cli("pending").stdout)  # still open
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+        self.assert_reaped()
+
     def test_every_mcp_tool_not_named_read_only_is_a_write_whatever_it_claims(self) -> None:
         done, requests = self.ask(
             [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
@@ -5445,6 +5459,12 @@ class McpHostileServerTest(McpCase):
 
     def test_a_server_that_floods_one_line(self) -> None:
         self.assert_turn_ended("flood", "a line over")
+
+    def test_a_json_rpc_error_is_infrastructure_its_words_in_the_audit_log_only(self) -> None:
+        self.assert_turn_ended("rpc-error", "refused tools/call (JSON-RPC error -32603)")
+        probe, refused = self.audit_records("mcp_error")  # the probe's, as a legacy server does
+        self.assertEqual((probe["method"], refused["method"]), ("server/discover", "tools/call"))
+        self.assertIn("/srv/secret/db.py", refused["error"])  # for operators
 
     def test_a_server_that_hangs_gets_the_call_answered_as_failed(self) -> None:
         script = [
