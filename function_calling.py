@@ -3222,7 +3222,7 @@ class Conversation:
         kept: list[SavedTurn] = []
         size = 0
         for turn in reversed(self.turns):
-            size += sum(len(message.encode()) for message in turn.messages)
+            size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
             if size > max_bytes:
                 break
             kept.insert(0, turn)
@@ -3361,7 +3361,8 @@ class Conversations:
         context: ToolContext,
     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The application's call and its result telling the decisions, or nothing."""
-        waiting = [i for i in conversation.filed() if i not in conversation.told()]
+        told_before = conversation.told()
+        waiting = [i for i in conversation.filed() if i not in told_before]
         decisions = approvals.decisions(waiting, conversation.customer_id) if approvals else []
         if not decisions:
             return (), ()
