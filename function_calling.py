@@ -1323,7 +1323,14 @@ class ChatClient:
         key = self.settings.api_key or ""
         for length in range(len(key), KEY_PREFIX_SHOWN, -1):
             text = text.replace(key[:length], "[redacted]")
-        return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+        return _control_escaped(text)
+
+
+def _control_escaped(text: str, keep: str = "") -> str:
+    """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
+    return "".join(
+        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
+    )
 
 
 def _error_code(body: bytes) -> str | None:
@@ -2714,9 +2721,7 @@ class Approvals:
     def pending(self) -> list[PendingAction]:
         """Open actions, oldest first: filed with their audit line, and not expired. Settles
         what a crash left half done first, unless a filing or decision is under way."""
-        with _turn_lock(self._lock_path, wait=False) as ours:
-            if ours:
-                self._settle()
+        self._settle_if_free()
         with closing(self.database.connect_read_only()) as db:
             rows = db.execute(
                 f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
@@ -2770,9 +2775,7 @@ class Approvals:
         a crash left half decided is settled first, so that this agrees with the audit log."""
         if not action_ids:
             return []
-        with _turn_lock(self._lock_path, wait=False) as ours:
-            if ours:
-                self._settle()
+        self._settle_if_free()
         marks = ", ".join("?" for _ in action_ids)
         with closing(self.database.connect_read_only()) as db:
             rows = db.execute(
@@ -2785,6 +2788,12 @@ class Approvals:
         now, found = _iso(self.clock()), {row[0]: row for row in rows}
         decided = [_decision(found[i], now) for i in action_ids if i in found]
         return [told for told in decided if told is not None]
+
+    def _settle_if_free(self) -> None:
+        """Settle what a crash left half done, unless a filing or decision is under way."""
+        with _turn_lock(self._lock_path, wait=False) as ours:
+            if ours:
+                self._settle()
 
     @contextmanager
     def _one_at_a_time(self) -> Iterator[None]:
@@ -5414,7 +5423,8 @@ class McpTool(Tool):
         text = "\n".join(_content_line(block) for block in _blocks(result))
         if result.get("isError") is True:  # the tool's own message: data, the turn goes on
             message = _cut(text, MAX_RESULT_BYTES // 2)
-            raise ToolError(_visible(message) or "the tool reported an error")
+            # escaped: through `approve`, this text reaches a terminal
+            raise ToolError(_control_escaped(message, keep="\n") or "the tool reported an error")
         return _fitted(text, result.get("structuredContent"))
 
 
@@ -5433,14 +5443,6 @@ def _fitted(text: str, structured: Any) -> dict[str, Any]:
         converted["content"] = text[:kept] + f"…[cut: the text was {len(text)} characters]"
         size = len(_compact(converted))
     return converted
-
-
-def _visible(text: str) -> str:
-    """Control characters escaped (\\x1b, not an escape sequence): this text may reach a
-    terminal, through `approve`."""
-    return "".join(
-        c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
-    )
 
 
 def _blocks(result: Mapping[str, Any]) -> list[Any]:
