@@ -4364,6 +4364,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
 ]
 
 from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 
 # ------------------------------------------------------- JSON Schema, the subset tools use
@@ -4610,6 +4611,7 @@ def _ref_loop(root: Any) -> str | None:
     return None
 
 
+@lru_cache(maxsize=256)  # translated once, not on every call that checks against it
 def _ecma_pattern(pattern: str) -> re.Pattern[str]:
     """A JSON Schema pattern (ECMA-262) as Python's re, meaning what it means there: \\d, \\w
     and \\b ASCII (re.ASCII), \\s with its Unicode spaces, `$` only at the very end (Python's
@@ -4699,10 +4701,9 @@ def json_schema_violation(value: Any, schema: Any, where: str = "arguments") -> 
 
 @dataclass
 class _SchemaCheck:
-    """One check of one value: the schema's root (for $ref) and its compiled patterns."""
+    """One check of one value against a schema, whose root its $refs point into."""
 
     root: Any
-    patterns: dict[str, re.Pattern[str]] = field(default_factory=dict)
 
     def violation(self, value: Any, schema: Any, where: str) -> str | None:
         if schema is True:
@@ -4744,12 +4745,11 @@ class _SchemaCheck:
         return None
 
     def _matches(self, pattern: str, value: str) -> bool:
-        if pattern not in self.patterns:
-            try:
-                self.patterns[pattern] = _ecma_pattern(pattern)
-            except re.error:  # accepted unchecked: nothing to check it with
-                return True
-        return self.patterns[pattern].search(value) is not None  # unanchored, as JSON Schema
+        try:
+            compiled = _ecma_pattern(pattern)
+        except re.error:  # accepted unchecked: nothing to check it with
+            return True
+        return compiled.search(value) is not None  # unanchored, as JSON Schema means it
 
     def _object_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
         if not isinstance(value, dict):
