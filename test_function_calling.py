@@ -4615,12 +4615,7 @@ class ConversationTest(ApprovalCase):
             text_reply("Noted again."),
         ]
         with ScriptedChatServer(script) as server:
-            loop = ToolLoop(
-                ChatClient(Settings(base_url=server.base_url, model="m")),
-                self.tools,
-                self.audit,
-                approvals=approvals,
-            )
+            loop = self.loop_on(server, approvals)
             result, saved = conversations.turn(
                 loop, saved, "refund ORD-1003", ToolContext(DEMO_CUSTOMER), approvals
             )
@@ -4645,12 +4640,7 @@ class ConversationTest(ApprovalCase):
         self.assertEqual([t.told for t in reloaded.turns], [(), (first,)])
         # an action that expired unanswered is told too
         with ScriptedChatServer([*REFUND_1003, text_reply("Sorry.")]) as server:
-            loop = ToolLoop(
-                ChatClient(Settings(base_url=server.base_url, model="m")),
-                self.tools,
-                self.audit,
-                approvals=approvals,
-            )
+            loop = self.loop_on(server, approvals)
             _, saved = conversations.turn(
                 loop, saved, "refund it again", ToolContext(DEMO_CUSTOMER), approvals
             )
@@ -4854,8 +4844,7 @@ class ConversationTest(ApprovalCase):
         conversations = fc.Conversations(self.database)
         started = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = self.loop_on(server, self.approvals)
             context = ToolContext(DEMO_CUSTOMER)
             conversations.turn(loop, started, "first", context, self.approvals)
             with self.assertRaisesRegex(fc.ConversationError, "answered but not saved"):
@@ -4864,6 +4853,11 @@ class ConversationTest(ApprovalCase):
         self.assertIn('"content":"first"', turn.messages[0])
         with self.assertRaises(fc.ConversationError):
             conversations.turn(loop, started, "x", ToolContext(OTHER_CUSTOMER), self.approvals)
+
+    def loop_on(self, server: ScriptedChatServer, approvals: Approvals) -> ToolLoop:
+        """The shop's loop against `server`, filing writes with `approvals` (the API's way)."""
+        client = ChatClient(Settings(base_url=server.base_url, model="m"))
+        return ToolLoop(client, self.tools, self.audit, approvals=approvals)
 
     def saved(self, conversation_id: str) -> fc.Conversation:
         return fc.Conversations(self.database).load(conversation_id, DEMO_CUSTOMER)
