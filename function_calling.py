@@ -249,6 +249,22 @@ def _is_header_safe(value: str) -> bool:
 # exceptions are for infrastructure and end the turn with one clear line (ApiError, any other).
 
 
+def _redacted(text: str, key: str | None) -> str:
+    """Text from a server, fit to show: a server may echo the request back, so the key,
+    and any start of it long enough to matter (a body cut mid-key), is redacted; control
+    characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
+    for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
+        text = text.replace((key or "")[:length], "[redacted]")
+    return _control_escaped(text)
+
+
+def _control_escaped(text: str, keep: str = "") -> str:
+    """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
+    return "".join(
+        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
+    )
+
+
 class ConfigError(Exception):
     """Bad configuration or usage, found before any request is sent; the CLI exits 2."""
 
@@ -1317,20 +1333,7 @@ class ChatClient:
         return ApiError(message, status, _error_code(body))
 
     def _redact(self, text: str) -> str:
-        """Text from a server, fit to show: a server may echo the request back, so the key,
-        and any start of it long enough to matter (a body cut mid-key), is redacted; control
-        characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
-        key = self.settings.api_key or ""
-        for length in range(len(key), KEY_PREFIX_SHOWN, -1):
-            text = text.replace(key[:length], "[redacted]")
-        return _control_escaped(text)
-
-
-def _control_escaped(text: str, keep: str = "") -> str:
-    """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
-    return "".join(
-        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
-    )
+        return _redacted(text, self.settings.api_key)
 
 
 def _error_code(body: bytes) -> str | None:
@@ -2683,7 +2686,7 @@ class Approvals:
         self.audit = audit
         self.ttl_seconds = ttl_seconds
         self.clock = clock
-        self._lock_path = database.path.with_name(database.path.name + ".approvals-lock")
+        self.lock_path = database.path.with_name(database.path.name + ".approvals-lock")
 
     def propose(
         self,
@@ -2697,7 +2700,7 @@ class Approvals:
         writes the line (dispatch writes the call's own); by default, a tool_call line here.
         Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
-        with self._one_at_a_time():
+        with _taking_turns(self):
             told = self._file(action_id, tool, args, context, summary)
             try:
                 if record is None:
@@ -2721,7 +2724,7 @@ class Approvals:
     def pending(self) -> list[PendingAction]:
         """Open actions, oldest first: filed with their audit line, and not expired. Settles
         what a crash left half done first, unless a filing or decision is under way."""
-        self._settle_if_free()
+        _settle_if_free(self)
         with closing(self.database.connect_read_only()) as db:
             rows = db.execute(
                 f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
@@ -2768,40 +2771,6 @@ class Approvals:
             return action, {"reason": reason} if reason else {}
 
         self._decide(action_id, "reject", operator, carry_out)
-
-    def decisions(self, action_ids: Sequence[str], customer_id: str) -> list[dict[str, Any]]:
-        """What became of those of these actions (of this customer) that are no longer
-        waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
-        a crash left half decided is settled first, so that this agrees with the audit log."""
-        if not action_ids:
-            return []
-        self._settle_if_free()
-        marks = ", ".join("?" for _ in action_ids)
-        with closing(self.database.connect_read_only()) as db:
-            rows = db.execute(
-                "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
-                " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
-                f" LEFT JOIN action_outcomes o USING (action_id)"
-                f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
-                (customer_id, *action_ids),
-            ).fetchall()
-        now, found = _iso(self.clock()), {row[0]: row for row in rows}
-        decided = [_decision(found[i], now) for i in action_ids if i in found]
-        return [told for told in decided if told is not None]
-
-    def _settle_if_free(self) -> None:
-        """Settle what a crash left half done, unless a filing or decision is under way."""
-        with _turn_lock(self._lock_path, wait=False) as ours:
-            if ours:
-                self._settle()
-
-    @contextmanager
-    def _one_at_a_time(self) -> Iterator[None]:
-        """The data directory's filings and decisions take turns; a crashed one is settled
-        before the next begins."""
-        with _turn_lock(self._lock_path, wait=True):
-            self._settle()
-            yield
 
     def _file(
         self,
@@ -2871,7 +2840,7 @@ class Approvals:
         """One decision, written ahead: in_flight row, intent line, the change, decision line."""
         intent_id = "dec-" + secrets.token_hex(8)
         intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
-        with self._one_at_a_time():
+        with _taking_turns(self):
             with self.database.write_transaction() as db:
                 db.execute(
                     "INSERT INTO in_flight (intent_id, action_id, step, operator)"
@@ -2897,7 +2866,7 @@ class Approvals:
             except BaseException:
                 # whatever failed, the database now says what happened; let the log say so too
                 with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
-                    self._settle()
+                    _settle(self)
                 raise
             self._conclude(intent, operator, _DECIDED[step], **_about(action), result=result)
         return result
@@ -2914,53 +2883,6 @@ class Approvals:
             later = "it is written once the log can be"
             raise AuditError(f"{intent['action_id']}: {outcome}, but {exc}; {later}") from None
         self._settled(intent["intent_id"])
-
-    def _settle(self) -> None:
-        """Finish what a crashed filing or decision left in in_flight (see the class docstring)."""
-        with closing(self.database.connect_read_only()) as db:
-            rows = db.execute(
-                "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
-            ).fetchall()
-        if not rows:
-            return
-        written = _events_naming(self.audit.path, {row[0] for row in rows})
-        for intent_id, action_id, step, operator, result_json in rows:
-            events = written.get(intent_id, set())
-            if step == "propose":
-                if "tool_call" not in events:
-                    self._withdraw(action_id)
-                    _log.warning(
-                        "withdrew %s: filed, but its audit line was never written", action_id
-                    )
-                    continue
-            elif "approval_intent" in events and "approval_decision" not in events:
-                self._recover_decision(intent_id, action_id, step, operator, result_json)
-                continue
-            self._settled(intent_id)  # every line it needed is there, or nothing was done
-
-    def _recover_decision(
-        self, intent_id: str, action_id: str, step: str, operator: str, result_json: str | None
-    ) -> None:
-        """A decision with an intent line and no decision line: the database says which."""
-        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
-        if result_json is None:  # the transaction never committed
-            reason = "the process stopped before the decision was committed; nothing was applied"
-            self._conclude(intent, operator, "not_applied", reason=reason, recovered=True)
-            _log.warning(
-                "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
-            )
-            return
-        with closing(self.database.connect_read_only()) as db:
-            row = db.execute(
-                f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
-                (action_id,),
-            ).fetchone()
-        fields = _about(_pending_action(row)) if row else {}
-        result = json.loads(result_json)
-        self._conclude(intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
-        _log.warning(
-            "%s: an interrupted %s had committed; its audit line was written now", action_id, step
-        )
 
     def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
         row = db.execute(
@@ -2999,24 +2921,6 @@ class Approvals:
         )
         if marked.rowcount != 1:
             raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
-
-
-def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
-    """One action's decision as the model is told it; None while it still waits."""
-    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
-    if status == "pending" and expires_at > now:
-        return None
-    told: dict[str, Any] = {
-        "approvalId": action_id,
-        "tool": tool,
-        "arguments": json.loads(arguments_json),
-    }
-    if status in ("pending", "expired"):
-        return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
-    told |= {"decision": status, "decidedBy": by, "decidedAt": at}
-    if status == "approved":
-        return {**told, "result": json.loads(result_json) if result_json else None}
-    return {**told, "reason": reason, "done": "nothing"}
 
 
 def _record_outcome(
@@ -3128,28 +3032,10 @@ _ACTION_COLUMNS = (
 
 
 def _pending_action(row: Sequence[Any]) -> PendingAction:
-    (
-        action_id,
-        customer_id,
-        tool,
-        arguments_json,
-        binding,
-        summary_json,
-        created,
-        expires,
-        status,
-    ) = row
-    return PendingAction(
-        action_id,
-        customer_id,
-        tool,
-        arguments_json,
-        binding,
-        json.loads(summary_json),
-        created,
-        expires,
-        status,
-    )
+    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
+    values = list(row)
+    values[5] = json.loads(values[5])
+    return PendingAction(*values)
 
 
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
@@ -3165,6 +3051,84 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
 def _iso(timestamp: float) -> str:
     """UTC, to the second, in a form whose text order is its time order."""
     return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ----------------------------------------------------------------------------- crash recovery
+# What makes the approvals' write-ahead steps hold wherever the process dies. A filing or a
+# decision keeps an in_flight row from before its first audit line until after its last; a
+# row still there while nothing is under way is what a crash left, and these settle it
+# against the audit log (Approvals' docstring says how each case ends). Filings and decisions
+# in one data directory take turns under an flock beside the database, so that settling
+# never takes another process's step in progress for a crash, and the lock dies with its
+# process.
+
+
+@contextmanager
+def _taking_turns(approvals: Approvals) -> Iterator[None]:
+    """The data directory's filings and decisions take turns; a crashed one is settled
+    before the next begins."""
+    with _turn_lock(approvals.lock_path, wait=True):
+        _settle(approvals)
+        yield
+
+
+def _settle_if_free(approvals: Approvals) -> None:
+    """Settle what a crash left half done, unless a filing or decision is under way."""
+    with _turn_lock(approvals.lock_path, wait=False) as ours:
+        if ours:
+            _settle(approvals)
+
+
+def _settle(approvals: Approvals) -> None:
+    """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
+    with closing(approvals.database.connect_read_only()) as db:
+        rows = db.execute(
+            "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
+        ).fetchall()
+    if not rows:
+        return
+    written = _events_naming(approvals.audit.path, {row[0] for row in rows})
+    for intent_id, action_id, step, operator, result_json in rows:
+        events = written.get(intent_id, set())
+        if step == "propose":
+            if "tool_call" not in events:
+                approvals._withdraw(action_id)
+                _log.warning("withdrew %s: filed, but its audit line was never written", action_id)
+                continue
+        elif "approval_intent" in events and "approval_decision" not in events:
+            _recover_decision(approvals, intent_id, action_id, step, operator, result_json)
+            continue
+        approvals._settled(intent_id)  # every line it needed is there, or nothing was done
+
+
+def _recover_decision(
+    approvals: Approvals,
+    intent_id: str,
+    action_id: str,
+    step: str,
+    operator: str,
+    result_json: str | None,
+) -> None:
+    """A decision with an intent line and no decision line: the database says which."""
+    intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+    if result_json is None:  # the transaction never committed
+        reason = "the process stopped before the decision was committed; nothing was applied"
+        approvals._conclude(intent, operator, "not_applied", reason=reason, recovered=True)
+        _log.warning(
+            "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
+        )
+        return
+    with closing(approvals.database.connect_read_only()) as db:
+        row = db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            (action_id,),
+        ).fetchone()
+    fields = _about(_pending_action(row)) if row else {}
+    result = json.loads(result_json)
+    approvals._conclude(intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
+    _log.warning(
+        "%s: an interrupted %s had committed; its audit line was written now", action_id, step
+    )
 
 
 # ------------------------------------------------------------------------------ conversations
@@ -3266,6 +3230,47 @@ def _announced_approval(raw: str) -> list[str]:
         return []
     action_id = content.get("approvalId")
     return [action_id] if isinstance(action_id, str) and _ACTION_ID.fullmatch(action_id) else []
+
+
+def _decisions(
+    approvals: Approvals, action_ids: Sequence[str], customer_id: str
+) -> list[dict[str, Any]]:
+    """What became of those of these actions (of this customer) that are no longer
+    waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
+    a crash left half decided is settled first, so that this agrees with the audit log."""
+    if not action_ids:
+        return []
+    _settle_if_free(approvals)
+    marks = ", ".join("?" for _ in action_ids)
+    with closing(approvals.database.connect_read_only()) as db:
+        rows = db.execute(
+            "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
+            " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
+            f" LEFT JOIN action_outcomes o USING (action_id)"
+            f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
+            (customer_id, *action_ids),
+        ).fetchall()
+    now, found = _iso(approvals.clock()), {row[0]: row for row in rows}
+    decided = [_decision(found[i], now) for i in action_ids if i in found]
+    return [told for told in decided if told is not None]
+
+
+def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
+    """One action's decision as the model is told it; None while it still waits."""
+    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
+    if status == "pending" and expires_at > now:
+        return None
+    told: dict[str, Any] = {
+        "approvalId": action_id,
+        "tool": tool,
+        "arguments": json.loads(arguments_json),
+    }
+    if status in ("pending", "expired"):
+        return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
+    told |= {"decision": status, "decidedBy": by, "decidedAt": at}
+    if status == "approved":
+        return {**told, "result": json.loads(result_json) if result_json else None}
+    return {**told, "reason": reason, "done": "nothing"}
 
 
 class Conversations:
@@ -3372,7 +3377,7 @@ class Conversations:
         """The application's call and its result telling the decisions, or nothing."""
         told_before = conversation.told()
         waiting = [i for i in conversation.filed() if i not in told_before]
-        decisions = approvals.decisions(waiting, conversation.customer_id) if approvals else []
+        decisions = _decisions(approvals, waiting, conversation.customer_id) if approvals else []
         if not decisions:
             return (), ()
         call_id = "call_app_" + secrets.token_hex(8)
