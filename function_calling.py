@@ -27,25 +27,18 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
-      yours"). Two parts, when this copy still has them, come last between markers, and
-      nothing before them depends on either: MCP tools (tools from Model Context Protocol
-      servers, under the same policy) and a worked example; one cut removes each.
+      yours").
 
-Sections, in the order one request meets them: settings · errors · tools and validation · the
-data the tools touch · audit · the audit chain · the request · the transport · the reply · the
-stream · dispatch (the trust boundary) · the loop · the workers · server quirks · start-up
-checks · approvals (the human side of writes) · conversations (pause and resume) · the CLI ·
-the scripted server used by `demo` and the tests.
-
-First reading, the whole mechanism (about 1,000 lines, this docstring included): errors,
-tools and validation, the request, the reply, dispatch, the loop. The reply holds the verbatim
-echo; settings holds the caps the code names; then start-up checks and, for tools that write,
-approvals.
-Hardening a first reading may skip: the transport (deadlines, retries, redirects), the stream
-(server-sent events, calls assembled from deltas), the workers (calls of one reply at once,
-and the calls that do not run), server quirks (calls the server refused or wrote as text,
-tool_choice, strict schemas, portable history) and the audit chain (hash-chained appends,
-verification).
+First reading: Part I, the mechanism, is lines 1 to 1,495 of this file, and a reader may stop
+at its end marker: settings · errors · tools and validation · audit · the request · the reply
+(the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
+hardening (about 1,570 lines), makes each of its promises hold against real servers and
+faults: the transport · the stream · the workers · server quirks · start-up checks · the
+audit chain · the approvals' journal · the database. Part III, operating it (about 1,330
+lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
+two parts between markers, when this copy still has them, that nothing before depends on
+and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
+policy) and a worked example.
 """
 
 from __future__ import annotations
@@ -146,6 +139,11 @@ __all__ = [
     "verify_audit",
 ]
 
+
+# ===================================================================== Part I: the mechanism
+# Where it calls into Part II, the callee's name and first docstring line say what it
+# guarantees: a reader may stop at the end of this part.
+
 # ---------------------------------------------------------------------------------- settings
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -190,79 +188,9 @@ REPEATED_CALLS_ANSWER = (
 )
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Where the model lives and how to reach it; checked once, when built."""
-
-    base_url: str = DEFAULT_BASE_URL
-    model: str = DEFAULT_MODEL
-    api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
-    timeout: float = REQUEST_TIMEOUT_S
-    max_retries: int = MAX_RETRIES
-    max_retry_wait: float = MAX_RETRY_WAIT_S
-    max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
-    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
-
-    def __post_init__(self) -> None:
-        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
-            parts = urllib.parse.urlsplit(self.base_url)
-            parts.port  # noqa: B018 -- read to validate
-        except ValueError:
-            raise ConfigError(
-                "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
-                " or a broken [IPv6] address"
-            ) from None
-        # subtle: a file: or data: URL names no server; it must not get as far as a request
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
-        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
-        if self.api_key and not self.api_key.isascii():
-            raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
-        if self.api_key and not _is_header_safe(self.api_key):
-            # subtle: http.client's own error would print the header, key and all
-            raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
-        if not self.api_key and parts.hostname == "api.openai.com":
-            raise ConfigError("OPENAI_API_KEY is not set (required for api.openai.com)")
-        if not self.model:
-            raise ConfigError("the model name is empty")
-        if self.timeout <= 0 or self.max_retries < 0 or self.max_retry_wait < 0:
-            raise ConfigError("timeouts must be positive and retries not negative")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
-        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
-        `choices` sets the other fields (timeout=, max_retries=, …)."""
-        return cls(
-            base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
-            model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
-            api_key=environ.get("OPENAI_API_KEY") or None,
-            **choices,
-        )
-
-
-def _is_header_safe(value: str) -> bool:
-    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
-
-
 # ------------------------------------------------------------------------------------ errors
 # One rule: errors the model caused go back to it as data it can act on (ToolError);
 # exceptions are for infrastructure and end the turn with one clear line (ApiError, any other).
-
-
-def _redacted(text: str, key: str | None) -> str:
-    """Text from a server, fit to show: a server may echo the request back, so the key,
-    and any start of it long enough to matter (a body cut mid-key), is redacted; control
-    characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
-    for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
-        text = text.replace((key or "")[:length], "[redacted]")
-    return _control_escaped(text)
-
-
-def _control_escaped(text: str, keep: str = "") -> str:
-    """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
-    return "".join(
-        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
-    )
 
 
 class ConfigError(Exception):
@@ -295,9 +223,20 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
-class ToolSourceError(Exception):
-    """Tools from outside this file (a ToolSource's: a server's, say) could not be had or
-    used. Its text is written for the user; the detail behind it goes to the audit log."""
+def _redacted(text: str, key: str | None) -> str:
+    """Text from a server, fit to show: a server may echo the request back, so the key,
+    and any start of it long enough to matter (a body cut mid-key), is redacted; control
+    characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
+    for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
+        text = text.replace((key or "")[:length], "[redacted]")
+    return _control_escaped(text)
+
+
+def _control_escaped(text: str, keep: str = "") -> str:
+    """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
+    return "".join(
+        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
+    )
 
 
 # ------------------------------------------------------------------- tools and validation
@@ -322,7 +261,9 @@ class Tool:
 
     The description is written for the model: what the tool does, when to use it, the argument
     formats and what comes back. `parameters` is the JSON Schema the model reads; it is a hint,
-    and `execute` enforces every rule of it again by hand.
+    and `execute` enforces every rule of it again by hand. Least privilege: a tool gets only
+    what it needs; one that only reads opens its data read-only (Database.connect_read_only)
+    and passes values to SQL as parameters, never inside the SQL text.
     """
 
     name: ClassVar[str]
@@ -521,86 +462,8 @@ def _shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…(truncated)"
 
 
-# ------------------------------------------------------------------ the data the tools touch
-# One SQLite file in the data directory. The approvals keep their table in it; a tool whose
-# data lives there too gets the strongest promise this file makes about writes: an approved
-# change and the action's status commit together, or not at all, between the decision's
-# intent line and its outcome line (Approvals).
-
-_SCHEMA_VERSIONS = """
-CREATE TABLE IF NOT EXISTS schema_versions (
-    component TEXT PRIMARY KEY,   -- "approvals", or a name of your tools' choosing
-    version   INTEGER NOT NULL
-)"""
-
-
-class Database:
-    """The data directory's SQLite database, shared by its components, each with its own
-    tables and its own schema version (so your tables and the approvals' never collide)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path.resolve()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-
-    def install(
-        self,
-        component: str,
-        version: int,
-        schema: str,
-        seed: Callable[[sqlite3.Connection], None] | None = None,
-    ) -> None:
-        """Create a component's tables the first time, in one transaction with its version
-        row (and `seed`, if given); refuse a database made by another version of it."""
-        with self.write_transaction() as db:  # one installer at a time: BEGIN IMMEDIATE
-            db.execute(_SCHEMA_VERSIONS)
-            row = db.execute(
-                "SELECT version FROM schema_versions WHERE component = ?", (component,)
-            ).fetchone()
-            if row is not None:
-                if row[0] != version:
-                    found = f"the database holds {component} schema {row[0]}"
-                    raise ConfigError(f"{found}; this code knows schema {version}")
-                return
-            for statement in _sql_statements(schema):
-                db.execute(statement)
-            db.execute("INSERT INTO schema_versions VALUES (?, ?)", (component, version))
-            if seed:
-                seed(db)
-
-    def connect_read_only(self) -> sqlite3.Connection:
-        """A connection that cannot write: least privilege for tools that only read."""
-        return sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)
-
-    @contextmanager
-    def write_transaction(self) -> Iterator[sqlite3.Connection]:
-        """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises."""
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=DATABASE_BUSY_TIMEOUT_S)
-        try:
-            db.execute("PRAGMA foreign_keys = ON")
-            db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
-            try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-        finally:
-            db.close()
-
-
-def _sql_statements(script: str) -> Iterator[str]:
-    """A script's statements one at a time, split where SQLite's own tokenizer says one ends.
-
-    subtle: executescript would COMMIT the open transaction before running the script."""
-    statement = ""
-    for piece in script.split(";"):
-        statement += piece + ";"
-        if sqlite3.complete_statement(statement):  # a ";" in a string or comment is not an end
-            if statement.strip(" \t\r\n;"):
-                yield statement
-            statement = ""
-    if statement.strip(" \t\r\n;"):
-        raise ConfigError("a schema ends with an unfinished SQL statement")
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "…(truncated)"
 
 
 # ------------------------------------------------------------------------------------- audit
@@ -641,19 +504,10 @@ class AuditLog:
         """Append one record now; inside batch() its fsync waits for the batch's one fsync."""
         self._append(event, fields, sync=False)
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self) -> AbstractContextManager[None]:
         """The lines written with record_in_batch inside are on disk when the block ends, with
         one fsync for them all: the calls of a reply cost no more fsyncs than one call."""
-        handler = self._handler()
-        handler.open_batch()
-        try:
-            yield
-        finally:
-            try:
-                handler.close_batch()
-            except OSError as exc:
-                raise _audit_error(exc) from None
+        return _one_fsync(self._handler())
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
         extra = {"audit": {"time": _utc_now(), "event": event, **fields}, "audit_sync": sync}
@@ -673,311 +527,6 @@ def _audit_error(exc: OSError) -> AuditError:
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-# --------------------------------------------------------------------------- the audit chain
-# How an audit line reaches the disk so that nobody can quietly edit, drop or reorder lines:
-# each carries the hash of the one before it. Hardening: a first reading may skip it.
-
-GENESIS = "0" * 64  # the "prev" of the first record
-
-
-class AuditFileHandler(logging.Handler):
-    """Appends each audit record as one hash-chained JSON line.
-
-    Each line is {"seq": N, "prev": SHA-256 of line N-1's bytes, …the record}. The append is
-    one os.write through O_APPEND, under this handler's lock (threads) and an flock (other
-    processes: a `chat` and an `approve` share the log), then fsync'ed unless told otherwise.
-    A process that opens an existing log continues its chain from the last line. A failed
-    write raises instead of being reported and dropped, as logging usually does: a tool result
-    must not reach the model unless its audit line is on disk.
-    """
-
-    def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
-        super().__init__(level=logging.INFO)
-        self.path = path
-        self.fsync = fsync
-        self.head_file = head_file
-        self._tail = (-1, 0, GENESIS)  # (file size, seq, hash) after our last append
-        self._batches, self._unsynced = 0, False  # open batches; lines waiting for their fsync
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "audit", {"event": record.getMessage()})
-        later = self.fsync and self._batches > 0 and not getattr(record, "audit_sync", True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            head = self._append(fd, fields)
-            # subtle: the fsync waits outside the flock; the chain is whole without it, since
-            # every line was appended under it, and other processes need not wait on our disk
-            if self.fsync and not later:
-                os.fsync(fd)
-            self._unsynced = self._unsynced or later
-            if self.head_file:
-                _write_head(self.head_file, *head, self.fsync)
-        finally:
-            os.close(fd)
-
-    def open_batch(self) -> None:
-        with self.lock:  # type: ignore[union-attr]  # logging.Handler's own lock
-            self._batches += 1
-
-    def close_batch(self) -> None:
-        """The batch's one fsync, once the last open batch closes and a line waits for it."""
-        with self.lock:  # type: ignore[union-attr]
-            self._batches -= 1
-            if self._batches or not self._unsynced:
-                return
-            self._unsynced = False
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _append(self, fd: int, fields: Mapping[str, Any]) -> tuple[int, str]:
-        """Write one chained line under the flock; returns its (seq, hash)."""
-        with _exclusive_lock(fd):
-            seq, prev = self._chain_tail(fd)
-            # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
-            line = json.dumps(
-                {"seq": seq + 1, "prev": prev, **fields},
-                ensure_ascii=True,
-                separators=(",", ":"),
-            ).encode("ascii")
-            size = os.fstat(fd).st_size
-            if os.write(fd, line + b"\n") != len(line) + 1:
-                os.ftruncate(fd, size)  # a full disk must not leave half a line behind
-                raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
-            head = hashlib.sha256(line).hexdigest()
-            self._tail = (os.fstat(fd).st_size, seq + 1, head)
-            return seq + 1, head
-
-    def _chain_tail(self, fd: int) -> tuple[int, str]:
-        """The seq and hash of the last line, from our cache unless the file has grown."""
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0, GENESIS
-        cached_size, seq, head = self._tail
-        if size == cached_size:
-            return seq, head
-        last = _last_line(fd, size)
-        last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
-        if last_seq is None:
-            raise AuditError(
-                "the audit log's last line is not a record, so nothing more is appended;"
-                " run verify-audit"
-            )
-        return last_seq, hashlib.sha256(last).hexdigest()
-
-
-@contextmanager
-def _exclusive_lock(fd: int) -> Iterator[None]:
-    """An advisory lock over the whole file, against other processes (POSIX only)."""
-    if fcntl is None:  # pragma: no cover -- Windows: threads are still serialized
-        yield
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def _last_line(fd: int, size: int) -> bytes:
-    """The last line's bytes, without its newline, read backwards from the end."""
-    if os.pread(fd, 1, size - 1) != b"\n":
-        raise AuditError(
-            "the audit log ends with a partial line, so nothing more is appended; see"
-            ' README "When the audit log ends with a cut line"'
-        )
-    start = size - 1
-    while start > 0:
-        block_start = max(start - 65536, 0)
-        block = os.pread(fd, start - block_start, block_start)
-        newline = block.rfind(b"\n")
-        if newline >= 0:
-            start = block_start + newline + 1
-            break
-        start = block_start
-    return os.pread(fd, size - 1 - start, start)
-
-
-def _write_head(head_file: Path, seq: int, head: str, fsync: bool) -> None:
-    """Anchor the head elsewhere: `seq hash`, replaced atomically."""
-    temporary = head_file.with_name(head_file.name + ".tmp")
-    with open(temporary, "w", encoding="ascii") as out:
-        out.write(f"{seq} {head}\n")
-        if fsync:
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(temporary, head_file)
-
-
-@dataclass(frozen=True)
-class AuditCheck:
-    """What verify_audit found: how many records, the head hash, and the first break."""
-
-    records: int
-    head: str
-    broken_line: int | None = None
-    problem: str | None = None
-
-
-_HEAD = re.compile(r"[0-9a-f]{64}")
-
-
-def verify_audit(path: Path, expected_head: str | None = None) -> AuditCheck:
-    """Walk the chain: every line's seq follows the last, and its prev is the SHA-256 of the
-    previous line's exact bytes; and, if given, a head kept elsewhere is still in it. Returns
-    the first break, if any, with a reason. Reads the log line by line: its memory does not
-    grow with the log (ConfigError if `expected_head` is not a SHA-256 in hex)."""
-    if expected_head is not None and not _HEAD.fullmatch(expected_head):
-        raise ConfigError("an expected head is 64 hexadecimal digits (lowercase)")
-    prev, count, anchored = GENESIS, 0, expected_head is None
-    with open(path, "rb") as log:
-        for number, line in enumerate(log, start=1):
-            if not line.endswith(b"\n"):
-                return AuditCheck(count, prev, number, "partial last line (no newline)")
-            problem = _link_problem(number, _record_or_none(line), prev, path)
-            if problem:
-                return AuditCheck(count, prev, *problem)
-            prev, count = hashlib.sha256(line[:-1]).hexdigest(), number
-            anchored = anchored or prev == expected_head  # an anchored head may be older
-    if not anchored:  # no line to name: what is missing is not in the file
-        cut = f"cut short: the expected head {expected_head} is not in the log (records were"
-        return AuditCheck(count, prev, None, cut + " cut from the end, or rewritten)")
-    return AuditCheck(count, prev)
-
-
-def _seq_of(record: Mapping[str, Any] | None) -> int | None:
-    seq = record.get("seq") if record else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
-
-
-def _link_problem(
-    number: int, record: Mapping[str, Any] | None, prev: str, path: Path
-) -> tuple[int, str] | None:
-    """(broken line, why) if line `number` does not follow the chain so far."""
-    seq = _seq_of(record)
-    if record is None or seq != number:
-        return number, _order_problem(number, seq, path)
-    if record.get("prev") == prev:
-        return None
-    if number == 1:
-        return 1, "edited: the first record does not start the chain"
-    return number - 1, f"edited: its hash no longer matches the prev of line {number}"
-
-
-def _order_problem(number: int, seq: int | None, path: Path) -> str:
-    """Why line `number` holds `seq` where record `number` belongs."""
-    if seq is None:
-        return "edited: not a record with a seq"
-    if seq < number:
-        return f"out of order: seq {seq} again, after {number - 1} (moved or inserted)"
-    if _seq_further_on(path, number):
-        return f"out of order: seq {seq} where {number} belongs"
-    return f"missing: record {number} is gone (found seq {seq})"
-
-
-def _seq_further_on(path: Path, seq: int) -> bool:
-    """Is record `seq` somewhere after line `seq`? A second pass, only once a break is found."""
-    with open(path, "rb") as log:
-        return any(
-            _seq_of(_record_or_none(line)) == seq
-            for number, line in enumerate(log, start=1)
-            if number > seq
-        )
-
-
-MAX_TOOLS_COUNTED = 1000  # distinct tool names `stats` counts one by one; the rest as "(other)"
-
-
-def audit_stats(path: Path) -> dict[str, Any]:
-    """The figures the seeds say to alert on, read from the log itself, line by line (memory
-    bounded whatever the log's size; lines that are not records are skipped)."""
-    rounds: collections.Counter[int] = collections.Counter()
-    calls: collections.Counter[str] = collections.Counter()
-    stops: collections.Counter[str] = collections.Counter()
-    tokens: collections.Counter[str] = collections.Counter()
-    failed = retries = skipped = 0
-    with open(path, "rb") as log:
-        for record in map(_record_or_none, log):
-            if record is None or not _well_formed(record):
-                skipped += 1  # an edited line: verify-audit names it; the figures leave it out
-                continue
-            if record.get("event") == "turn":
-                rounds[_count_in(record.get("rounds"))] += 1
-                stops[str(record.get("stop_reason"))] += 1
-                retries += _count_in(record.get("retries"))
-                usage = record.get("usage")
-                for key, count in usage.items() if isinstance(usage, dict) else ():
-                    tokens[str(key)] += _count_in(count)
-            elif record.get("event") == "tool_call":
-                outcome = str(record.get("outcome"))
-                if outcome.startswith("skipped:"):
-                    continue
-                tool = str(record.get("tool"))
-                calls[tool if tool in calls or len(calls) < MAX_TOOLS_COUNTED else "(other)"] += 1
-                failed += _is_tool_error(outcome)
-    ran = sum(calls.values())
-    return {
-        "turns": sum(rounds.values()),
-        "rounds_median": _median(rounds),
-        "rounds_max": max(rounds, default=0),
-        "tool_calls": dict(sorted(calls.items())),
-        "tool_errors": failed,
-        "tool_error_rate": failed / ran if ran else 0.0,
-        "stop_reasons": dict(stops),
-        "guards": {guard: stops[guard] for guard in GUARD_STOPS},
-        "tokens": dict(tokens),
-        "retries": retries,
-        "skipped_lines": skipped,
-    }
-
-
-_FIELD_TYPES: dict[str, dict[str, type]] = {
-    "turn": {"rounds": int, "retries": int, "stop_reason": str, "usage": dict},
-    "tool_call": {"tool": str, "outcome": str},
-}
-
-
-def _well_formed(record: Mapping[str, Any]) -> bool:
-    """Do a record's fields have the types this code writes? (Missing ones are fine.)"""
-    expected = _FIELD_TYPES.get(str(record.get("event")), {})
-    return all(
-        isinstance(record[name], kind) and not isinstance(record[name], bool)
-        for name, kind in expected.items()
-        if name in record
-    )
-
-
-def _count_in(value: Any) -> int:
-    """A count from a record, or 0 for anything that is not one (an edited line, say)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _median(histogram: Mapping[int, int]) -> float:
-    """The median of values given as {value: how many times}, without listing them."""
-    total = sum(histogram.values())
-    middle = ((total - 1) // 2, total // 2)  # the two middle positions (one, when odd)
-    found: list[int] = []
-    seen = 0
-    for value in sorted(histogram):
-        seen += histogram[value]
-        while len(found) < 2 and middle[len(found)] < seen:
-            found.append(value)
-    return (found[0] + found[1]) / 2 if found else 0
-
-
-def _record_or_none(line: bytes) -> dict[str, Any] | None:
-    with suppress(ValueError, RecursionError):  # RecursionError: nested beyond json's reach
-        record = json.loads(line)
-        return record if isinstance(record, dict) else None
-    return None  # an edited line: verify-audit names it; the figures skip it
-
-
-def _is_tool_error(outcome: str) -> bool:
-    return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"
 
 
 # ------------------------------------------------------------------------------- the request
@@ -1018,7 +567,990 @@ def _request_body(
     return (body + "}").encode("utf-8")
 
 
+# --------------------------------------------------------------------------------- the reply
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for, as it asked: id, tool name and arguments text."""
+
+    id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One model reply: its message's raw JSON text (for the echo) and what we read from it."""
+
+    message_json: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    usage: Mapping[str, Any]
+    finish_reason: str | None = None
+    refusal: str | None = None
+    retries: int = 0  # how many times the request was retried before this reply came
+
+
+def parse_reply(body: bytes) -> Reply:
+    """Read choices[0] from a chat-completions body; ApiError if it is not usable."""
+    try:
+        text = body.decode("utf-8")
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        snippet = _cut(_printable(body), 120)
+        raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
+    choice = _first_choice(document)
+    start, end = _raw_span(text, ("choices", 0, "message"))
+    usage = document["usage"] if isinstance(document.get("usage"), dict) else {}
+    return _reply_from(text[start:end], choice["message"], choice.get("finish_reason"), usage)
+
+
+def _reply_from(
+    message_json: str, message: Mapping[str, Any], finish_reason: Any, usage: Mapping[str, Any]
+) -> Reply:
+    """A Reply from a message (and its exact JSON text), or ApiError if it says nothing."""
+    reply = Reply(
+        message_json=message_json,
+        content=_text_or_none(message.get("content")),
+        # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
+        # no value at all have been recorded beside real tool calls
+        tool_calls=_parse_tool_calls(message.get("tool_calls"), message_json),
+        usage=usage,
+        finish_reason=_text_or_none(finish_reason),
+        refusal=_text_or_none(message.get("refusal")),
+    )
+    cut_short = reply.finish_reason in ("length", "content_filter")
+    if not (reply.tool_calls or reply.content or reply.refusal or cut_short):
+        raise ApiError("the model API sent a reply with neither text nor tool calls")
+    return reply
+
+
+def _error_text(error: Any) -> str:
+    """An API's error object as one short line: its message, else the whole of it."""
+    detail = error.get("message") if isinstance(error, dict) else error
+    return _cut(str(detail), 300)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _first_choice(document: Any) -> dict[str, Any]:
+    if not isinstance(document, dict):
+        raise ApiError("the model API sent JSON that is not an object")
+    if document.get("error"):  # "error": null beside a good reply is not an error
+        raise ApiError(f"the model API reported an error: {_error_text(document['error'])}")
+    choices = document.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ApiError("the model API sent a reply without choices")
+    if not isinstance(choices[0].get("message"), dict):
+        raise ApiError("the model API sent a choice without a message")
+    choice: dict[str, Any] = choices[0]
+    return choice
+
+
+def _parse_tool_calls(raw: Any, message_json: str) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ApiError("the model API sent tool_calls that is not a list")
+    return tuple(_parse_tool_call(item, n, message_json) for n, item in enumerate(raw))
+
+
+def _parse_tool_call(item: Any, position: int, message_json: str) -> ToolCall:
+    function = item.get("function") if isinstance(item, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError("the model API sent a tool call without a function name")
+    call_id = item.get("id")
+    if not isinstance(call_id, str):  # subtle: "" is usable (Gemini sends it); missing is not
+        raise ApiError("the model API sent a tool call without an id")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        arguments_json = arguments
+    else:  # none, or an object (server quirks): what the model's arguments are, as text
+        arguments_json = _arguments_text(arguments, position, message_json)
+    return ToolCall(id=call_id, name=function["name"], arguments_json=arguments_json)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _raw_span(text: str, path: tuple[str | int, ...]) -> tuple[int, int]:
+    """Where the value at `path` starts and ends in the JSON `text`.
+
+    Why: the assistant message that carries tool_calls must go back exactly as it came. Some
+    providers attach fields (reasoning signatures, vendor extras) that they verify on the next
+    request; a re-serialization that reorders keys, re-escapes "\\u00e9" or rewrites 1.0e2 as
+    100.0 can break them. json.loads gives values but no positions, so we walk the containers
+    along `path` and let the stdlib's own scanner (JSONDecoder.raw_decode) step over keys and
+    values: the span it finds is scanned exactly as json.loads scanned it. Only the value
+    found last is decoded whole; a member on the path is stepped into, not decoded.
+    """
+    decoder = json.JSONDecoder()
+    pos = _WHITESPACE.match(text, 0).end()  # type: ignore[union-attr]
+    for step in path:
+        pos = _member_start(text, pos, step, decoder)
+    _, end = decoder.raw_decode(text, pos)
+    return pos, end
+
+
+def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecoder) -> int:
+    """Start of member `step` (an object key or array index) of the container at `pos`."""
+    skip = _WHITESPACE.match
+    closer = "}" if text[pos] == "{" else "]"
+    found, index = -1, 0
+    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+    while text[pos] != closer:
+        if closer == "}":
+            key, pos = decoder.raw_decode(text, pos)
+            pos = skip(text, skip(text, pos).end() + 1).end()  # type: ignore[union-attr]  # past ':'
+            if key == step:
+                found = pos  # json.loads keeps the last of duplicate keys, so look on …
+                if text.find(json.dumps(step), pos) < 0:  # … unless no such key can follow
+                    return found
+        elif index == step:
+            return pos
+        _, pos = decoder.raw_decode(text, pos)
+        pos = skip(text, pos).end()  # type: ignore[union-attr]
+        if text[pos] == ",":
+            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
+        index += 1
+    if found < 0:
+        raise ApiError("the model API sent a reply whose structure could not be located")
+    return found
+
+
+def _printable(body: bytes) -> str:
+    return " ".join(body.decode("utf-8", "replace").split())
+
+
+# -------------------------------------------------------------- dispatch (the trust boundary)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one call produced: the tool message content and the audited outcome."""
+
+    call: ToolCall
+    content: str
+    outcome: str
+
+    @property
+    def ends_turn(self) -> bool:
+        return self.outcome.startswith("error:")
+
+
+def dispatch(
+    call: ToolCall,
+    tools: Mapping[str, Tool],
+    context: ToolContext,
+    audit: AuditLog,
+    round_number: int,
+    approvals: Approvals | None = None,
+) -> ToolResult:
+    """Decide what one tool call becomes. The whole safety policy lives here.
+
+    - The tool is found by exact name in a dict: no getattr, no case folding, no trimming.
+    - An unknown tool, arguments that are not a JSON object, and ToolError become data for the
+      model, {"error": code, "message": …}, so it can correct itself; the turn goes on.
+    - A tool that writes never acts here: its validated, eligible request becomes a pending
+      action that a human approves or rejects on the command line, and the model is told so.
+    - Any other exception is infrastructure: the turn ends, the model and the user get a
+      generic message, and the exception text goes to the audit log only (it may hold
+      hostnames, SQL or paths).
+    - A result longer than MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
+    - Every call, rejected ones included, is audited before its result is returned; if the
+      audit line cannot be written, the result is never sent.
+    - The model's arguments never touch ToolContext: identity comes from our side only.
+    """
+    started = time.monotonic()
+
+    def record(outcome: str, detail: Mapping[str, str]) -> None:
+        # a filing's line is on disk before its in_flight row goes (Approvals): no batching
+        durable = outcome == "proposed"
+        _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
+
+    content, outcome, detail = _execute(call, tools, context, approvals, record)
+    if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
+        record(outcome, detail)
+    return ToolResult(call, content, outcome)
+
+
+def _execute(
+    call: ToolCall,
+    tools: Mapping[str, Tool],
+    context: ToolContext,
+    approvals: Approvals | None,
+    record: Callable[[str, Mapping[str, str]], None],
+) -> tuple[str, str, dict[str, str]]:
+    """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        message = f"no tool named {_shown(call.name)}; available: {', '.join(tools)}"
+        return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
+    try:
+        args = parse_arguments(call.arguments_json)
+        result = tool.run(args, context)
+        if not tool.writes:
+            return _cap_result(_compact(result)), "ok", {}
+        if approvals is None:  # fail closed: a write with nobody to approve it never runs
+            raise RuntimeError(f"{tool.name} writes, but there is no approval store")
+        # the request and its audit line are filed together, or neither is
+        proposal = approvals.propose(
+            tool, args, context, result, lambda detail: record("proposed", detail)
+        )
+        return _compact(proposal), "proposed", {"approval_id": proposal["approvalId"]}
+    except AuditError:
+        raise  # fail closed: the proposal was withdrawn, and no result may go back
+    except ToolError as exc:
+        return _error_content(exc.code, str(exc)), f"rejected:{exc.code}", {}
+    except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators only
+        detail = {"error": _cut(f"{type(exc).__name__}: {exc}", 2000)}
+        return (
+            _error_content("tool_failed", "the tool failed; the turn was stopped"),
+            "error:exception",
+            detail,
+        )
+
+
+def _cap_result(content: str, limit: int = MAX_RESULT_BYTES) -> str:
+    if len(content) <= limit:  # _compact writes ASCII: characters are bytes
+        return content
+    return content[:limit] + f"…[cut: the result was {len(content)} bytes, the cap is {limit}]"
+
+
+def _error_content(code: str, message: str) -> str:
+    return _compact({"error": code, "message": message})
+
+
+def _audit_call(
+    audit: AuditLog,
+    call: ToolCall,
+    context: ToolContext,
+    round_number: int,
+    outcome: str,
+    started: float,
+    detail: Mapping[str, str],
+    durable: bool = False,
+) -> None:
+    """A call's line; inside the loop's batch, on disk with the reply's one fsync."""
+    write = audit.record if durable else audit.record_in_batch
+    write(
+        "tool_call",
+        turn_id=context.turn_id,
+        round=round_number,
+        customer_id=context.customer_id,
+        tool=call.name,
+        tool_call_id=call.id,
+        arguments=call.arguments_json,  # the exact text the model sent, not our parse of it
+        outcome=outcome,
+        duration_ms=round((time.monotonic() - started) * 1000, 3),
+        **detail,
+    )
+
+
+def _is_tool_error(outcome: str) -> bool:
+    return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"
+
+
+# ---------------------------------------------------------------------------------- the loop
+
+GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """How one turn ended, and every message of the conversation, as sent on the wire.
+
+    stop_reason: "answered", "returned_direct" (a return-direct tool's output is the answer)
+    or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
+    or "filtered" (stopped by the provider's content filter), with whatever text came; a
+    guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
+    "api_error", "tool_failed", "audit_failed", "invalid_tool_call" (the server refused the
+    model's calls) or "unparsed_tool_call" (a call written as text; never run) — `error`
+    says what, safe to show. A turn that Ctrl-C ends is audited as "interrupted" before
+    run() lets KeyboardInterrupt go on.
+    messages: raw JSON texts, system prompt first; pass them as `history` (and `origin` as
+    `history_origin`) to go on talking. Every assistant message with tool_calls is followed
+    by one tool message per call, in order, whatever happened to the call, so the history is
+    always valid to send again.
+    """
+
+    stop_reason: str
+    answer: str | None
+    messages: tuple[str, ...]
+    rounds: int
+    tool_calls: int
+    error: str | None = None
+    usage: Mapping[str, int] = field(default_factory=dict)
+    retries: int = 0  # HTTP requests sent again (429, 5xx, no response); tools never rerun
+    origin: tuple[str, str] = ("", "")  # (base URL, model) that wrote this history
+
+
+class ToolLoop:
+    """Runs a user turn round by round: ask the model, run the tools it asks for, repeat."""
+
+    def __init__(
+        self,
+        client: ChatClient,
+        tools: Sequence[Tool],
+        audit: AuditLog,
+        *,
+        approvals: Approvals | None = None,
+        system_prompt: str = SYSTEM_PROMPT,
+        round_cap_answer: str = ROUND_CAP_ANSWER,
+        repeated_calls_answer: str = REPEATED_CALLS_ANSWER,
+        max_rounds: int = MAX_ROUNDS,
+        max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
+        turn_timeout: float = TURN_TIMEOUT_S,
+        tool_workers: int = TOOL_WORKERS,
+        tool_timeout: float = TOOL_TIMEOUT_S,
+        tool_choice: str = "auto",
+        parallel_tool_calls: bool | None = None,
+    ) -> None:
+        if min(max_rounds, max_calls_per_reply, tool_workers) < 1:
+            raise ConfigError("max_rounds, max_calls_per_reply and tool_workers must be >= 1")
+        if min(turn_timeout, tool_timeout) <= 0:
+            raise ConfigError("turn_timeout and tool_timeout must be positive")
+        self.client = client
+        self.tools = tool_table(tools)
+        _require_approval_step(self.tools.values(), approvals)
+        self.audit = audit
+        self.approvals = approvals
+        self.system_prompt = system_prompt
+        self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
+        self.max_rounds = max_rounds
+        self.max_calls_per_reply = max_calls_per_reply
+        self.turn_timeout = turn_timeout
+        self.tool_workers = tool_workers
+        self.tool_timeout = tool_timeout
+        self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
+        self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
+        self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
+        self._origin = (client.settings.base_url, client.settings.model)
+
+    def run(
+        self,
+        user_message: str,
+        context: ToolContext,
+        history: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        history_origin: tuple[str, str] | None = None,
+    ) -> TurnResult:
+        """One turn. Never raises for the model's or the network's faults: see stop_reason.
+        With `on_text`, replies are streamed and their text handed over as it arrives. A
+        `history` whose `history_origin` (TurnResult.origin) is another server or model than
+        this loop's goes in portable form (portable_history), not as the byte-exact echo."""
+        if history and history_origin and history_origin != self._origin:
+            history = portable_history(history)
+        turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
+        turn.messages.append(_message("user", user_message))
+        try:
+            return self._rounds(turn, context, on_text)
+        except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
+            turn.close_open_calls("interrupted")
+            self._finish(turn, context, "interrupted", error="interrupted")
+            raise
+
+    def _rounds(
+        self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
+    ) -> TurnResult:
+        """Round after round until a reply asks for no tool, a guard or a failure ends it."""
+        while True:
+            turn.rounds += 1
+            choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
+            try:
+                reply = self.client.complete(
+                    turn.messages,
+                    self._tools_json,
+                    turn.deadline,
+                    on_text,
+                    tool_choice=choice,
+                    parallel_tool_calls=self.parallel_tool_calls,
+                )
+            except ApiError as exc:
+                if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
+                    continue  # the server refused the model's call: a new round asks again
+                return self._finish(turn, context, *_api_failure(exc, choice, turn))
+            turn.add_reply(reply)
+            if not reply.tool_calls:
+                return self._finish(turn, context, *self._ending(reply))
+            # a plan the model did not finish writing is not a plan: none of it runs
+            guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
+            try:  # the reply's lines, then one fsync, and only then can a result go back
+                with self.audit.batch():
+                    results = turn.add_results(
+                        self._run_calls(reply.tool_calls, context, turn, guard)
+                    )
+            except AuditError as exc:  # fail closed: no unaudited result goes back
+                turn.close_open_calls("audit_failed")
+                return self._finish(turn, context, "audit_failed", error=str(exc))
+            if guard:  # cut short: the text that came and a note; a guard: its fallback
+                cut = guard == "incomplete"
+                answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
+                return self._finish(turn, context, guard, answer, note)
+            if turn.failed_tool:
+                error = f"the tool {turn.failed_tool} failed; details are in the audit log"
+                return self._finish(turn, context, "tool_failed", error=error)
+            if self._answers_directly(results):
+                answer = "\n".join(result.content for result in results)
+                return self._finish(turn, context, "returned_direct", answer=answer)
+
+    def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
+        """How a reply without tool calls ends the turn: an answer, or plainly not one."""
+        written = _call_written_as_text(reply.content, self.tools)
+        if written:  # never run: what the model wrote is text, not a request we can trust
+            return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
+        if reply.finish_reason == "length":
+            return "incomplete", reply.content, None  # cut at the token limit: not a whole answer
+        if reply.finish_reason == "content_filter":
+            return "filtered", reply.content, None
+        if reply.content is None:
+            return "refused", reply.refusal, None
+        return "answered", reply.content, None
+
+    def _guard(self, turn: _Turn) -> str | None:
+        """The guard that stops this turn before the reply's calls run, if one does."""
+        if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
+            return "repeated_calls"
+        if turn.rounds == self.max_rounds:  # a result now could never reach the model
+            return "round_cap"
+        return None
+
+    def _run_calls(
+        self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
+    ) -> Iterator[ToolResult]:
+        """Answer every call, in call order. The calls run concurrently, `tool_workers` at a
+        time; after a guard, past the per-reply cap, or past `tool_timeout` a call is answered
+        and audited without its result."""
+        runnable = [] if guard else list(calls[: self.max_calls_per_reply])
+        deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
+
+        def run_one(call: ToolCall) -> ToolResult:
+            return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
+
+        running = _start_calls(runnable, run_one, self.tool_workers)
+        for call, future in zip(calls, running, strict=False):
+            try:
+                yield future.result(timeout=max(deadline - time.monotonic(), 0))
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # a call still queued never starts
+                yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
+        reason = guard or "too_many_calls"
+        not_run = calls[len(running) :]
+        yield from skip_calls(not_run, reason, self.max_calls_per_reply, context, self.audit, turn)
+
+    def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
+        """Return-direct only when every call is return-direct and succeeded; a rejected call
+        goes back to the model so it can correct itself."""
+        return all(r.outcome == "ok" and self.tools[r.call.name].return_direct for r in results)
+
+    def _finish(
+        self,
+        turn: _Turn,
+        context: ToolContext,
+        stop_reason: str,
+        answer: str | None = None,
+        error: str | None = None,
+    ) -> TurnResult:
+        result = TurnResult(
+            stop_reason=stop_reason,
+            answer=answer,
+            messages=tuple(turn.messages),
+            rounds=turn.rounds,
+            tool_calls=turn.tool_calls,
+            error=error,
+            usage=dict(turn.usage),
+            retries=turn.retries,
+            origin=self._origin,
+        )
+        try:
+            self.audit.record(
+                "turn",
+                turn_id=context.turn_id,
+                customer_id=context.customer_id,
+                stop_reason=stop_reason,
+                rounds=turn.rounds,
+                tool_calls=turn.tool_calls,
+                tool_errors=turn.tool_errors,
+                guard=stop_reason if stop_reason in GUARD_STOPS else None,
+                retries=turn.retries,
+                duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
+                usage=result.usage,
+            )
+        except AuditError as exc:
+            return replace(result, stop_reason="audit_failed", error=str(exc))
+        return result
+
+
+@dataclass
+class _Turn:
+    """The loop's working state for one turn."""
+
+    messages: list[str]
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
+    rounds: int = 0
+    retries: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    failed_tool: str | None = None
+    refused_calls: int = 0  # replies the server refused with tool_use_failed
+    usage: dict[str, int] = field(default_factory=dict)
+    open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
+    calls_now: tuple[tuple[str, str], ...] = ()
+    calls_before: tuple[tuple[str, str], ...] = ()
+
+    def add_reply(self, reply: Reply) -> None:
+        self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
+        self.open_calls = collections.deque(reply.tool_calls)
+        self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
+        self.retries += reply.retries
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            count = reply.usage.get(key)
+            # informational only: a count that is not one (negative, 4,300 digits) is ignored
+            if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 10**15:
+                self.usage[key] = self.usage.get(key, 0) + count
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
+
+    @property
+    def repeats_previous_calls(self) -> bool:
+        return bool(self.calls_now) and self.calls_now == self.calls_before
+
+    def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
+        """Append each result as it comes, so a failure midway loses none that ran."""
+        added: list[ToolResult] = []
+        for result in results:
+            self.messages.append(_tool_message(result.call.id, result.content))
+            self.open_calls.popleft()  # results come in call order (ToolLoop._run_calls)
+            self.tool_calls += 1
+            self.tool_errors += _is_tool_error(result.outcome)
+            if result.ends_turn:
+                self.failed_tool = result.call.name
+            added.append(result)
+        return added
+
+    def close_open_calls(self, reason: str) -> None:
+        """Answer every call still open, so the transcript stays valid to send again."""
+        for call in self.open_calls:
+            self.messages.append(_tool_message(call.id, _not_run_content(reason)))
+        self.open_calls.clear()
+
+
+def _call_signature(calls: Sequence[ToolCall]) -> tuple[tuple[str, str], ...]:
+    """The calls as a comparable value: names and canonical arguments, in a fixed order."""
+    return tuple(sorted((call.name, _canonical_arguments(call.arguments_json)) for call in calls))
+
+
+def _canonical_arguments(arguments_json: str) -> str:
+    try:
+        return canonical_json(parse_arguments(arguments_json))
+    except ArgumentError:  # not an object: compare the text as it came
+        return arguments_json
+
+
+def canonical_json(value: Any) -> str:
+    """One spelling per JSON value: keys sorted, compact, ASCII."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+# -------------------------------------------------- approvals (filing and approving a write)
+
+
+class ApprovalError(Exception):
+    """A human's decision could not be carried out; the message says why. The CLI exits 1.
+
+    `detail`, when set, is an infrastructure failure's own text: for the audit log only."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+# Kept in the data directory's database, so that a tool whose data lives there commits its
+# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
+# table had a version row of its own (when it shared the example's schema) is taken as it is.
+_APPROVALS_SCHEMA = """
+-- What a model proposed and a human must decide. One open action per exact request.
+CREATE TABLE IF NOT EXISTS pending_actions (
+    action_id      TEXT PRIMARY KEY,
+    customer_id    TEXT NOT NULL,
+    tool           TEXT NOT NULL,
+    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
+    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
+    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
+    created_at     TEXT NOT NULL,
+    expires_at     TEXT NOT NULL,
+    status         TEXT NOT NULL DEFAULT 'pending'
+                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
+    decided_at     TEXT,
+    decided_by     TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
+    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+"""
+
+
+def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
+    """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
+    for tool in tools:
+        if not tool.writes:
+            continue
+        if type(tool).apply is Tool.apply:
+            raise ConfigError(f"tool {tool.name!r} writes but has no apply step to approve")
+        if approvals is None:
+            raise ConfigError(f"tool {tool.name!r} writes: the loop needs Approvals for it")
+
+
+@dataclass(frozen=True)
+class PendingAction:
+    """A write a model asked for, waiting for a human: what, for whom, until when."""
+
+    action_id: str
+    customer_id: str
+    tool: str
+    arguments_json: str
+    binding_sha256: str
+    summary: Mapping[str, Any]
+    created_at: str
+    expires_at: str
+    status: str
+
+
+class Approvals:
+    """The human side of every write, for any tool with `writes = True`. The model can only
+    file a request; no tool approves or executes anything. A human lists, approves or rejects
+    on the command line, and approving re-checks everything and applies the change once.
+
+    Each step is written ahead, as a database's own log is, so that the audit log and the
+    database never disagree about an action, wherever the process dies:
+
+    - filing: the action and an in_flight row commit together; its tool_call line follows;
+      then the row goes. If the line cannot be written the action is withdrawn at once.
+    - deciding: an in_flight row; an approval_intent line; the change, the action's status and
+      the row's result_json in one transaction; an approval_decision line; the row goes.
+
+    A row left behind is a crash; the next filing or decision settles it first (Part II:
+    crash recovery says how each case ends).
+    """
+
+    def __init__(
+        self,
+        database: Database,
+        audit: AuditLog,
+        ttl_seconds: float = APPROVAL_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        database.install("approvals", 1, _APPROVALS_SCHEMA + _IN_FLIGHT_SCHEMA)
+        database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
+        self.database = database
+        self.audit = audit
+        self.ttl_seconds = ttl_seconds
+        self.clock = clock
+        self.lock_path = database.path.with_name(database.path.name + ".approvals-lock")
+
+    def propose(
+        self,
+        tool: Tool,
+        args: Mapping[str, Any],
+        context: ToolContext,
+        summary: Mapping[str, Any],
+        record: Callable[[Mapping[str, str]], None] | None = None,
+    ) -> dict[str, Any]:
+        """File a validated, eligible request and its audit line: both or neither. `record`
+        writes the line (dispatch writes the call's own); by default, a tool_call line here.
+        Returns what the model is told."""
+        action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
+        with _taking_turns(self):
+            told = self._file(action_id, tool, args, context, summary)
+            try:
+                if record is None:
+                    self.audit.record(
+                        "tool_call",
+                        turn_id=context.turn_id,
+                        customer_id=context.customer_id,
+                        tool=tool.name,
+                        arguments=canonical_json(args),
+                        outcome="proposed",
+                        approval_id=action_id,
+                    )
+                else:
+                    record({"approval_id": action_id})
+            except BaseException:
+                _withdraw(self, action_id)  # no audit line, no action
+                raise
+            _step_finished(self, action_id)
+        return told
+
+    def pending(self) -> list[PendingAction]:
+        """Open actions, oldest first: filed with their audit line, and not expired. Settles
+        what a crash left half done first, unless a filing or decision is under way."""
+        _settle_if_free(self)
+        with closing(self.database.connect_read_only()) as db:
+            rows = db.execute(
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
+                " WHERE status = 'pending' AND expires_at > ?"
+                " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
+                " ORDER BY created_at, action_id",
+                (_iso(self.clock()),),
+            ).fetchall()
+        return [_pending_action(row) for row in rows]
+
+    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically."""
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = self._open_action(db, action_id)
+            tool = tools.get(action.tool)
+            if tool is None or not tool.writes:
+                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
+            args = self._bound_arguments(action)
+            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
+            try:
+                tool.validate(args)
+                outcome = tool.apply(args, context, db)
+            except ToolError as exc:
+                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
+                raise ApprovalError(
+                    f"{action_id}: not carried out: the tool failed; details are in the audit log",
+                    detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
+                ) from None
+            self._mark(db, action, "approved", operator)
+            _record_outcome(db, action_id, result=canonical_json(outcome))
+            return action, outcome
+
+        return self._decide(action_id, "approve", operator, carry_out)
+
+    def reject(self, action_id: str, operator: str, reason: str | None = None) -> None:
+        """Close an open action without running it; `reason` is what the model will be told."""
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = self._open_action(db, action_id)
+            self._mark(db, action, "rejected", operator)
+            _record_outcome(db, action_id, reason=reason)
+            return action, {"reason": reason} if reason else {}
+
+        self._decide(action_id, "reject", operator, carry_out)
+
+    def _file(
+        self,
+        action_id: str,
+        tool: Tool,
+        args: Mapping[str, Any],
+        context: ToolContext,
+        summary: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The action and its in_flight row, in one transaction; what the model will be told."""
+        arguments_json = canonical_json(args)
+        now = self.clock()
+        with self.database.write_transaction() as db:
+            db.execute(
+                "UPDATE pending_actions SET status = 'expired'"
+                " WHERE status = 'pending' AND expires_at <= ?",
+                (_iso(now),),
+            )
+            try:
+                db.execute(
+                    "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
+                    " binding_sha256, summary_json, created_at, expires_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        action_id,
+                        context.customer_id,
+                        tool.name,
+                        arguments_json,
+                        _binding(context.customer_id, tool.name, arguments_json),
+                        canonical_json(summary),
+                        _iso(now),
+                        _iso(now + self.ttl_seconds),
+                    ),
+                )
+            except sqlite3.IntegrityError:  # the one-open-action index
+                raise ToolError(
+                    "this request is already waiting for a person to approve it"
+                ) from None
+            _journal(db, action_id, action_id, "propose")
+        expires = _iso(now + self.ttl_seconds)
+        return {
+            "status": "requires_approval",
+            "approvalId": action_id,
+            **summary,
+            "expiresAt": expires,
+        }
+
+    def _decide(
+        self,
+        action_id: str,
+        step: str,
+        operator: str,
+        carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """One decision, written ahead: its intent line; the change, the action's status and
+        the result in one transaction; its decision line (each step's journal: Part II)."""
+        intent_id = "dec-" + secrets.token_hex(8)
+        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+        with _taking_turns(self):
+            _intend(self, intent, operator)  # its in_flight row, then its approval_intent line
+            try:
+                with self.database.write_transaction() as db:
+                    action, result = carry_out(db)
+                    _committed(db, intent_id, result)  # in the journal, in the same commit
+            except ApprovalError as exc:
+                error = {"error": exc.detail} if exc.detail else {}
+                _conclude(self, intent, operator, "refused", reason=str(exc), **error)
+                raise
+            except BaseException:
+                # whatever failed, the database now says what happened; let the log say so too
+                with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
+                    _settle(self)
+                raise
+            _conclude(self, intent, operator, _DECIDED[step], **_about(action), result=result)
+        return result
+
+    def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
+        row = db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            (action_id,),
+        ).fetchone()
+        if row is None:
+            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
+            raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
+        action = _pending_action(row)
+        if action.status != "pending":
+            raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
+        if action.expires_at <= _iso(self.clock()):
+            raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
+        return action
+
+    def _bound_arguments(self, action: PendingAction) -> dict[str, Any]:
+        """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
+        try:
+            args = parse_arguments(action.arguments_json)
+        except ArgumentError:
+            args = {}
+        binding = _binding(action.customer_id, action.tool, canonical_json(args))
+        if not hmac.compare_digest(binding, action.binding_sha256):
+            raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
+        return args
+
+    def _mark(
+        self, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
+    ) -> None:
+        """Mark the action decided, in the decision's transaction: no second use."""
+        marked = db.execute(
+            "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
+            " WHERE action_id = ? AND status = 'pending'",
+            (status, _iso(self.clock()), operator, action.action_id),
+        )
+        if marked.rowcount != 1:
+            raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
+
+
+_DECIDED = {"approve": "approved", "reject": "rejected"}
+_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
+
+
+def _about(action: PendingAction) -> dict[str, str]:
+    """What a decision line says of its action."""
+    return {
+        "customer_id": action.customer_id,
+        "tool": action.tool,
+        "arguments": action.arguments_json,
+    }
+
+
+_ACTION_COLUMNS = (
+    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
+    " created_at, expires_at, status"
+)
+
+
+def _pending_action(row: Sequence[Any]) -> PendingAction:
+    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
+    values = list(row)
+    values[5] = json.loads(values[5])
+    return PendingAction(*values)
+
+
+def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
+    """What an approval is bound to: this customer, this tool, these exact arguments.
+
+    A plain SHA-256, not a signature: it catches a row changed by mistake or by a half-done
+    edit, but anyone who can write the database can recompute it (and could as well insert
+    a change directly). It is not tamper-proof; the database's permissions are what guard it.
+    """
+    return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
+
+
+def _iso(timestamp: float) -> str:
+    """UTC, to the second, in a form whose text order is its time order."""
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ============================================================== end of Part I: the mechanism
+
+# ======================================================================== Part II: hardening
+
 # ----------------------------------------------------------------------------- the transport
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the model lives and how to reach it; checked once, when built."""
+
+    base_url: str = DEFAULT_BASE_URL
+    model: str = DEFAULT_MODEL
+    api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
+    timeout: float = REQUEST_TIMEOUT_S
+    max_retries: int = MAX_RETRIES
+    max_retry_wait: float = MAX_RETRY_WAIT_S
+    max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
+    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
+
+    def __post_init__(self) -> None:
+        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
+            parts = urllib.parse.urlsplit(self.base_url)
+            parts.port  # noqa: B018 -- read to validate
+        except ValueError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
+                " or a broken [IPv6] address"
+            ) from None
+        # subtle: a file: or data: URL names no server; it must not get as far as a request
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        if self.api_key and not self.api_key.isascii():
+            raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
+        if self.api_key and not _is_header_safe(self.api_key):
+            # subtle: http.client's own error would print the header, key and all
+            raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
+        if not self.api_key and parts.hostname == "api.openai.com":
+            raise ConfigError("OPENAI_API_KEY is not set (required for api.openai.com)")
+        if not self.model:
+            raise ConfigError("the model name is empty")
+        if self.timeout <= 0 or self.max_retries < 0 or self.max_retry_wait < 0:
+            raise ConfigError("timeouts must be positive and retries not negative")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
+        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
+        `choices` sets the other fields (timeout=, max_retries=, …)."""
+        return cls(
+            base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
+            model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
+            api_key=environ.get("OPENAI_API_KEY") or None,
+            **choices,
+        )
+
+
+def _is_header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
 
 
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
@@ -1423,175 +1955,6 @@ def _transport_reason(exc: BaseException) -> str:  # noqa: PLR0911 -- one return
     return type(exc).__name__
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "…(truncated)"
-
-
-# --------------------------------------------------------------------------------- the reply
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model asked for, as it asked: id, tool name and arguments text."""
-
-    id: str
-    name: str
-    arguments_json: str
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One model reply: its message's raw JSON text (for the echo) and what we read from it."""
-
-    message_json: str
-    content: str | None
-    tool_calls: tuple[ToolCall, ...]
-    usage: Mapping[str, Any]
-    finish_reason: str | None = None
-    refusal: str | None = None
-    retries: int = 0  # how many times the request was retried before this reply came
-
-
-def parse_reply(body: bytes) -> Reply:
-    """Read choices[0] from a chat-completions body; ApiError if it is not usable."""
-    try:
-        text = body.decode("utf-8")
-        document = json.loads(text)
-    except (ValueError, RecursionError):
-        snippet = _cut(_printable(body), 120)
-        raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
-    choice = _first_choice(document)
-    start, end = _raw_span(text, ("choices", 0, "message"))
-    usage = document["usage"] if isinstance(document.get("usage"), dict) else {}
-    return _reply_from(text[start:end], choice["message"], choice.get("finish_reason"), usage)
-
-
-def _reply_from(
-    message_json: str, message: Mapping[str, Any], finish_reason: Any, usage: Mapping[str, Any]
-) -> Reply:
-    """A Reply from a message (and its exact JSON text), or ApiError if it says nothing."""
-    reply = Reply(
-        message_json=message_json,
-        content=_text_or_none(message.get("content")),
-        # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
-        # no value at all have been recorded beside real tool calls
-        tool_calls=_parse_tool_calls(message.get("tool_calls"), message_json),
-        usage=usage,
-        finish_reason=_text_or_none(finish_reason),
-        refusal=_text_or_none(message.get("refusal")),
-    )
-    cut_short = reply.finish_reason in ("length", "content_filter")
-    if not (reply.tool_calls or reply.content or reply.refusal or cut_short):
-        raise ApiError("the model API sent a reply with neither text nor tool calls")
-    return reply
-
-
-def _error_text(error: Any) -> str:
-    """An API's error object as one short line: its message, else the whole of it."""
-    detail = error.get("message") if isinstance(error, dict) else error
-    return _cut(str(detail), 300)
-
-
-def _text_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def _first_choice(document: Any) -> dict[str, Any]:
-    if not isinstance(document, dict):
-        raise ApiError("the model API sent JSON that is not an object")
-    if document.get("error"):  # "error": null beside a good reply is not an error
-        raise ApiError(f"the model API reported an error: {_error_text(document['error'])}")
-    choices = document.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ApiError("the model API sent a reply without choices")
-    if not isinstance(choices[0].get("message"), dict):
-        raise ApiError("the model API sent a choice without a message")
-    choice: dict[str, Any] = choices[0]
-    return choice
-
-
-def _parse_tool_calls(raw: Any, message_json: str) -> tuple[ToolCall, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ApiError("the model API sent tool_calls that is not a list")
-    return tuple(_parse_tool_call(item, n, message_json) for n, item in enumerate(raw))
-
-
-def _parse_tool_call(item: Any, position: int, message_json: str) -> ToolCall:
-    function = item.get("function") if isinstance(item, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ApiError("the model API sent a tool call without a function name")
-    call_id = item.get("id")
-    if not isinstance(call_id, str):  # subtle: "" is usable (Gemini sends it); missing is not
-        raise ApiError("the model API sent a tool call without an id")
-    arguments = function.get("arguments")
-    if arguments is None or arguments == "":  # seen from real servers for no-argument tools
-        arguments_json = "{}"
-    elif isinstance(arguments, str):
-        arguments_json = arguments
-    else:  # some servers send the object itself: take its text as sent, duplicate keys and all
-        path = ("tool_calls", position, "function", "arguments")
-        try:
-            start, end = _raw_span(message_json, path)
-        except RecursionError:
-            raise ApiError("the model API sent arguments nested too deep to read") from None
-        arguments_json = message_json[start:end]
-    return ToolCall(id=call_id, name=function["name"], arguments_json=arguments_json)
-
-
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _raw_span(text: str, path: tuple[str | int, ...]) -> tuple[int, int]:
-    """Where the value at `path` starts and ends in the JSON `text`.
-
-    Why: the assistant message that carries tool_calls must go back exactly as it came. Some
-    providers attach fields (reasoning signatures, vendor extras) that they verify on the next
-    request; a re-serialization that reorders keys, re-escapes "\\u00e9" or rewrites 1.0e2 as
-    100.0 can break them. json.loads gives values but no positions, so we walk the containers
-    along `path` and let the stdlib's own scanner (JSONDecoder.raw_decode) step over keys and
-    values: the span it finds is scanned exactly as json.loads scanned it. Only the value
-    found last is decoded whole; a member on the path is stepped into, not decoded.
-    """
-    decoder = json.JSONDecoder()
-    pos = _WHITESPACE.match(text, 0).end()  # type: ignore[union-attr]
-    for step in path:
-        pos = _member_start(text, pos, step, decoder)
-    _, end = decoder.raw_decode(text, pos)
-    return pos, end
-
-
-def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecoder) -> int:
-    """Start of member `step` (an object key or array index) of the container at `pos`."""
-    skip = _WHITESPACE.match
-    closer = "}" if text[pos] == "{" else "]"
-    found, index = -1, 0
-    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-    while text[pos] != closer:
-        if closer == "}":
-            key, pos = decoder.raw_decode(text, pos)
-            pos = skip(text, skip(text, pos).end() + 1).end()  # type: ignore[union-attr]  # past ':'
-            if key == step:
-                found = pos  # json.loads keeps the last of duplicate keys, so look on …
-                if text.find(json.dumps(step), pos) < 0:  # … unless no such key can follow
-                    return found
-        elif index == step:
-            return pos
-        _, pos = decoder.raw_decode(text, pos)
-        pos = skip(text, pos).end()  # type: ignore[union-attr]
-        if text[pos] == ",":
-            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-        index += 1
-    if found < 0:
-        raise ApiError("the model API sent a reply whose structure could not be located")
-    return found
-
-
-def _printable(body: bytes) -> str:
-    return " ".join(body.decode("utf-8", "replace").split())
-
-
 # -------------------------------------------------------------------------------- the stream
 # With "stream": true the reply arrives as server-sent events, each `data:` a chunk whose
 # choices[0].delta carries a piece of the message. There is no message text to echo, so the
@@ -1861,459 +2224,10 @@ def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
     return {"id": finished.pop("id", None), "type": finished.pop("type", "function"), **finished}
 
 
-# -------------------------------------------------------------- dispatch (the trust boundary)
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """What one call produced: the tool message content and the audited outcome."""
-
-    call: ToolCall
-    content: str
-    outcome: str
-
-    @property
-    def ends_turn(self) -> bool:
-        return self.outcome.startswith("error:")
-
-
-def dispatch(
-    call: ToolCall,
-    tools: Mapping[str, Tool],
-    context: ToolContext,
-    audit: AuditLog,
-    round_number: int,
-    approvals: Approvals | None = None,
-) -> ToolResult:
-    """Decide what one tool call becomes. The whole safety policy lives here.
-
-    - The tool is found by exact name in a dict: no getattr, no case folding, no trimming.
-    - An unknown tool, arguments that are not a JSON object, and ToolError become data for the
-      model, {"error": code, "message": …}, so it can correct itself; the turn goes on.
-    - A tool that writes never acts here: its validated, eligible request becomes a pending
-      action that a human approves or rejects on the command line, and the model is told so.
-    - Any other exception is infrastructure: the turn ends, the model and the user get a
-      generic message, and the exception text goes to the audit log only (it may hold
-      hostnames, SQL or paths).
-    - A result longer than MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
-    - Every call, rejected ones included, is audited before its result is returned; if the
-      audit line cannot be written, the result is never sent.
-    - The model's arguments never touch ToolContext: identity comes from our side only.
-    """
-    started = time.monotonic()
-
-    def record(outcome: str, detail: Mapping[str, str]) -> None:
-        # a filing's line is on disk before its in_flight row goes (Approvals): no batching
-        durable = outcome == "proposed"
-        _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
-
-    content, outcome, detail = _execute(call, tools, context, approvals, record)
-    if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
-        record(outcome, detail)
-    return ToolResult(call, content, outcome)
-
-
-def _execute(
-    call: ToolCall,
-    tools: Mapping[str, Tool],
-    context: ToolContext,
-    approvals: Approvals | None,
-    record: Callable[[str, Mapping[str, str]], None],
-) -> tuple[str, str, dict[str, str]]:
-    """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
-    tool = tools.get(call.name)
-    if tool is None:
-        message = f"no tool named {_shown(call.name)}; available: {', '.join(tools)}"
-        return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
-    try:
-        args = parse_arguments(call.arguments_json)
-        result = tool.run(args, context)
-        if not tool.writes:
-            return _cap_result(_compact(result)), "ok", {}
-        if approvals is None:  # fail closed: a write with nobody to approve it never runs
-            raise RuntimeError(f"{tool.name} writes, but there is no approval store")
-        # the request and its audit line are filed together, or neither is
-        proposal = approvals.propose(
-            tool, args, context, result, lambda detail: record("proposed", detail)
-        )
-        return _compact(proposal), "proposed", {"approval_id": proposal["approvalId"]}
-    except AuditError:
-        raise  # fail closed: the proposal was withdrawn, and no result may go back
-    except ToolError as exc:
-        return _error_content(exc.code, str(exc)), f"rejected:{exc.code}", {}
-    except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators only
-        detail = {"error": _cut(f"{type(exc).__name__}: {exc}", 2000)}
-        return (
-            _error_content("tool_failed", "the tool failed; the turn was stopped"),
-            "error:exception",
-            detail,
-        )
-
-
-def _cap_result(content: str, limit: int = MAX_RESULT_BYTES) -> str:
-    if len(content) <= limit:  # _compact writes ASCII: characters are bytes
-        return content
-    return content[:limit] + f"…[cut: the result was {len(content)} bytes, the cap is {limit}]"
-
-
-def _error_content(code: str, message: str) -> str:
-    return _compact({"error": code, "message": message})
-
-
-def _audit_call(
-    audit: AuditLog,
-    call: ToolCall,
-    context: ToolContext,
-    round_number: int,
-    outcome: str,
-    started: float,
-    detail: Mapping[str, str],
-    durable: bool = False,
-) -> None:
-    """A call's line; inside the loop's batch, on disk with the reply's one fsync."""
-    write = audit.record if durable else audit.record_in_batch
-    write(
-        "tool_call",
-        turn_id=context.turn_id,
-        round=round_number,
-        customer_id=context.customer_id,
-        tool=call.name,
-        tool_call_id=call.id,
-        arguments=call.arguments_json,  # the exact text the model sent, not our parse of it
-        outcome=outcome,
-        duration_ms=round((time.monotonic() - started) * 1000, 3),
-        **detail,
-    )
-
-
-# ---------------------------------------------------------------------------------- the loop
-
-GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """How one turn ended, and every message of the conversation, as sent on the wire.
-
-    stop_reason: "answered", "returned_direct" (a return-direct tool's output is the answer)
-    or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
-    or "filtered" (stopped by the provider's content filter), with whatever text came; a
-    guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
-    "api_error", "tool_failed", "audit_failed", "invalid_tool_call" (the server refused the
-    model's calls) or "unparsed_tool_call" (a call written as text; never run) — `error`
-    says what, safe to show. A turn
-    that Ctrl-C ends is audited as "interrupted" before run() lets KeyboardInterrupt go on.
-    messages: raw JSON texts, system prompt first; pass them as `history` (and `origin` as
-    `history_origin`) to go on talking.
-    Every assistant message with tool_calls is followed by one tool message per call, in order,
-    whatever happened to the call, so the history is always valid to send again.
-    """
-
-    stop_reason: str
-    answer: str | None
-    messages: tuple[str, ...]
-    rounds: int
-    tool_calls: int
-    error: str | None = None
-    usage: Mapping[str, int] = field(default_factory=dict)
-    retries: int = 0  # HTTP requests sent again (429, 5xx, no response); tools never rerun
-    origin: tuple[str, str] = ("", "")  # (base URL, model) that wrote this history
-
-
-class ToolLoop:
-    """Runs a user turn round by round: ask the model, run the tools it asks for, repeat."""
-
-    def __init__(
-        self,
-        client: ChatClient,
-        tools: Sequence[Tool],
-        audit: AuditLog,
-        *,
-        approvals: Approvals | None = None,
-        system_prompt: str = SYSTEM_PROMPT,
-        round_cap_answer: str = ROUND_CAP_ANSWER,
-        repeated_calls_answer: str = REPEATED_CALLS_ANSWER,
-        max_rounds: int = MAX_ROUNDS,
-        max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
-        turn_timeout: float = TURN_TIMEOUT_S,
-        tool_workers: int = TOOL_WORKERS,
-        tool_timeout: float = TOOL_TIMEOUT_S,
-        tool_choice: str = "auto",
-        parallel_tool_calls: bool | None = None,
-    ) -> None:
-        if min(max_rounds, max_calls_per_reply, tool_workers) < 1:
-            raise ConfigError("max_rounds, max_calls_per_reply and tool_workers must be >= 1")
-        if min(turn_timeout, tool_timeout) <= 0:
-            raise ConfigError("turn_timeout and tool_timeout must be positive")
-        self.client = client
-        self.tools = tool_table(tools)
-        _require_approval_step(self.tools.values(), approvals)
-        self.audit = audit
-        self.approvals = approvals
-        self.system_prompt = system_prompt
-        self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
-        self.max_rounds = max_rounds
-        self.max_calls_per_reply = max_calls_per_reply
-        self.turn_timeout = turn_timeout
-        self.tool_workers = tool_workers
-        self.tool_timeout = tool_timeout
-        self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
-        self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
-        self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
-        self._origin = (client.settings.base_url, client.settings.model)
-
-    def run(
-        self,
-        user_message: str,
-        context: ToolContext,
-        history: Sequence[str] = (),
-        on_text: Callable[[str], None] | None = None,
-        history_origin: tuple[str, str] | None = None,
-    ) -> TurnResult:
-        """One turn. Never raises for the model's or the network's faults: see stop_reason.
-        With `on_text`, replies are streamed and their text handed over as it arrives. A
-        `history` whose `history_origin` (TurnResult.origin) is another server or model than
-        this loop's goes in portable form (portable_history), not as the byte-exact echo."""
-        if history and history_origin and history_origin != self._origin:
-            history = portable_history(history)
-        turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
-        turn.messages.append(_message("user", user_message))
-        try:
-            return self._rounds(turn, context, on_text)
-        except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
-            turn.close_open_calls("interrupted")
-            self._finish(turn, context, "interrupted", error="interrupted")
-            raise
-
-    def _rounds(
-        self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
-    ) -> TurnResult:
-        """Round after round until a reply asks for no tool, a guard or a failure ends it."""
-        while True:
-            turn.rounds += 1
-            choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
-            try:
-                reply = self.client.complete(
-                    turn.messages,
-                    self._tools_json,
-                    turn.deadline,
-                    on_text,
-                    tool_choice=choice,
-                    parallel_tool_calls=self.parallel_tool_calls,
-                )
-            except ApiError as exc:
-                if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
-                    continue  # the server refused the model's call: a new round asks again
-                return self._finish(turn, context, *_api_failure(exc, choice, turn))
-            turn.add_reply(reply)
-            if not reply.tool_calls:
-                return self._finish(turn, context, *self._ending(reply))
-            # a plan the model did not finish writing is not a plan: none of it runs
-            guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
-            try:  # the reply's lines, then one fsync, and only then can a result go back
-                with self.audit.batch():
-                    results = turn.add_results(
-                        self._run_calls(reply.tool_calls, context, turn, guard)
-                    )
-            except AuditError as exc:  # fail closed: no unaudited result goes back
-                turn.close_open_calls("audit_failed")
-                return self._finish(turn, context, "audit_failed", error=str(exc))
-            if guard:  # cut short: the text that came and a note; a guard: its fallback
-                cut = guard == "incomplete"
-                answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
-                return self._finish(turn, context, guard, answer, note)
-            if turn.failed_tool:
-                error = f"the tool {turn.failed_tool} failed; details are in the audit log"
-                return self._finish(turn, context, "tool_failed", error=error)
-            if self._answers_directly(results):
-                answer = "\n".join(result.content for result in results)
-                return self._finish(turn, context, "returned_direct", answer=answer)
-
-    def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
-        """How a reply without tool calls ends the turn: an answer, or plainly not one."""
-        written = _call_written_as_text(reply.content, self.tools)
-        if written:  # never run: what the model wrote is text, not a request we can trust
-            return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
-        stop_reason, answer = _plain_ending(reply)
-        return stop_reason, answer, None
-
-    def _guard(self, turn: _Turn) -> str | None:
-        """The guard that stops this turn before the reply's calls run, if one does."""
-        if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
-            return "repeated_calls"
-        if turn.rounds == self.max_rounds:  # a result now could never reach the model
-            return "round_cap"
-        return None
-
-    def _run_calls(
-        self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
-    ) -> Iterator[ToolResult]:
-        """Answer every call, in call order. The calls run concurrently, `tool_workers` at a
-        time; after a guard, past the per-reply cap, or past `tool_timeout` a call is answered
-        and audited without its result."""
-        runnable = [] if guard else list(calls[: self.max_calls_per_reply])
-        deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
-
-        def run_one(call: ToolCall) -> ToolResult:
-            return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
-
-        running = _start_calls(runnable, run_one, self.tool_workers)
-        for call, future in zip(calls, running, strict=False):
-            try:
-                yield future.result(timeout=max(deadline - time.monotonic(), 0))
-            except concurrent.futures.TimeoutError:
-                future.cancel()  # a call still queued never starts
-                yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
-        not_run = calls[len(running) :]
-        # subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
-        # valid), but only as many are audited one by one as could have run, the rest together
-        named, counted = not_run[: self.max_calls_per_reply], not_run[self.max_calls_per_reply :]
-        reason = guard or "too_many_calls"
-        for call in named:
-            yield skip_call(call, reason, context, self.audit, turn.rounds)
-        if counted:
-            skip_calls(counted, reason, context, self.audit, turn.rounds)
-            yield from (
-                ToolResult(call, _not_run_content(reason), f"skipped:{reason}") for call in counted
-            )
-
-    def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
-        """Return-direct only when every call is return-direct and succeeded; a rejected call
-        goes back to the model so it can correct itself."""
-        return all(r.outcome == "ok" and self.tools[r.call.name].return_direct for r in results)
-
-    def _finish(
-        self,
-        turn: _Turn,
-        context: ToolContext,
-        stop_reason: str,
-        answer: str | None = None,
-        error: str | None = None,
-    ) -> TurnResult:
-        result = TurnResult(
-            stop_reason=stop_reason,
-            answer=answer,
-            messages=tuple(turn.messages),
-            rounds=turn.rounds,
-            tool_calls=turn.tool_calls,
-            error=error,
-            usage=dict(turn.usage),
-            retries=turn.retries,
-            origin=self._origin,
-        )
-        try:
-            self._audit_turn(turn, context, result)
-        except AuditError as exc:
-            return replace(result, stop_reason="audit_failed", error=str(exc))
-        return result
-
-    def _audit_turn(self, turn: _Turn, context: ToolContext, result: TurnResult) -> None:
-        self.audit.record(
-            "turn",
-            turn_id=context.turn_id,
-            customer_id=context.customer_id,
-            stop_reason=result.stop_reason,
-            rounds=turn.rounds,
-            tool_calls=turn.tool_calls,
-            tool_errors=turn.tool_errors,
-            guard=result.stop_reason if result.stop_reason in GUARD_STOPS else None,
-            retries=turn.retries,
-            duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
-            usage=result.usage,
-        )
-
-
-@dataclass
-class _Turn:
-    """The loop's working state for one turn."""
-
-    messages: list[str]
-    timeout: float
-    started: float = field(default_factory=time.monotonic)
-    rounds: int = 0
-    retries: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    failed_tool: str | None = None
-    refused_calls: int = 0  # replies the server refused with tool_use_failed
-    usage: dict[str, int] = field(default_factory=dict)
-    open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
-    calls_now: tuple[tuple[str, str], ...] = ()
-    calls_before: tuple[tuple[str, str], ...] = ()
-
-    def add_reply(self, reply: Reply) -> None:
-        self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
-        self.open_calls = collections.deque(reply.tool_calls)
-        self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
-        self.retries += reply.retries
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            count = reply.usage.get(key)
-            # informational only: a count that is not one (negative, 4,300 digits) is ignored
-            if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 10**15:
-                self.usage[key] = self.usage.get(key, 0) + count
-
-    @property
-    def deadline(self) -> float:
-        return self.started + self.timeout
-
-    @property
-    def repeats_previous_calls(self) -> bool:
-        return bool(self.calls_now) and self.calls_now == self.calls_before
-
-    def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
-        """Append each result as it comes, so a failure midway loses none that ran."""
-        added: list[ToolResult] = []
-        for result in results:
-            self.messages.append(_tool_message(result.call.id, result.content))
-            self.open_calls.popleft()  # results come in call order (ToolLoop._run_calls)
-            self.tool_calls += 1
-            self.tool_errors += _is_tool_error(result.outcome)
-            if result.ends_turn:
-                self.failed_tool = result.call.name
-            added.append(result)
-        return added
-
-    def close_open_calls(self, reason: str) -> None:
-        """Answer every call still open, so the transcript stays valid to send again."""
-        for call in self.open_calls:
-            self.messages.append(_tool_message(call.id, _not_run_content(reason)))
-        self.open_calls.clear()
-
-
-def _plain_ending(reply: Reply) -> tuple[str, str | None]:
-    """How a reply without tool calls ends the turn: an answer, or plainly not one."""
-    if reply.finish_reason == "length":
-        return "incomplete", reply.content  # cut at the token limit: not a whole answer
-    if reply.finish_reason == "content_filter":
-        return "filtered", reply.content
-    if reply.content is None:
-        return "refused", reply.refusal
-    return "answered", reply.content
-
-
-def _call_signature(calls: Sequence[ToolCall]) -> tuple[tuple[str, str], ...]:
-    """The calls as a comparable value: names and canonical arguments, in a fixed order."""
-    return tuple(sorted((call.name, _canonical_arguments(call.arguments_json)) for call in calls))
-
-
-def _canonical_arguments(arguments_json: str) -> str:
-    try:
-        return canonical_json(parse_arguments(arguments_json))
-    except ArgumentError:  # not an object: compare the text as it came
-        return arguments_json
-
-
-def canonical_json(value: Any) -> str:
-    """One spelling per JSON value: keys sorted, compact, ASCII."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 # ------------------------------------------------------------------------------- the workers
 # The calls of one reply run at once on a few threads, so four slow lookups take as long as
 # one; and the calls that do not run (a guard, the per-reply cap, a timeout) are answered and
-# audited all the same. Hardening: a first reading may take it as "run each call, results in
-# call order".
-
+# audited all the same.
 
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
@@ -2334,19 +2248,37 @@ def skip_call(
 
 
 def skip_calls(
-    calls: Sequence[ToolCall], reason: str, context: ToolContext, audit: AuditLog, round_number: int
-) -> None:
-    """Many calls that will not run, audited as one line: how many, and a digest of their ids."""
-    ids = [call.id for call in calls]
-    audit.record_in_batch(
-        "tool_calls_skipped",
-        turn_id=context.turn_id,
-        round=round_number,
-        customer_id=context.customer_id,
-        reason=reason,
-        count=len(ids),
-        tool_call_ids_sha256=hashlib.sha256(canonical_json(ids).encode()).hexdigest(),
-    )
+    calls: Sequence[ToolCall],
+    reason: str,
+    named: int,
+    context: ToolContext,
+    audit: AuditLog,
+    turn: _Turn,
+) -> Iterator[ToolResult]:
+    """Answer every call that will not run: the first `named` with an audit line each, the
+    rest with one line together (how many, and a digest of their ids).
+
+    subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
+    valid), but only as many are audited one by one as could have run."""
+    for call in calls[:named]:
+        yield skip_call(call, reason, context, audit, turn.rounds)
+    counted = [call.id for call in calls[named:]]
+    if counted:
+        audit.record_in_batch(
+            "tool_calls_skipped",
+            turn_id=context.turn_id,
+            round=turn.rounds,
+            customer_id=context.customer_id,
+            reason=reason,
+            count=len(counted),
+            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
+        )
+        content = _not_run_content(reason)
+        yield from (ToolResult(call, content, f"skipped:{reason}") for call in calls[named:])
+
+
+def _not_run_content(reason: str) -> str:
+    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
 
 
 def timed_out_call(
@@ -2357,10 +2289,6 @@ def timed_out_call(
     _audit_call(audit, call, context, round_number, "timeout", time.monotonic() - timeout, {})
     message = f"the tool gave no result within {timeout:g} s; try again later or ask the user"
     return ToolResult(call, _error_content("timeout", message), "timeout")
-
-
-def _not_run_content(reason: str) -> str:
-    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
 
 
 def _start_calls(
@@ -2402,12 +2330,15 @@ def _call_worker(
 # What real servers do beside the protocol, and how the loop answers it: a call the server
 # itself refused (tool_use_failed), a call written as text by a server that does not parse
 # calls, a forced tool_choice, strict schemas, a history carried to another provider.
-# Hardening: a first reading may skip it.
 
 MAX_REFUSED_CALLS = 2  # a server's tool_use_failed is asked again twice, each a new round
+
+
 _CUT_CALLS = (
     "the reply was cut at the model's token limit while it asked for tools; none of them ran"
 )
+
+
 _TEXT_CALL_HINT = (
     "the model wrote a call to {name} as text, not as a tool call, so nothing was run: the"
     " server is not parsing tool calls (llama.cpp: start llama-server with --jinja; vLLM:"
@@ -2420,6 +2351,19 @@ _WRITTEN_CALL = re.compile(
     r"|\[TOOL_CALLS\]\s*(.*)|```(?:json)?\s*(.*?)```",
     re.DOTALL,
 )
+
+
+def _arguments_text(arguments: Any, position: int, message_json: str) -> str:
+    """Arguments that came as no text at all ("{}": seen for no-argument tools) or as the
+    object itself (its text as sent, duplicate keys and all)."""
+    if arguments is None or arguments == "":
+        return "{}"
+    path = ("tool_calls", position, "function", "arguments")
+    try:
+        start, end = _raw_span(message_json, path)
+    except RecursionError:
+        raise ApiError("the model API sent arguments nested too deep to read") from None
+    return message_json[start:end]
 
 
 def _asks_again(turn: _Turn, max_rounds: int) -> bool:
@@ -2544,9 +2488,10 @@ def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- start-up checks
-# What a tool set must pass before its first round: names every server accepts, schemas the
-# validators can rely on (strict mode's rules where a tool asks for it), and a human's step
-# for every tool that writes. A misconfigured tool fails here, never halfway through a turn.
+# What a tool set must pass before its first round: names every server accepts, and schemas
+# the validators can rely on (strict mode's rules where a tool asks for it); a tool that
+# writes must have a human's step too (approvals). A misconfigured tool fails here, never
+# halfway through a turn.
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -2569,51 +2514,252 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
     return table
 
 
-def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
-    """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
-    for tool in tools:
-        if not tool.writes:
-            continue
-        if type(tool).apply is Tool.apply:
-            raise ConfigError(f"tool {tool.name!r} writes but has no apply step to approve")
-        if approvals is None:
-            raise ConfigError(f"tool {tool.name!r} writes: the loop needs Approvals for it")
+# --------------------------------------------------------------------------- the audit chain
+# How an audit line reaches the disk so that nobody can quietly edit, drop or reorder lines:
+# each carries the hash of the one before it.
+
+GENESIS = "0" * 64  # the "prev" of the first record
 
 
-# ----------------------------------------------------------------------------------- approvals
+class AuditFileHandler(logging.Handler):
+    """Appends each audit record as one hash-chained JSON line.
+
+    Each line is {"seq": N, "prev": SHA-256 of line N-1's bytes, …the record}. The append is
+    one os.write through O_APPEND, under this handler's lock (threads) and an flock (other
+    processes: a `chat` and an `approve` share the log), then fsync'ed unless told otherwise.
+    A process that opens an existing log continues its chain from the last line. A failed
+    write raises instead of being reported and dropped, as logging usually does: a tool result
+    must not reach the model unless its audit line is on disk.
+    """
+
+    def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
+        super().__init__(level=logging.INFO)
+        self.path = path
+        self.fsync = fsync
+        self.head_file = head_file
+        self._tail = (-1, 0, GENESIS)  # (file size, seq, hash) after our last append
+        self._batches, self._unsynced = 0, False  # open batches; lines waiting for their fsync
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "audit", {"event": record.getMessage()})
+        later = self.fsync and self._batches > 0 and not getattr(record, "audit_sync", True)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            head = self._append(fd, fields)
+            # subtle: the fsync waits outside the flock; the chain is whole without it, since
+            # every line was appended under it, and other processes need not wait on our disk
+            if self.fsync and not later:
+                os.fsync(fd)
+            self._unsynced = self._unsynced or later
+            if self.head_file:
+                _write_head(self.head_file, *head, self.fsync)
+        finally:
+            os.close(fd)
+
+    def open_batch(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # logging.Handler's own lock
+            self._batches += 1
+
+    def close_batch(self) -> None:
+        """The batch's one fsync, once the last open batch closes and a line waits for it."""
+        with self.lock:  # type: ignore[union-attr]
+            self._batches -= 1
+            if self._batches or not self._unsynced:
+                return
+            self._unsynced = False
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _append(self, fd: int, fields: Mapping[str, Any]) -> tuple[int, str]:
+        """Write one chained line under the flock; returns its (seq, hash)."""
+        with _exclusive_lock(fd):
+            seq, prev = self._chain_tail(fd)
+            # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
+            line = json.dumps(
+                {"seq": seq + 1, "prev": prev, **fields},
+                ensure_ascii=True,
+                separators=(",", ":"),
+            ).encode("ascii")
+            size = os.fstat(fd).st_size
+            if os.write(fd, line + b"\n") != len(line) + 1:
+                os.ftruncate(fd, size)  # a full disk must not leave half a line behind
+                raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
+            head = hashlib.sha256(line).hexdigest()
+            self._tail = (os.fstat(fd).st_size, seq + 1, head)
+            return seq + 1, head
+
+    def _chain_tail(self, fd: int) -> tuple[int, str]:
+        """The seq and hash of the last line, from our cache unless the file has grown."""
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0, GENESIS
+        cached_size, seq, head = self._tail
+        if size == cached_size:
+            return seq, head
+        last = _last_line(fd, size)
+        last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
+        if last_seq is None:
+            raise AuditError(
+                "the audit log's last line is not a record, so nothing more is appended;"
+                " run verify-audit"
+            )
+        return last_seq, hashlib.sha256(last).hexdigest()
 
 
-class ApprovalError(Exception):
-    """A human's decision could not be carried out; the message says why. The CLI exits 1.
+@contextmanager
+def _one_fsync(handler: AuditFileHandler) -> Iterator[None]:
+    """AuditLog.batch: the handler's lines inside wait for one fsync as the block ends."""
+    handler.open_batch()
+    try:
+        yield
+    finally:
+        try:
+            handler.close_batch()
+        except OSError as exc:
+            raise _audit_error(exc) from None
 
-    `detail`, when set, is an infrastructure failure's own text: for the audit log only."""
 
-    def __init__(self, message: str, detail: str | None = None) -> None:
-        super().__init__(message)
-        self.detail = detail
+@contextmanager
+def _exclusive_lock(fd: int) -> Iterator[None]:
+    """An advisory lock over the whole file, against other processes (POSIX only)."""
+    if fcntl is None:  # pragma: no cover -- Windows: threads are still serialized
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-# Kept in the data directory's database, so that a tool whose data lives there commits its
-# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
-# table had a version row of its own (when it shared the example's schema) is taken as it is.
-_APPROVALS_SCHEMA = """
--- What a model proposed and a human must decide. One open action per exact request.
-CREATE TABLE IF NOT EXISTS pending_actions (
-    action_id      TEXT PRIMARY KEY,
-    customer_id    TEXT NOT NULL,
-    tool           TEXT NOT NULL,
-    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
-    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
-    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
-    created_at     TEXT NOT NULL,
-    expires_at     TEXT NOT NULL,
-    status         TEXT NOT NULL DEFAULT 'pending'
-                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
-    decided_at     TEXT,
-    decided_by     TEXT
-);
-CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
-    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+def _last_line(fd: int, size: int) -> bytes:
+    """The last line's bytes, without its newline, read backwards from the end."""
+    if os.pread(fd, 1, size - 1) != b"\n":
+        raise AuditError(
+            "the audit log ends with a partial line, so nothing more is appended; see"
+            ' README "When the audit log ends with a cut line"'
+        )
+    start = size - 1
+    while start > 0:
+        block_start = max(start - 65536, 0)
+        block = os.pread(fd, start - block_start, block_start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            start = block_start + newline + 1
+            break
+        start = block_start
+    return os.pread(fd, size - 1 - start, start)
+
+
+def _write_head(head_file: Path, seq: int, head: str, fsync: bool) -> None:
+    """Anchor the head elsewhere: `seq hash`, replaced atomically."""
+    temporary = head_file.with_name(head_file.name + ".tmp")
+    with open(temporary, "w", encoding="ascii") as out:
+        out.write(f"{seq} {head}\n")
+        if fsync:
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(temporary, head_file)
+
+
+@dataclass(frozen=True)
+class AuditCheck:
+    """What verify_audit found: how many records, the head hash, and the first break."""
+
+    records: int
+    head: str
+    broken_line: int | None = None
+    problem: str | None = None
+
+
+_HEAD = re.compile(r"[0-9a-f]{64}")
+
+
+def verify_audit(path: Path, expected_head: str | None = None) -> AuditCheck:
+    """Walk the chain: every line's seq follows the last, and its prev is the SHA-256 of the
+    previous line's exact bytes; and, if given, a head kept elsewhere is still in it. Returns
+    the first break, if any, with a reason. Reads the log line by line: its memory does not
+    grow with the log (ConfigError if `expected_head` is not a SHA-256 in hex)."""
+    if expected_head is not None and not _HEAD.fullmatch(expected_head):
+        raise ConfigError("an expected head is 64 hexadecimal digits (lowercase)")
+    prev, count, anchored = GENESIS, 0, expected_head is None
+    with open(path, "rb") as log:
+        for number, line in enumerate(log, start=1):
+            if not line.endswith(b"\n"):
+                return AuditCheck(count, prev, number, "partial last line (no newline)")
+            problem = _link_problem(number, _record_or_none(line), prev, path)
+            if problem:
+                return AuditCheck(count, prev, *problem)
+            prev, count = hashlib.sha256(line[:-1]).hexdigest(), number
+            anchored = anchored or prev == expected_head  # an anchored head may be older
+    if not anchored:  # no line to name: what is missing is not in the file
+        cut = f"cut short: the expected head {expected_head} is not in the log (records were"
+        return AuditCheck(count, prev, None, cut + " cut from the end, or rewritten)")
+    return AuditCheck(count, prev)
+
+
+def _seq_of(record: Mapping[str, Any] | None) -> int | None:
+    seq = record.get("seq") if record else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _link_problem(
+    number: int, record: Mapping[str, Any] | None, prev: str, path: Path
+) -> tuple[int, str] | None:
+    """(broken line, why) if line `number` does not follow the chain so far."""
+    seq = _seq_of(record)
+    if record is None or seq != number:
+        return number, _order_problem(number, seq, path)
+    if record.get("prev") == prev:
+        return None
+    if number == 1:
+        return 1, "edited: the first record does not start the chain"
+    return number - 1, f"edited: its hash no longer matches the prev of line {number}"
+
+
+def _order_problem(number: int, seq: int | None, path: Path) -> str:
+    """Why line `number` holds `seq` where record `number` belongs."""
+    if seq is None:
+        return "edited: not a record with a seq"
+    if seq < number:
+        return f"out of order: seq {seq} again, after {number - 1} (moved or inserted)"
+    if _seq_further_on(path, number):
+        return f"out of order: seq {seq} where {number} belongs"
+    return f"missing: record {number} is gone (found seq {seq})"
+
+
+def _seq_further_on(path: Path, seq: int) -> bool:
+    """Is record `seq` somewhere after line `seq`? A second pass, only once a break is found."""
+    with open(path, "rb") as log:
+        return any(
+            _seq_of(_record_or_none(line)) == seq
+            for number, line in enumerate(log, start=1)
+            if number > seq
+        )
+
+
+def _record_or_none(line: bytes) -> dict[str, Any] | None:
+    with suppress(ValueError, RecursionError):  # RecursionError: nested beyond json's reach
+        record = json.loads(line)
+        return record if isinstance(record, dict) else None
+    return None  # an edited line: verify-audit names it; the figures skip it
+
+
+# -------------------------------------------------------------------- the approvals' journal
+# The write-ahead steps of filings and decisions, and what settles them after a crash. A
+# step keeps an in_flight row from before its first audit line until after its last, so a
+# row still there while nothing is under way is what a crash left. The next filing or
+# decision settles it against the audit log first: a filing whose line is not in the log is
+# withdrawn; a decision whose transaction committed (result_json is set) gets its missing
+# line now, marked recovered; one that did not commit gets a line saying nothing was
+# applied. Filings and decisions in one data directory take turns under an flock beside the
+# database, so that settling never takes another process's step in progress for a crash,
+# and the lock dies with its process.
+
+_IN_FLIGHT_SCHEMA = """
 -- A filing or decision under way: written before its first audit line, gone after its last.
 -- A row a crash left behind is what tells the next run there is something to settle.
 CREATE TABLE IF NOT EXISTS in_flight (
@@ -2625,315 +2771,63 @@ CREATE TABLE IF NOT EXISTS in_flight (
 );
 """
 
-# What each decision produced, written in the decision's own transaction: what a conversation
-# that filed the action is told on its next turn (Conversations). Its own part: databases made
-# before it get the table the first time they are opened.
-_OUTCOMES_SCHEMA = """
-CREATE TABLE IF NOT EXISTS action_outcomes (
-    action_id   TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
-    result_json TEXT,                -- what apply returned (approved)
-    reason      TEXT                 -- what the person said (rejected), if anything
-);
-"""
 
-
-@dataclass(frozen=True)
-class PendingAction:
-    """A write a model asked for, waiting for a human: what, for whom, until when."""
-
-    action_id: str
-    customer_id: str
-    tool: str
-    arguments_json: str
-    binding_sha256: str
-    summary: Mapping[str, Any]
-    created_at: str
-    expires_at: str
-    status: str
-
-
-class Approvals:
-    """The human side of every write, for any tool with `writes = True`. The model can only
-    file a request; no tool approves or executes anything. A human lists, approves or rejects
-    on the command line, and approving re-checks everything and applies the change once.
-
-    Each step is written ahead, as a database's own log is, so that the audit log and the
-    database never disagree about an action, wherever the process dies:
-
-    - filing: the action and an in_flight row commit together; its tool_call line follows;
-      then the row goes. If the line cannot be written the action is withdrawn at once.
-    - deciding: an in_flight row; an approval_intent line; the change, the action's status and
-      the row's result_json in one transaction; an approval_decision line; the row goes.
-
-    A crash leaves an in_flight row, and the next filing or decision settles it first (see
-    _settle): a filing whose line is not in the log is withdrawn; a decision whose transaction
-    committed (result_json is set) gets its missing line now, marked recovered; one that did
-    not commit gets a line saying nothing was applied. Filings and decisions in one data
-    directory take turns under an flock beside the database, so that settling never takes
-    another process's step in progress for a crash, and the lock dies with its process.
-    """
-
-    def __init__(
-        self,
-        database: Database,
-        audit: AuditLog,
-        ttl_seconds: float = APPROVAL_TTL_S,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        database.install("approvals", 1, _APPROVALS_SCHEMA)
-        database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
-        self.database = database
-        self.audit = audit
-        self.ttl_seconds = ttl_seconds
-        self.clock = clock
-        self.lock_path = database.path.with_name(database.path.name + ".approvals-lock")
-
-    def propose(
-        self,
-        tool: Tool,
-        args: Mapping[str, Any],
-        context: ToolContext,
-        summary: Mapping[str, Any],
-        record: Callable[[Mapping[str, str]], None] | None = None,
-    ) -> dict[str, Any]:
-        """File a validated, eligible request and its audit line: both or neither. `record`
-        writes the line (dispatch writes the call's own); by default, a tool_call line here.
-        Returns what the model is told."""
-        action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
-        with _taking_turns(self):
-            told = self._file(action_id, tool, args, context, summary)
-            try:
-                if record is None:
-                    self.audit.record(
-                        "tool_call",
-                        turn_id=context.turn_id,
-                        customer_id=context.customer_id,
-                        tool=tool.name,
-                        arguments=canonical_json(args),
-                        outcome="proposed",
-                        approval_id=action_id,
-                    )
-                else:
-                    record({"approval_id": action_id})
-            except BaseException:
-                self._withdraw(action_id)  # no audit line, no action
-                raise
-            self._settled(action_id)
-        return told
-
-    def pending(self) -> list[PendingAction]:
-        """Open actions, oldest first: filed with their audit line, and not expired. Settles
-        what a crash left half done first, unless a filing or decision is under way."""
-        _settle_if_free(self)
-        with closing(self.database.connect_read_only()) as db:
-            rows = db.execute(
-                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
-                " WHERE status = 'pending' AND expires_at > ?"
-                " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
-                " ORDER BY created_at, action_id",
-                (_iso(self.clock()),),
-            ).fetchall()
-        return [_pending_action(row) for row in rows]
-
-    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
-        """Re-check everything, then apply the write and mark the action used, atomically."""
-
-        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = self._open_action(db, action_id)
-            tool = tools.get(action.tool)
-            if tool is None or not tool.writes:
-                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
-            args = self._bound_arguments(action)
-            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
-            try:
-                tool.validate(args)
-                outcome = tool.apply(args, context, db)
-            except ToolError as exc:
-                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
-                raise ApprovalError(
-                    f"{action_id}: not carried out: the tool failed; details are in the audit log",
-                    detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
-                ) from None
-            self._mark(db, action, "approved", operator)
-            _record_outcome(db, action_id, result=canonical_json(outcome))
-            return action, outcome
-
-        return self._decide(action_id, "approve", operator, carry_out)
-
-    def reject(self, action_id: str, operator: str, reason: str | None = None) -> None:
-        """Close an open action without running it; `reason` is what the model will be told."""
-
-        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = self._open_action(db, action_id)
-            self._mark(db, action, "rejected", operator)
-            _record_outcome(db, action_id, reason=reason)
-            return action, {"reason": reason} if reason else {}
-
-        self._decide(action_id, "reject", operator, carry_out)
-
-    def _file(
-        self,
-        action_id: str,
-        tool: Tool,
-        args: Mapping[str, Any],
-        context: ToolContext,
-        summary: Mapping[str, Any],
-    ) -> dict[str, Any]:
-        """The action and its in_flight row, in one transaction; what the model will be told."""
-        arguments_json = canonical_json(args)
-        now = self.clock()
-        with self.database.write_transaction() as db:
-            db.execute(
-                "UPDATE pending_actions SET status = 'expired'"
-                " WHERE status = 'pending' AND expires_at <= ?",
-                (_iso(now),),
-            )
-            try:
-                db.execute(
-                    "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
-                    " binding_sha256, summary_json, created_at, expires_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        action_id,
-                        context.customer_id,
-                        tool.name,
-                        arguments_json,
-                        _binding(context.customer_id, tool.name, arguments_json),
-                        canonical_json(summary),
-                        _iso(now),
-                        _iso(now + self.ttl_seconds),
-                    ),
-                )
-            except sqlite3.IntegrityError:  # the one-open-action index
-                raise ToolError(
-                    "this request is already waiting for a person to approve it"
-                ) from None
-            db.execute(
-                "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
-                (action_id, action_id),
-            )
-        expires = _iso(now + self.ttl_seconds)
-        return {
-            "status": "requires_approval",
-            "approvalId": action_id,
-            **summary,
-            "expiresAt": expires,
-        }
-
-    def _withdraw(self, action_id: str) -> None:
-        with self.database.write_transaction() as db:
-            db.execute("DELETE FROM pending_actions WHERE action_id = ?", (action_id,))
-            db.execute("DELETE FROM in_flight WHERE intent_id = ?", (action_id,))
-
-    def _settled(self, intent_id: str) -> None:
-        with self.database.write_transaction() as db:
-            db.execute("DELETE FROM in_flight WHERE intent_id = ?", (intent_id,))
-
-    def _decide(
-        self,
-        action_id: str,
-        step: str,
-        operator: str,
-        carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
-    ) -> dict[str, Any]:
-        """One decision, written ahead: in_flight row, intent line, the change, decision line."""
-        intent_id = "dec-" + secrets.token_hex(8)
-        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
-        with _taking_turns(self):
-            with self.database.write_transaction() as db:
-                db.execute(
-                    "INSERT INTO in_flight (intent_id, action_id, step, operator)"
-                    " VALUES (?, ?, ?, ?)",
-                    (intent_id, action_id, step, operator),
-                )
-            try:
-                self.audit.record("approval_intent", **intent, operator=operator)
-            except AuditError:
-                self._settled(intent_id)  # nothing was decided, and nothing says it was
-                raise
-            try:
-                with self.database.write_transaction() as db:
-                    action, result = carry_out(db)
-                    db.execute(
-                        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
-                        (canonical_json(result), intent_id),
-                    )
-            except ApprovalError as exc:
-                error = {"error": exc.detail} if exc.detail else {}
-                self._conclude(intent, operator, "refused", reason=str(exc), **error)
-                raise
-            except BaseException:
-                # whatever failed, the database now says what happened; let the log say so too
-                with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
-                    _settle(self)
-                raise
-            self._conclude(intent, operator, _DECIDED[step], **_about(action), result=result)
-        return result
-
-    def _conclude(
-        self, intent: Mapping[str, str], operator: str, outcome: str, **fields: Any
-    ) -> None:
-        """The decision's line, then its in_flight row goes."""
-        try:
-            self.audit.record(
-                "approval_decision", **intent, operator=operator, outcome=outcome, **fields
-            )
-        except AuditError as exc:  # the row stays: the next filing or decision writes the line
-            later = "it is written once the log can be"
-            raise AuditError(f"{intent['action_id']}: {outcome}, but {exc}; {later}") from None
-        self._settled(intent["intent_id"])
-
-    def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
-        row = db.execute(
-            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
-            (action_id,),
-        ).fetchone()
-        if row is None:
-            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
-            raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
-        action = _pending_action(row)
-        if action.status != "pending":
-            raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
-        if action.expires_at <= _iso(self.clock()):
-            raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
-        return action
-
-    def _bound_arguments(self, action: PendingAction) -> dict[str, Any]:
-        """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
-        try:
-            args = parse_arguments(action.arguments_json)
-        except ArgumentError:
-            args = {}
-        binding = _binding(action.customer_id, action.tool, canonical_json(args))
-        if not hmac.compare_digest(binding, action.binding_sha256):
-            raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
-        return args
-
-    def _mark(
-        self, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
-    ) -> None:
-        """Mark the action decided, in the decision's transaction: no second use."""
-        marked = db.execute(
-            "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
-            " WHERE action_id = ? AND status = 'pending'",
-            (status, _iso(self.clock()), operator, action.action_id),
-        )
-        if marked.rowcount != 1:
-            raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
-
-
-def _record_outcome(
-    db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
+def _journal(
+    db: sqlite3.Connection, intent_id: str, action_id: str, step: str, operator: str | None = None
 ) -> None:
+    """A step's in_flight row, in the transaction given: from before its first line."""
     db.execute(
-        "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
-        (action_id, result, reason),
+        "INSERT INTO in_flight (intent_id, action_id, step, operator) VALUES (?, ?, ?, ?)",
+        (intent_id, action_id, step, operator),
     )
 
 
-_DECIDED = {"approve": "approved", "reject": "rejected"}
-_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
+def _intend(approvals: Approvals, intent: Mapping[str, str], operator: str) -> None:
+    """A decision's in_flight row, then its approval_intent line (or neither)."""
+    with approvals.database.write_transaction() as db:
+        _journal(db, intent["intent_id"], intent["action_id"], intent["decision"], operator)
+    try:
+        approvals.audit.record("approval_intent", **intent, operator=operator)
+    except AuditError:
+        _step_finished(approvals, intent["intent_id"])  # nothing decided, nor said to be
+        raise
+
+
+def _committed(db: sqlite3.Connection, intent_id: str, result: Mapping[str, Any]) -> None:
+    """In the decision's own transaction: it committed, with this result."""
+    db.execute(
+        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
+        (canonical_json(result), intent_id),
+    )
+
+
+def _conclude(
+    approvals: Approvals, intent: Mapping[str, str], operator: str, outcome: str, **fields: Any
+) -> None:
+    """The decision's line, then its in_flight row goes."""
+    try:
+        approvals.audit.record(
+            "approval_decision", **intent, operator=operator, outcome=outcome, **fields
+        )
+    except AuditError as exc:  # the row stays: the next filing or decision writes the line
+        later = "it is written once the log can be"
+        raise AuditError(f"{intent['action_id']}: {outcome}, but {exc}; {later}") from None
+    _step_finished(approvals, intent["intent_id"])
+
+
+def _withdraw(approvals: Approvals, action_id: str) -> None:
+    """A filing whose line was never written: neither the action nor its row stays."""
+    with approvals.database.write_transaction() as db:
+        db.execute("DELETE FROM pending_actions WHERE action_id = ?", (action_id,))
+        db.execute("DELETE FROM in_flight WHERE intent_id = ?", (action_id,))
+
+
+def _step_finished(approvals: Approvals, intent_id: str) -> None:
+    """A step whose every line is written: its row goes."""
+    with approvals.database.write_transaction() as db:
+        db.execute("DELETE FROM in_flight WHERE intent_id = ?", (intent_id,))
+
+
 _TURNS_WITHOUT_FLOCK = threading.Lock()  # Windows: the threads of one process take turns
 
 
@@ -2966,13 +2860,72 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
         os.close(fd)
 
 
-def _about(action: PendingAction) -> dict[str, str]:
-    """What a decision line says of its action."""
-    return {
-        "customer_id": action.customer_id,
-        "tool": action.tool,
-        "arguments": action.arguments_json,
-    }
+@contextmanager
+def _taking_turns(approvals: Approvals) -> Iterator[None]:
+    """The data directory's filings and decisions take turns; a crashed one is settled
+    before the next begins."""
+    with _turn_lock(approvals.lock_path, wait=True):
+        _settle(approvals)
+        yield
+
+
+def _settle_if_free(approvals: Approvals) -> None:
+    """Settle what a crash left half done, unless a filing or decision is under way."""
+    with _turn_lock(approvals.lock_path, wait=False) as ours:
+        if ours:
+            _settle(approvals)
+
+
+def _settle(approvals: Approvals) -> None:
+    """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
+    with closing(approvals.database.connect_read_only()) as db:
+        rows = db.execute(
+            "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
+        ).fetchall()
+    if not rows:
+        return
+    written = _events_naming(approvals.audit.path, {row[0] for row in rows})
+    for intent_id, action_id, step, operator, result_json in rows:
+        events = written.get(intent_id, set())
+        if step == "propose":
+            if "tool_call" not in events:
+                _withdraw(approvals, action_id)
+                _log.warning("withdrew %s: filed, but its audit line was never written", action_id)
+                continue
+        elif "approval_intent" in events and "approval_decision" not in events:
+            _recover_decision(approvals, intent_id, action_id, step, operator, result_json)
+            continue
+        _step_finished(approvals, intent_id)  # every line it needed is there, or nothing was done
+
+
+def _recover_decision(
+    approvals: Approvals,
+    intent_id: str,
+    action_id: str,
+    step: str,
+    operator: str,
+    result_json: str | None,
+) -> None:
+    """A decision with an intent line and no decision line: the database says which."""
+    intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+    if result_json is None:  # the transaction never committed
+        reason = "the process stopped before the decision was committed; nothing was applied"
+        _conclude(approvals, intent, operator, "not_applied", reason=reason, recovered=True)
+        _log.warning(
+            "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
+        )
+        return
+    with closing(approvals.database.connect_read_only()) as db:
+        row = db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            (action_id,),
+        ).fetchone()
+    fields = _about(_pending_action(row)) if row else {}
+    result = json.loads(result_json)
+    _conclude(approvals, intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
+    _log.warning(
+        "%s: an interrupted %s had committed; its audit line was written now", action_id, step
+    )
 
 
 def _events_naming(path: Path, intent_ids: set[str]) -> dict[str, set[str]]:
@@ -3025,110 +2978,173 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
     return problems
 
 
-_ACTION_COLUMNS = (
-    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
-    " created_at, expires_at, status"
-)
+# ------------------------------------------------------------------------------ the database
+# One SQLite file in the data directory, shared by its components, each with its own tables
+# and schema version. The approvals keep theirs in it; a tool whose data lives there too gets
+# the strongest promise this file makes about writes: an approved change and the action's
+# status commit together, or not at all, between the decision's intent line and its outcome
+# line (Approvals).
 
 
-def _pending_action(row: Sequence[Any]) -> PendingAction:
-    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
-    values = list(row)
-    values[5] = json.loads(values[5])
-    return PendingAction(*values)
+class Database:
+    """The data directory's SQLite database, shared by its components, each with its own
+    tables and its own schema version (so your tables and the approvals' never collide)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.resolve()
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def install(
+        self,
+        component: str,
+        version: int,
+        schema: str,
+        seed: Callable[[sqlite3.Connection], None] | None = None,
+    ) -> None:
+        """Create a component's tables the first time, in one transaction with its version
+        row (and `seed`, if given); refuse a database made by another version of it."""
+        with self.write_transaction() as db:  # one installer at a time: BEGIN IMMEDIATE
+            db.execute(_SCHEMA_VERSIONS)
+            row = db.execute(
+                "SELECT version FROM schema_versions WHERE component = ?", (component,)
+            ).fetchone()
+            if row is not None:
+                if row[0] != version:
+                    found = f"the database holds {component} schema {row[0]}"
+                    raise ConfigError(f"{found}; this code knows schema {version}")
+                return
+            for statement in _sql_statements(schema):
+                db.execute(statement)
+            db.execute("INSERT INTO schema_versions VALUES (?, ?)", (component, version))
+            if seed:
+                seed(db)
+
+    def connect_read_only(self) -> sqlite3.Connection:
+        """A connection that cannot write: least privilege for tools that only read."""
+        return sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)
+
+    @contextmanager
+    def write_transaction(self) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises."""
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=DATABASE_BUSY_TIMEOUT_S)
+        try:
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
 
 
-def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
-    """What an approval is bound to: this customer, this tool, these exact arguments.
-
-    A plain SHA-256, not a signature: it catches a row changed by mistake or by a half-done
-    edit, but anyone who can write the database can recompute it (and could as well insert
-    a change directly). It is not tamper-proof; the database's permissions are what guard it.
-    """
-    return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
+_SCHEMA_VERSIONS = """
+CREATE TABLE IF NOT EXISTS schema_versions (
+    component TEXT PRIMARY KEY,   -- "approvals", or a name of your tools' choosing
+    version   INTEGER NOT NULL
+)"""
 
 
-def _iso(timestamp: float) -> str:
-    """UTC, to the second, in a form whose text order is its time order."""
-    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _sql_statements(script: str) -> Iterator[str]:
+    """A script's statements one at a time, split where SQLite's own tokenizer says one ends.
+
+    subtle: executescript would COMMIT the open transaction before running the script."""
+    statement = ""
+    for piece in script.split(";"):
+        statement += piece + ";"
+        if sqlite3.complete_statement(statement):  # a ";" in a string or comment is not an end
+            if statement.strip(" \t\r\n;"):
+                yield statement
+            statement = ""
+    if statement.strip(" \t\r\n;"):
+        raise ConfigError("a schema ends with an unfinished SQL statement")
 
 
-# ----------------------------------------------------------------------------- crash recovery
-# What makes the approvals' write-ahead steps hold wherever the process dies. A filing or a
-# decision keeps an in_flight row from before its first audit line until after its last; a
-# row still there while nothing is under way is what a crash left, and these settle it
-# against the audit log (Approvals' docstring says how each case ends). Filings and decisions
-# in one data directory take turns under an flock beside the database, so that settling
-# never takes another process's step in progress for a crash, and the lock dies with its
-# process.
+# ==================================================================== Part III: operating it
+
+# -------------------------------------------------------------------------- the audit log's figures
+# What `stats` reports, read from the log itself: the figures the seeds say to alert on.
+
+MAX_TOOLS_COUNTED = 1000  # distinct tool names `stats` counts one by one; the rest as "(other)"
 
 
-@contextmanager
-def _taking_turns(approvals: Approvals) -> Iterator[None]:
-    """The data directory's filings and decisions take turns; a crashed one is settled
-    before the next begins."""
-    with _turn_lock(approvals.lock_path, wait=True):
-        _settle(approvals)
-        yield
-
-
-def _settle_if_free(approvals: Approvals) -> None:
-    """Settle what a crash left half done, unless a filing or decision is under way."""
-    with _turn_lock(approvals.lock_path, wait=False) as ours:
-        if ours:
-            _settle(approvals)
-
-
-def _settle(approvals: Approvals) -> None:
-    """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
-    with closing(approvals.database.connect_read_only()) as db:
-        rows = db.execute(
-            "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
-        ).fetchall()
-    if not rows:
-        return
-    written = _events_naming(approvals.audit.path, {row[0] for row in rows})
-    for intent_id, action_id, step, operator, result_json in rows:
-        events = written.get(intent_id, set())
-        if step == "propose":
-            if "tool_call" not in events:
-                approvals._withdraw(action_id)
-                _log.warning("withdrew %s: filed, but its audit line was never written", action_id)
+def audit_stats(path: Path) -> dict[str, Any]:
+    """The figures the seeds say to alert on, read from the log itself, line by line (memory
+    bounded whatever the log's size; lines that are not records are skipped)."""
+    rounds: collections.Counter[int] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    stops: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
+    failed = retries = skipped = 0
+    with open(path, "rb") as log:
+        for record in map(_record_or_none, log):
+            if record is None or not _well_formed(record):
+                skipped += 1  # an edited line: verify-audit names it; the figures leave it out
                 continue
-        elif "approval_intent" in events and "approval_decision" not in events:
-            _recover_decision(approvals, intent_id, action_id, step, operator, result_json)
-            continue
-        approvals._settled(intent_id)  # every line it needed is there, or nothing was done
+            if record.get("event") == "turn":
+                rounds[_count_in(record.get("rounds"))] += 1
+                stops[str(record.get("stop_reason"))] += 1
+                retries += _count_in(record.get("retries"))
+                usage = record.get("usage")
+                for key, count in usage.items() if isinstance(usage, dict) else ():
+                    tokens[str(key)] += _count_in(count)
+            elif record.get("event") == "tool_call":
+                outcome = str(record.get("outcome"))
+                if outcome.startswith("skipped:"):
+                    continue
+                tool = str(record.get("tool"))
+                calls[tool if tool in calls or len(calls) < MAX_TOOLS_COUNTED else "(other)"] += 1
+                failed += _is_tool_error(outcome)
+    ran = sum(calls.values())
+    return {
+        "turns": sum(rounds.values()),
+        "rounds_median": _median(rounds),
+        "rounds_max": max(rounds, default=0),
+        "tool_calls": dict(sorted(calls.items())),
+        "tool_errors": failed,
+        "tool_error_rate": failed / ran if ran else 0.0,
+        "stop_reasons": dict(stops),
+        "guards": {guard: stops[guard] for guard in GUARD_STOPS},
+        "tokens": dict(tokens),
+        "retries": retries,
+        "skipped_lines": skipped,
+    }
 
 
-def _recover_decision(
-    approvals: Approvals,
-    intent_id: str,
-    action_id: str,
-    step: str,
-    operator: str,
-    result_json: str | None,
-) -> None:
-    """A decision with an intent line and no decision line: the database says which."""
-    intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
-    if result_json is None:  # the transaction never committed
-        reason = "the process stopped before the decision was committed; nothing was applied"
-        approvals._conclude(intent, operator, "not_applied", reason=reason, recovered=True)
-        _log.warning(
-            "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
-        )
-        return
-    with closing(approvals.database.connect_read_only()) as db:
-        row = db.execute(
-            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
-            (action_id,),
-        ).fetchone()
-    fields = _about(_pending_action(row)) if row else {}
-    result = json.loads(result_json)
-    approvals._conclude(intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
-    _log.warning(
-        "%s: an interrupted %s had committed; its audit line was written now", action_id, step
+_FIELD_TYPES: dict[str, dict[str, type]] = {
+    "turn": {"rounds": int, "retries": int, "stop_reason": str, "usage": dict},
+    "tool_call": {"tool": str, "outcome": str},
+}
+
+
+def _well_formed(record: Mapping[str, Any]) -> bool:
+    """Do a record's fields have the types this code writes? (Missing ones are fine.)"""
+    expected = _FIELD_TYPES.get(str(record.get("event")), {})
+    return all(
+        isinstance(record[name], kind) and not isinstance(record[name], bool)
+        for name, kind in expected.items()
+        if name in record
     )
+
+
+def _count_in(value: Any) -> int:
+    """A count from a record, or 0 for anything that is not one (an edited line, say)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _median(histogram: Mapping[int, int]) -> float:
+    """The median of values given as {value: how many times}, without listing them."""
+    total = sum(histogram.values())
+    middle = ((total - 1) // 2, total // 2)  # the two middle positions (one, when odd)
+    found: list[int] = []
+    seen = 0
+    for value in sorted(histogram):
+        seen += histogram[value]
+        while len(found) < 2 and middle[len(found)] < seen:
+            found.append(value)
+    return (found[0] + found[1]) / 2 if found else 0
 
 
 # ------------------------------------------------------------------------------ conversations
@@ -3161,6 +3177,28 @@ CREATE TABLE IF NOT EXISTS conversation_turns (
     PRIMARY KEY (conversation_id, turn)
 );
 """
+
+
+# What each decision produced, written in the decision's own transaction: what a conversation
+# that filed the action is told on its next turn (Conversations). Its own part: databases made
+# before it get the table the first time they are opened.
+_OUTCOMES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS action_outcomes (
+    action_id   TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
+    result_json TEXT,                -- what apply returned (approved)
+    reason      TEXT                 -- what the person said (rejected), if anything
+);
+"""
+
+
+def _record_outcome(
+    db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
+) -> None:
+    """What a decision produced, in the decision's own transaction (Approvals)."""
+    db.execute(
+        "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
+        (action_id, result, reason),
+    )
 
 
 class ConversationError(Exception):
@@ -3461,6 +3499,11 @@ def _no_tools(database: Database) -> list[Tool]:
     return []
 
 
+class ToolSourceError(Exception):
+    """Tools from outside this file (a ToolSource's: a server's, say) could not be had or
+    used. Its text is written for the user; the detail behind it goes to the audit log."""
+
+
 class ToolSource:
     """Tools from outside this file, offered beside an App's by `ask`, `chat` and `approve`
     (a section further down may add one): the flags that name them, and the tools those flags give,
@@ -3515,10 +3558,7 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     try:
         code: int = args.command(args, app)
         return code
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConversationError as exc:
+    except (ConfigError, ConversationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (ApprovalError, AuditError, ToolSourceError) as exc:

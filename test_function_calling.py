@@ -4030,25 +4030,136 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertEqual((code, out.getvalue()), (3, "Out of steps; try a smaller question.\n"))
 
 
-class FirstReadingTest(unittest.TestCase):
-    def test_the_first_reading_the_docstring_names_is_about_as_long_as_it_says(self) -> None:
-        lines = MODULE.read_text().splitlines()
-        banner = re.compile(r"^# -{3,} (.+)$")
-        found = ((n, banner.match(line)) for n, line in enumerate(lines))
-        starts = [(n, match.group(1)) for n, match in found if match]
-        ends = [n for n, _ in starts[1:]] + [len(lines)]
-        size = {title.split(" (")[0]: end - n for (n, title), end in zip(starts, ends, strict=True)}
-        reading = re.search(
-            r"First reading, the whole mechanism \(about ([0-9,]+) lines[^)]*\): ([^.]+)\.",
-            fc.__doc__ or "",
+PART_MARKER = re.compile(
+    r"^# =+ (Part I: the mechanism|end of Part I: the mechanism"
+    r"|Part II: hardening|Part III: operating it)$"
+)
+SAFETY_TABLE = re.compile(
+    r"^## The safety rules, and where each lives\n(.*?)^#", re.DOTALL | re.MULTILINE
+)
+# What Part I never does itself: talk HTTP, TLS or sockets, decode a stream, lock a file, parse
+# a command line. It may call into Part II (by a name whose docstring states the guarantee).
+HARDENING_MODULES = {"http", "socket", "ssl", "select", "codecs", "fcntl", "argparse", "urllib"}
+HARDENING_PIECES = {
+    "ChatClient",  # the transport
+    "read_stream",  # the stream
+    "AuditFileHandler",  # the audit chain
+    "verify_audit",
+    "_settle",  # crash recovery
+    "audit_disagreements",
+    "Conversations",  # operating it
+    "main",
+    "ScriptedChatServer",
+}
+
+
+class ShapeTest(unittest.TestCase):
+    """The file reads as a reference: Part I, the mechanism, first, whole and at most 1,500
+    lines; the hardening and the operating after it."""
+
+    def setUp(self) -> None:
+        self.lines = MODULE.read_text().splitlines()
+        matches = ((n, PART_MARKER.match(line)) for n, line in enumerate(self.lines, 1))
+        found = [(n, match.group(1)) for n, match in matches if match]
+        titles = [title for _, title in found]
+        expected = [
+            "Part I: the mechanism",
+            "end of Part I: the mechanism",
+            "Part II: hardening",
+            "Part III: operating it",
+        ]
+        self.assertEqual(titles, expected, "each part's marker once, in order")
+        self.part_one_end, self.part_two, self.part_three = found[1][0], found[2][0], found[3][0]
+        cut = next(n for n, line in enumerate(self.lines, 1) if line.startswith("# >>> "))
+        self.part_three_end = cut - 1
+        self.tree = ast.parse(MODULE.read_text())
+
+    def defined_in(self, first: int, last: int) -> dict[str, ast.stmt]:
+        return {
+            name: node
+            for node in self.tree.body
+            if first <= node.lineno <= last
+            for name in top_level_names(ast.unparse(node))
+        }
+
+    def test_part_one_is_at_most_1500_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 1500)
+        doc = " ".join((fc.__doc__ or "").split())
+        said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
+        assert said is not None, "the docstring's first reading names Part I's lines"
+        self.assertEqual(int(said.group(1).replace(",", "")), self.part_one_end)
+        sections = re.compile(r"^# -+ ([^(]+?)(?: \(.*)?$")
+        for first, last, part in (
+            (1, self.part_one_end, "I, the mechanism, is lines"),
+            (self.part_two, self.part_three, "II, hardening"),
+            (self.part_three, self.part_three_end, "III, operating it"),
+        ):
+            named = re.search(rf"Part {part}[^:]*: (.*?)\.(?: Part| Last)", doc)
+            assert named is not None, f"the docstring names the sections of Part {part}"
+            listed = [re.sub(r" \(.*", "", name) for name in named.group(1).split(" · ")]
+            banners = [m.group(1) for m in map(sections.match, self.lines[first:last]) if m]
+            self.assertEqual(listed, banners, f"the sections of Part {part}, in order")
+        for part, size in (
+            ("II", self.part_three - self.part_two),
+            ("III", self.part_three_end - self.part_three),
+        ):
+            claimed = re.search(rf"Part {part}, [a-z ,]+\(about ([0-9,]+) lines\)", doc)
+            assert claimed is not None, f"the docstring says how long Part {part} is"
+            about = int(claimed.group(1).replace(",", ""))
+            self.assertLessEqual(abs(about - size), size // 10, f"Part {part} is {size} lines")
+
+    def test_every_name_the_safety_table_gives_as_a_home_is_defined_in_part_one(self) -> None:
+        table = SAFETY_TABLE.search(README.read_text())
+        assert table is not None
+        rows = [
+            line
+            for line in table.group(1).splitlines()
+            if line.startswith("| ") and "---" not in line
+        ]
+        part_one = self.defined_in(1, self.part_one_end)
+        later = self.defined_in(self.part_two, self.part_three_end)
+        self.assertGreater(len(rows), 10)
+        for row in rows[1:]:  # the header first
+            where = row.rstrip(" |").rsplit(" | ", 1)[1]
+            home, _, hardening = re.sub(r"the example's `[^`]+`", "", where).partition("Part II:")
+            homes = [
+                name
+                for name in re.findall(r"`([A-Za-z_][\w.]*)`", home)
+                if name != "function_calling.py"
+            ]
+            with self.subTest(rule=row[:60]):
+                self.assertTrue(homes, "each rule names its home in Part I")
+                for name in homes:
+                    self.assertTrue(self.has(part_one, name), f"{name} is not defined in Part I")
+                for name in re.findall(r"`([A-Za-z_][\w.]*)`", hardening):
+                    if name not in ("http", "https"):
+                        self.assertTrue(self.has(later, name), f"{name} is not defined in Part II")
+
+    def has(self, defined: dict[str, ast.stmt], dotted: str) -> bool:
+        """Is `name` (or `Class.member`) defined by these statements?"""
+        name, _, member = dotted.partition(".")
+        node = defined.get(name)
+        if node is None or not member:
+            return node is not None
+        return isinstance(node, ast.ClassDef) and member in top_level_names(
+            ast.unparse(ast.Module(node.body, []))
         )
-        assert reading is not None
-        names = [name.strip() for name in " ".join(reading.group(2).split()).split(",")]
-        for part in ("tools and validation", "the reply", "dispatch", "the loop"):
-            self.assertIn(part, names)
-        total = starts[0][0] + sum(size[name] for name in names)  # the docstring too
-        claimed = int(reading.group(1).replace(",", ""))
-        self.assertLessEqual(abs(total - claimed), claimed // 10, f"{total} lines")
+
+    def test_part_one_defines_no_transport_stream_chain_recovery_or_cli_piece(self) -> None:
+        body = [node for node in self.tree.body if node.lineno <= self.part_one_end]
+        code = [node for node in body if not isinstance(node, ast.Import | ast.ImportFrom | ast.If)]
+        self.assertEqual(set(self.defined_in(1, self.part_one_end)) & HARDENING_PIECES, set())
+        touched = {
+            node.value.id
+            for statement in code
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        }
+        self.assertEqual(
+            touched & HARDENING_MODULES, set(), "Part I reaches for hardening's modules"
+        )
+        for piece in HARDENING_PIECES:
+            self.assertIn(piece, self.defined_in(self.part_two, self.part_three_end), piece)
 
 
 def tls_server_context(folder: Path) -> tuple[ssl.SSLContext, Path] | None:
