@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,495 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,466 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,570 lines), makes each of its promises hold against real servers and
@@ -93,56 +93,22 @@ else:
 if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback further down
     sys.exit("function_calling.py needs Python 3.10 or newer")
 
+# fmt: off
 __all__ = [
-    "TOOL_SOURCES",
-    "ApiError",
-    "App",
-    "ApprovalError",
-    "Approvals",
-    "ArgumentError",
-    "AuditError",
-    "AuditLog",
-    "ChatClient",
-    "ConfigError",
-    "Conversation",
-    "ConversationError",
-    "Conversations",
-    "Database",
-    "PendingAction",
-    "RecordedRequest",
-    "SavedTurn",
-    "ScriptedChatServer",
-    "ScriptedReply",
-    "Settings",
-    "Tool",
-    "ToolContext",
-    "ToolError",
-    "ToolLoop",
-    "ToolSource",
-    "ToolSourceError",
-    "TurnResult",
-    "audit_disagreements",
-    "audit_stats",
-    "canonical_json",
-    "check_argument_names",
-    "delta_chunk",
-    "main",
-    "parse_arguments",
-    "portable_history",
-    "require_choice",
-    "require_integer",
-    "require_pattern",
-    "stream_reply",
-    "text_reply",
-    "tool_call_reply",
-    "tool_table",
+    "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
+    "AuditError", "AuditLog", "ChatClient", "ConfigError", "Conversation", "ConversationError",
+    "Conversations", "Database", "PendingAction", "RecordedRequest", "SavedTurn",
+    "ScriptedChatServer", "ScriptedReply", "Settings", "Tool", "ToolContext", "ToolError",
+    "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "audit_disagreements",
+    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "main",
+    "parse_arguments", "portable_history", "require_choice", "require_integer",
+    "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
     "verify_audit",
 ]
+# fmt: on
 
 
 # ===================================================================== Part I: the mechanism
-# Where it calls into Part II, the callee's name and first docstring line say what it
-# guarantees: a reader may stop at the end of this part.
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -269,9 +235,8 @@ class Tool:
     name: ClassVar[str]
     description: ClassVar[str]
     parameters: ClassVar[dict[str, Any]]
-    # A tool that writes never changes anything when the model calls it: `execute` validates,
-    # checks eligibility and describes the change; the loop files it as a pending action; and
-    # `apply` makes the change only when a human approves, inside the approval's transaction.
+    # A tool that writes only proposes: `execute` validates and describes the change, and
+    # `apply` makes it once a human approves (dispatch, Approvals).
     writes: ClassVar[bool] = False
     # The result is the answer: when every call in a reply is return-direct, no model call follows.
     return_direct: ClassVar[bool] = False
@@ -1374,7 +1339,10 @@ class Approvals:
                 raise ToolError(
                     "this request is already waiting for a person to approve it"
                 ) from None
-            _journal(db, action_id, action_id, "propose")
+            db.execute(  # its journal row, from before its first line
+                "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
+                (action_id, action_id),
+            )
         expires = _iso(now + self.ttl_seconds)
         return {
             "status": "requires_approval",
@@ -1399,7 +1367,10 @@ class Approvals:
             try:
                 with self.database.write_transaction() as db:
                     action, result = carry_out(db)
-                    _committed(db, intent_id, result)  # in the journal, in the same commit
+                    db.execute(  # in the journal, in the same commit
+                        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
+                        (canonical_json(result), intent_id),
+                    )
             except ApprovalError as exc:
                 error = {"error": exc.detail} if exc.detail else {}
                 _conclude(self, intent, operator, "refused", reason=str(exc), **error)
@@ -1497,6 +1468,10 @@ def _iso(timestamp: float) -> str:
 # ======================================================================== Part II: hardening
 
 # ----------------------------------------------------------------------------- the transport
+# One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
+# request would cost a TCP and (over https) a TLS handshake every round. http.client is the
+# transport urllib itself stands on; used directly, it follows no redirects (a 3xx is an
+# error here: following it would send the Authorization header to the host it names).
 
 
 @dataclass(frozen=True)
@@ -1551,12 +1526,6 @@ class Settings:
 
 def _is_header_safe(value: str) -> bool:
     return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
-
-
-# One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
-# request would cost a TCP and (over https) a TLS handshake every round. http.client is the
-# transport urllib itself stands on; used directly, it follows no redirects (a 3xx is an
-# error here: following it would send the Authorization header to the host it names).
 
 
 # subtle: a socket timeout bounds each socket operation, not the request: a server that sends
@@ -1725,7 +1694,9 @@ class ChatClient:
         try:
             return self._attempts(body, turn_deadline, on_text)
         except ApiError as exc:  # every error text that may quote the server, made safe once
-            raise ApiError(self._redact(str(exc)), exc.status, exc.code) from None
+            raise ApiError(
+                _redacted(str(exc), self.settings.api_key), exc.status, exc.code
+            ) from None
 
     def _attempts(
         self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
@@ -1858,14 +1829,11 @@ class ChatClient:
                 "it would send the API key to another address. Check OPENAI_BASE_URL",
                 status,
             )
-        text = self._redact(" ".join(body.decode("utf-8", "replace").split()))
+        text = _redacted(_printable(body), self.settings.api_key)
         message = f"the model API answered HTTP {status}: {_cut(text, 300)}"
         if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
         return ApiError(message, status, _error_code(body))
-
-    def _redact(self, text: str) -> str:
-        return _redacted(text, self.settings.api_key)
 
 
 def _error_code(body: bytes) -> str | None:
@@ -2760,8 +2728,6 @@ def _record_or_none(line: bytes) -> dict[str, Any] | None:
 # and the lock dies with its process.
 
 _IN_FLIGHT_SCHEMA = """
--- A filing or decision under way: written before its first audit line, gone after its last.
--- A row a crash left behind is what tells the next run there is something to settle.
 CREATE TABLE IF NOT EXISTS in_flight (
     intent_id   TEXT PRIMARY KEY,    -- named by this step's audit lines
     action_id   TEXT NOT NULL,
@@ -2772,33 +2738,18 @@ CREATE TABLE IF NOT EXISTS in_flight (
 """
 
 
-def _journal(
-    db: sqlite3.Connection, intent_id: str, action_id: str, step: str, operator: str | None = None
-) -> None:
-    """A step's in_flight row, in the transaction given: from before its first line."""
-    db.execute(
-        "INSERT INTO in_flight (intent_id, action_id, step, operator) VALUES (?, ?, ?, ?)",
-        (intent_id, action_id, step, operator),
-    )
-
-
 def _intend(approvals: Approvals, intent: Mapping[str, str], operator: str) -> None:
     """A decision's in_flight row, then its approval_intent line (or neither)."""
     with approvals.database.write_transaction() as db:
-        _journal(db, intent["intent_id"], intent["action_id"], intent["decision"], operator)
+        db.execute(
+            "INSERT INTO in_flight (intent_id, action_id, step, operator) VALUES (?, ?, ?, ?)",
+            (intent["intent_id"], intent["action_id"], intent["decision"], operator),
+        )
     try:
         approvals.audit.record("approval_intent", **intent, operator=operator)
     except AuditError:
         _step_finished(approvals, intent["intent_id"])  # nothing decided, nor said to be
         raise
-
-
-def _committed(db: sqlite3.Connection, intent_id: str, result: Mapping[str, Any]) -> None:
-    """In the decision's own transaction: it committed, with this result."""
-    db.execute(
-        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
-        (canonical_json(result), intent_id),
-    )
 
 
 def _conclude(
@@ -3065,7 +3016,6 @@ def _sql_statements(script: str) -> Iterator[str]:
 # ==================================================================== Part III: operating it
 
 # -------------------------------------------------------------------------- the audit log's figures
-# What `stats` reports, read from the log itself: the figures the seeds say to alert on.
 
 MAX_TOOLS_COUNTED = 1000  # distinct tool names `stats` counts one by one; the rest as "(other)"
 
