@@ -32,7 +32,7 @@ Yours: write Tool subclasses, put them in an App, and call main(app=…) (README
 First reading: Part I, the mechanism, is lines 1 to 1,466 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,570 lines), makes each of its promises hold against real servers and
+hardening (about 1,550 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
 audit chain · the approvals' journal · the database. Part III, operating it (about 1,330
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
@@ -136,7 +136,7 @@ SHOWN_CHARS = 60  # how much of a rejected value a message quotes back
 KEY_PREFIX_SHOWN = 9  # a server text may show this much of the key's start, and no more
 
 # What the model is told, and what the user reads when a guard stops a turn. Generic on
-# purpose: an App (the CLI section) gives its own.
+# purpose: an App (Part III, the CLI) gives its own.
 SYSTEM_PROMPT = (
     "You are an assistant that answers with the help of tools. When the answer depends on "
     "data you do not have, call a tool; never guess what a tool would return. Tool results "
@@ -433,7 +433,7 @@ def _cut(text: str, limit: int) -> str:
 
 # ------------------------------------------------------------------------------------- audit
 # Every call, rejected ones included, and every human decision is one line, on disk before the
-# result goes anywhere. How the lines are chained and checked is the next section.
+# result goes anywhere. How the lines are chained and checked is Part II's (the audit chain).
 
 AUDIT_LOGGER = "function_calling.audit"
 
@@ -925,7 +925,7 @@ class ToolLoop:
         while True:
             turn.rounds += 1
             choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
-            try:
+            try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
                 reply = self.client.complete(
                     turn.messages,
                     self._tools_json,
@@ -1199,8 +1199,8 @@ class Approvals:
     - deciding: an in_flight row; an approval_intent line; the change, the action's status and
       the row's result_json in one transaction; an approval_decision line; the row goes.
 
-    A row left behind is a crash; the next filing or decision settles it first (Part II:
-    crash recovery says how each case ends).
+    A row left behind is a crash; the next filing or decision settles it first (Part II, the
+    approvals' journal, says how each case ends).
     """
 
     def __init__(
@@ -1677,9 +1677,11 @@ class ChatClient:
         tool_choice: str = '"auto"',
         parallel_tool_calls: bool | None = None,
     ) -> Reply:
-        """One model call: POST the conversation (retrying what may be retried before
-        `deadline`, a time.monotonic() value), return the parsed reply. With `on_text`, the
-        reply is streamed and each piece of its text is handed to on_text as it arrives."""
+        """One reply, whole, by `deadline` (a time.monotonic() value), or ApiError.
+
+        It POSTs the conversation, retrying what may be retried, and parses the reply; an
+        ApiError's text never holds the key. With `on_text`, the reply is streamed and each
+        piece of its text is handed to on_text as it arrives."""
         body = _request_body(
             self.settings.model,
             messages,
@@ -2246,6 +2248,7 @@ def skip_calls(
 
 
 def _not_run_content(reason: str) -> str:
+    """What the model reads for a call that did not run, and why."""
     return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
 
 
@@ -2930,11 +2933,6 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ the database
-# One SQLite file in the data directory, shared by its components, each with its own tables
-# and schema version. The approvals keep theirs in it; a tool whose data lives there too gets
-# the strongest promise this file makes about writes: an approved change and the action's
-# status commit together, or not at all, between the decision's intent line and its outcome
-# line (Approvals).
 
 
 class Database:
