@@ -4913,7 +4913,13 @@ MCP_LEGACY = "2025-11-25"  # the initialize / notifications/initialized handshak
 MCP_LEGACY_ANSWERS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # tools alike
 MCP_CLIENT_INFO = {"name": "function_calling", "version": "1"}
 MCP_TIMEOUT_S = 30.0  # one request to a server, from the first byte written to the answer
-MCP_PROBE_TIMEOUT_S = 5.0  # server/discover: a legacy server may never answer it
+MCP_PROBE_TIMEOUT_S = 5.0  # server/discover alone; after it, the handshake is asked as well
+# From start to the first answer. A first `npx -y`, `uvx`, `pipx run` or `docker run` fetches
+# the server before it reads a byte (13 s for the reference memory server through npx on a
+# fast line; an image pull takes longer): two minutes fits a package or a small image, and a
+# server that answers sooner waits none of it. --mcp-startup-timeout sets it.
+MCP_STARTUP_TIMEOUT_S = 120.0
+MCP_STDERR_TAIL_CHARS = 400  # the end of a server's stderr, shown when it dies at start
 MCP_CLOSE_GRACE_S = 1.0  # after stdin closes, before SIGTERM (then SIGKILL)
 MAX_MCP_MESSAGE_BYTES = 4 * 1024 * 1024  # one line from the server
 MAX_MCP_STDERR_BYTES = 16 * 1024  # what the audit log keeps of a server's stderr
@@ -4927,7 +4933,9 @@ _UNSUPPORTED_VERSION = (-32004, -32022)  # codes seen for UnsupportedProtocolVer
 
 class McpError(ToolSourceError):
     """An MCP server could not be used: it did not start, died, hung, broke the protocol or
-    refused a request. The text is ours (no server text in it); ends the turn."""
+    refused a request; ends the turn. The text is ours, but for the end of the stderr of a
+    server that died (escaped, cut, its environment's values redacted): what the user needs
+    when it dies at start. In a turn it reaches the audit log only, as any tool failure's."""
 
 
 class McpRefusedError(McpError):
@@ -4944,22 +4952,32 @@ class McpTimeoutError(McpError):
 
 
 class _Answer:
-    """Where the reader thread leaves the answer to one request."""
+    """Where the reader thread leaves the answer to one request; `woken`, if given, is set as
+    well, so that one wait can take whichever of two answers comes first."""
 
-    def __init__(self) -> None:
+    def __init__(self, woken: threading.Event | None = None) -> None:
         self.ready = threading.Event()
+        self.woken = woken
         self.message: dict[str, Any] = {}
         self.error: McpError | None = None
+
+    def deliver(self, message: dict[str, Any] | None = None, error: McpError | None = None) -> None:
+        self.message, self.error = message or self.message, error or self.error
+        self.ready.set()
+        if self.woken is not None:
+            self.woken.set()
 
 
 class McpServer:
     """One MCP server, started from `command` (argv) as a child process; a context manager.
 
-    The protocol revision is chosen at start: server/discover with 2026-07-28's per-request
-    _meta first; a server that answers it speaks the modern revision. Any other error means
-    a legacy server: the 2025-11-25 initialize handshake follows on the same process; no
-    answer at all (or a dead process) means the server is restarted first, as its state is
-    unknown. `env` is the child's whole environment: nothing of ours is inherited.
+    The protocol revision is chosen at start, on the one process the server runs as:
+    server/discover with 2026-07-28's per-request _meta first; a server that answers it
+    speaks the modern revision, and any error answer means a legacy server, which the
+    2025-11-25 initialize handshake follows. A server silent for `probe_timeout` is asked for
+    the handshake as well, and the first answer decides; one that answers neither within
+    `startup_timeout` is stopped. `env` is the child's whole environment: nothing of ours is
+    inherited.
     """
 
     def __init__(
@@ -4969,6 +4987,7 @@ class McpServer:
         env: Mapping[str, str] | None = None,
         timeout: float = MCP_TIMEOUT_S,
         probe_timeout: float = MCP_PROBE_TIMEOUT_S,
+        startup_timeout: float = MCP_STARTUP_TIMEOUT_S,
         max_message_bytes: int = MAX_MCP_MESSAGE_BYTES,
         audit: AuditLog | None = None,
     ) -> None:
@@ -4979,6 +4998,7 @@ class McpServer:
         self.env = dict(env or {})
         self.timeout = timeout
         self.probe_timeout = probe_timeout
+        self.startup_timeout = startup_timeout
         self.max_message_bytes = max_message_bytes
         self.audit = audit
         self.protocol: str | None = None
@@ -4992,6 +5012,7 @@ class McpServer:
         self._next_id = 1
         self._broken: McpError | None = None
         self._stderr = bytearray()
+        self._stderr_tail = b""  # the last bytes of it, for a death at start
         self._stderr_bytes = 0
 
     def __enter__(self) -> McpServer:
@@ -5101,7 +5122,7 @@ class McpServer:
             raise McpError(f"MCP server {self.label}: could not start ({reason})") from None
         os.set_blocking(process.stdin.fileno(), False)  # type: ignore[union-attr]
         self._stderr.clear()
-        self._stderr_bytes = 0
+        self._stderr_tail, self._stderr_bytes = b"", 0
         with self._lock:
             self._process, self._broken = process, None
             self._pending.clear()
@@ -5110,39 +5131,62 @@ class McpServer:
             threading.Thread(target=self._read_output, args=(process,), daemon=True),
             threading.Thread(target=self._read_stderr, args=(process,), daemon=True),
         ]
-        for thread in self._threads:
+        for thread in reversed(self._threads):  # stderr's first: _gone may wait for it
             thread.start()
 
     def _negotiate(self) -> str:
         """Which revision this server speaks (see the class docstring)."""
+        deadline = time.monotonic() + self.startup_timeout
+        either = threading.Event()
+        probe = self._ask("server/discover", {}, True, either)
+        hello = None
+        if not either.wait(min(self.probe_timeout, self.startup_timeout)):
+            # subtle: silence is a legacy server that ignores the probe, or any server still
+            # starting (a first `npx -y` downloads it before it reads a byte). Restarting it
+            # would break the download halfway (npx's cache is left broken) and pay for it
+            # again; so the handshake is asked on the same process, and the first answer wins.
+            hello = self._ask("initialize", _HELLO, False, either)
+            if not either.wait(max(0.0, deadline - time.monotonic())):
+                self._abandon(probe[0], hello[0])
+                raise McpError(
+                    f"MCP server {self.label} answered neither server/discover nor initialize"
+                    f" within {self.startup_timeout:g} s (--mcp-startup-timeout)"
+                )
+        if hello is not None and hello[1].ready.is_set() and not probe[1].ready.is_set():
+            self._abandon(probe[0])  # a legacy server that ignores what it does not know
+            return self._initialize(hello, deadline)
         try:
-            found = self._request("server/discover", {}, self.probe_timeout, modern=True)
+            found = self._await(
+                "server/discover", *probe, deadline, True, self.startup_timeout, True
+            )
         except McpRefusedError as exc:  # it answered: legacy, or modern without our version
             versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
             if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
-                return self._legacy_or_none(versions)
-            return self._initialize()
-        except McpError:  # silence or death: its state is unknown, so it starts afresh
-            self.close()
-            self._spawn()
-            return self._initialize()
+                return self._legacy_or_none(versions, hello, deadline)
+            return self._initialize(hello, deadline)
         versions = found.get("supportedVersions")
         if isinstance(versions, list) and MCP_MODERN in versions:
+            if hello is not None:
+                self._abandon(hello[0])  # its answer, if one comes, is dropped
             return MCP_MODERN
-        return self._legacy_or_none(versions if isinstance(versions, list) else [])
+        return self._legacy_or_none(versions if isinstance(versions, list) else [], hello, deadline)
 
-    def _legacy_or_none(self, versions: list[Any]) -> str:
+    def _legacy_or_none(
+        self, versions: list[Any], hello: tuple[int, _Answer] | None, deadline: float
+    ) -> str:
         if any(version in MCP_LEGACY_ANSWERS for version in versions):
-            return self._initialize()
+            return self._initialize(hello, deadline)
         offered = ", ".join(_shown(version) for version in versions[:8]) or "nothing"
         raise McpError(
             f"MCP server {self.label} speaks {offered}; this client speaks {MCP_MODERN}"
             f" and {', '.join(MCP_LEGACY_ANSWERS)}"
         )
 
-    def _initialize(self) -> str:
-        hello = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
-        result = self._request("initialize", hello, self.timeout, modern=False)
+    def _initialize(self, hello: tuple[int, _Answer] | None, deadline: float) -> str:
+        """The 2025-11-25 handshake, its initialize already asked (`hello`) or asked now."""
+        if hello is None:
+            hello = self._ask("initialize", _HELLO, False)
+        result = self._await("initialize", *hello, deadline, False, self.startup_timeout)
         version = result.get("protocolVersion")
         if version not in MCP_LEGACY_ANSWERS:
             raise McpError(
@@ -5159,9 +5203,20 @@ class McpServer:
         self, method: str, params: Mapping[str, Any], timeout: float, modern: bool | None = None
     ) -> dict[str, Any]:
         modern = self.protocol == MCP_MODERN if modern is None else modern
+        ident, answer = self._ask(method, params, modern)
+        return self._await(method, ident, answer, time.monotonic() + timeout, modern, timeout)
+
+    def _ask(
+        self,
+        method: str,
+        params: Mapping[str, Any],
+        modern: bool,
+        woken: threading.Event | None = None,
+    ) -> tuple[int, _Answer]:
+        """Send one request; its answer comes to the _Answer returned."""
         if modern:
             params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
-        answer = _Answer()
+        answer = _Answer(woken)
         with self._lock:
             process = self._process
             if self._broken is not None or process is None:
@@ -5169,12 +5224,29 @@ class McpServer:
             ident, self._next_id = self._next_id, self._next_id + 1
             self._pending[ident] = answer
         message = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
-        deadline = time.monotonic() + timeout
         try:
-            self._send(message, timeout, process)
+            self._send(message, self.timeout, process)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(ident, None)
+            raise
+        return ident, answer
+
+    def _await(
+        self,
+        method: str,
+        ident: int,
+        answer: _Answer,
+        deadline: float,
+        modern: bool,
+        timeout: float,
+        quiet: bool = False,
+    ) -> dict[str, Any]:
+        """The result of a request sent, by `deadline` (`timeout` after it was sent);
+        `quiet`: a refusal is expected, and not audited as an error."""
+        try:
             if not answer.ready.wait(max(0.0, deadline - time.monotonic())):
-                with self._lock:
-                    self._abandoned.add(ident)
+                self._abandon(ident)
                 raise McpTimeoutError(
                     f"MCP server {self.label}: no answer to {method} in {timeout:g} s"
                 )
@@ -5183,14 +5255,24 @@ class McpServer:
                 self._pending.pop(ident, None)
         if answer.error is not None:
             raise answer.error
-        return self._result(method, answer.message, modern)
+        return self._result(method, answer.message, modern, quiet)
 
-    def _result(self, method: str, message: Mapping[str, Any], modern: bool) -> dict[str, Any]:
+    def _abandon(self, *idents: int) -> None:
+        """Requests nobody waits for any more: an answer that comes late is dropped."""
+        with self._lock:
+            for ident in idents:
+                if self._pending.pop(ident, None) is not None:
+                    self._abandoned.add(ident)
+
+    def _result(
+        self, method: str, message: Mapping[str, Any], modern: bool, quiet: bool = False
+    ) -> dict[str, Any]:
         error = message.get("error")
         if error is not None:
             code = error.get("code") if isinstance(error, dict) else None
             data = error.get("data") if isinstance(error, dict) else None
-            self.record("mcp_error", method=method, error=_cut(_compact(error), 2000))
+            if not quiet:
+                self.record("mcp_error", method=method, error=_cut(_compact(error), 2000))
             shown = code if isinstance(code, int) and not isinstance(code, bool) else "?"
             raise McpRefusedError(
                 f"MCP server {self.label} refused {method} (JSON-RPC error {shown});"
@@ -5281,8 +5363,7 @@ class McpServer:
             lie = f"MCP server {self.label} answered a request it was not sent ({_shown(ident)})"
             self._break(McpError(lie), process)
             return False
-        answer.message = message
-        answer.ready.set()
+        answer.deliver(message=message)
         return True
 
     def _decline(self, request: Mapping[str, Any], process: subprocess.Popen[bytes]) -> None:
@@ -5309,13 +5390,35 @@ class McpServer:
                 return
             self._stderr_bytes += len(chunk)
             self._stderr += chunk[: max(0, MAX_MCP_STDERR_BYTES - len(self._stderr))]
+            self._stderr_tail = (self._stderr_tail + chunk)[-4 * MCP_STDERR_TAIL_CHARS :]
 
     def _gone(self, process: subprocess.Popen[bytes]) -> McpError:
+        """A server that is gone, and why if it said so: a server that dies at start (a
+        missing package, a typo in its command) says it on stderr, and nowhere else."""
         with suppress(subprocess.TimeoutExpired):
             process.wait(0.5)
+        for thread in self._threads[1:]:  # the stderr reader: its last lines
+            if thread is not threading.current_thread():
+                thread.join(0.5)
         code = process.poll()
         how = "stopped" if code is None else f"exited with status {code}"
-        return McpError(f"MCP server {self.label} {how} before it answered")
+        said = self._stderr_said()
+        ends = f"; its stderr ends: {said}" if said else ""
+        return McpError(f"MCP server {self.label} {how} before it answered{ends}")
+
+    def _stderr_said(self) -> str:
+        """The end of the server's stderr as one line: escaped, cut, its environment redacted."""
+        text = _control_escaped(" ".join(self._without_env(self._stderr_tail).split()))
+        return text if len(text) <= MCP_STDERR_TAIL_CHARS else "…" + text[-MCP_STDERR_TAIL_CHARS:]
+
+    def _without_env(self, said: bytes) -> str:
+        """A server's words with the values of its environment redacted: a token passed with
+        --mcp-env may be printed back, and belongs neither on a screen nor in the log."""
+        text = said.decode("utf-8", "replace")
+        for value in sorted(self.env.values(), key=len, reverse=True):
+            if len(value) >= 8:
+                text = text.replace(value, "[redacted]")
+        return text
 
     def _break(self, error: McpError, process: subprocess.Popen[bytes]) -> McpError:
         """`process` cannot be trusted any more: every waiting request gets `error`, and it is
@@ -5326,8 +5429,7 @@ class McpServer:
             self._broken = self._broken or error
             waiting = list(self._pending.values())
         for answer in waiting:
-            answer.error = self._broken
-            answer.ready.set()
+            answer.deliver(error=self._broken)
         if process.poll() is None:
             _signal_group(process, signal.SIGKILL)
         return self._broken
@@ -5351,9 +5453,12 @@ class McpServer:
                 "mcp_server",
                 state="stopped",
                 exit_code=process.returncode,
-                stderr=self._stderr.decode("utf-8", "replace"),
+                stderr=self._without_env(bytes(self._stderr)),
                 stderr_bytes=self._stderr_bytes,
             )
+
+
+_HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
 
 
 def _modern_meta() -> dict[str, Any]:
@@ -5476,38 +5581,62 @@ def mcp_wire_name(mcp_name: str) -> str:
 
 
 def mcp_tools(
-    server: McpServer, read_only: Iterable[str] = (), unchecked: Iterable[str] = ()
+    server: McpServer,
+    read_only: Iterable[str] = (),
+    unchecked: Iterable[str] = (),
+    left_out: list[dict[str, str]] | None = None,
 ) -> list[McpTool]:
     """The server's tools as Tools. Only the tools named in `read_only` (MCP names) run
     without a human's approval: the server's readOnlyHint is its own claim, and not taken.
-    A schema with validation keywords the validator does not check is refused (ConfigError)
-    unless its tool is named in `unchecked`. The mapping of names is audited both ways."""
+    A tool this client cannot run as its server describes it is left out, and the others
+    offered: a schema with validation keywords the validator does not check (unless the tool
+    is named in `unchecked`), one too large or not an object, a name no tool may have, a tool
+    that needs task augmentation. Each left-out tool is named once in a warning, in the audit
+    line that maps the names of the others both ways, and in `left_out` if given."""
     read_only, unchecked = set(read_only), set(unchecked)
-    tools = [_mcp_tool(server, listed, read_only, unchecked) for listed in server.list_tools()]
+    tools: list[McpTool] = []
+    left_out = [] if left_out is None else left_out
+    for listed in server.list_tools():
+        name = listed.get("name") if isinstance(listed, dict) else None
+        problem = _unusable(listed, unchecked)
+        if problem is None:
+            tools.append(_mcp_tool(server, listed, read_only))
+            continue
+        shown = name if isinstance(name, str) and name.isprintable() else _shown(name)
+        left_out.append({"mcp_name": _cut(shown, 200), "reason": problem})
+        _log.warning("MCP server %s: tool %s left out: %s", server.label, _cut(shown, 200), problem)
     server.record(
         "mcp_tools",
         protocol=server.protocol,
         tools=[
             {"name": tool.name, "mcp_name": tool.mcp_name, "writes": tool.writes} for tool in tools
         ],
+        left_out=left_out,
     )
     return tools
 
 
-def _mcp_tool(server: McpServer, listed: Any, read_only: set[str], unchecked: set[str]) -> McpTool:
+def _unusable(listed: Any, unchecked: set[str]) -> str | None:
+    """Why a listed tool cannot be offered, if it cannot."""
     name = listed.get("name") if isinstance(listed, dict) else None
     if not (isinstance(name, str) and 0 < len(name) <= 128 and name.isprintable()):
-        raise McpError(f"MCP server {server.label} listed a tool named {_shown(name)}")
+        return "its name is not 1 to 128 printable characters"
     schema = listed.get("inputSchema")
     if not isinstance(schema, dict) or schema.get("type") != "object":
-        raise McpError(f"MCP server {server.label}: tool {name} has no object inputSchema")
+        return "its inputSchema is not an object schema"
     if len(_compact(schema)) > MAX_MCP_SCHEMA_BYTES:
-        raise McpError(f"MCP server {server.label}: tool {name}'s inputSchema is over 64 KiB")
+        return "its inputSchema is over 64 KiB"
+    execution = listed.get("execution")
+    if isinstance(execution, dict) and execution.get("taskSupport") == "required":
+        return "it runs only as a task (taskSupport required), which this client does not do"
     problem = json_schema_problem(schema, unchecked=name in unchecked)
     if problem:
-        raise ConfigError(
-            f"MCP tool {name}: {problem}; pass --mcp-unchecked {name} to accept it unchecked"
-        )
+        return f"{problem}; pass --mcp-unchecked {name} to accept it unchecked"
+    return None
+
+
+def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str]) -> McpTool:
+    name, schema = listed["name"], listed["inputSchema"]
     about = listed.get("description")
     description = _cut(about, MAX_MCP_DESCRIPTION_CHARS) if isinstance(about, str) else ""
     wire_name = mcp_wire_name(name)
@@ -5564,6 +5693,13 @@ class _McpFlags(ToolSource):
             default=MCP_TIMEOUT_S,
             help=f"one request to an MCP server ({MCP_TIMEOUT_S:g} s)",
         )
+        parser.add_argument(
+            "--mcp-startup-timeout",
+            type=_seconds(3600),
+            default=MCP_STARTUP_TIMEOUT_S,
+            help="from an MCP server's start to its first answer, a download by npx, uvx or"
+            f" docker included ({MCP_STARTUP_TIMEOUT_S:g} s)",
+        )
 
     @contextmanager
     def open(self, args: argparse.Namespace, audit: AuditLog) -> Iterator[list[Tool]]:
@@ -5573,15 +5709,23 @@ class _McpFlags(ToolSource):
         env = _mcp_env(args.mcp_env, os.environ)
         with ExitStack() as stack:
             tools: list[McpTool] = []
+            left_out: list[dict[str, str]] = []
             for command in args.mcp:
                 try:
                     argv = shlex.split(command)
                 except ValueError as exc:
                     raise ConfigError(f"--mcp {command!r}: {exc}") from None
-                server = McpServer(argv, env=env, timeout=args.mcp_timeout, audit=audit)
+                server = McpServer(
+                    argv,
+                    env=env,
+                    timeout=args.mcp_timeout,
+                    startup_timeout=args.mcp_startup_timeout,
+                    audit=audit,
+                )
                 stack.enter_context(server)
-                tools += mcp_tools(server, read_only, unchecked)
-            unknown = sorted((read_only | unchecked) - {tool.mcp_name for tool in tools})
+                tools += mcp_tools(server, read_only, unchecked, left_out)
+            listed = {tool.mcp_name for tool in tools} | {t["mcp_name"] for t in left_out}
+            unknown = sorted((read_only | unchecked) - listed)
             if unknown:
                 raise ConfigError(f"no MCP server offers a tool named {', '.join(unknown)}")
             yield list(tools)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import concurrent.futures
 import email.utils
 import functools
 import hashlib
@@ -5144,6 +5145,9 @@ TOOLS = [
 if "unsupported" in BEHAVIOURS:
     ODD = {"type": "object", "patternProperties": {"^a": {}}}
     TOOLS.append({"name": "odd", "inputSchema": ODD})
+if "task-tool" in BEHAVIOURS:
+    TASK = {"taskSupport": "required"}
+    TOOLS.append({"name": "long.job", "inputSchema": OBJECT, "execution": TASK})
 
 
 def log(entry):
@@ -5210,6 +5214,16 @@ def call(ident, name, arguments):
 
 def main():
     log({"started": os.getpid()})
+    for behaviour in BEHAVIOURS:  # a first `npx -y` downloads before it reads a byte
+        if behaviour.startswith("slow-start-"):
+            time.sleep(float(behaviour[len("slow-start-"):]))
+    if "die-at-start" in BEHAVIOURS:  # python3 my_mcp_server.py without the SDK installed
+        sys.stderr.write('  File "my_mcp_server.py", line 1, in <module>\n')
+        token = os.environ.get("TOKEN", "")
+        sys.stderr.write("ModuleNotFoundError: No module named 'mcp' " + token)
+        sys.exit(1)
+    if "mute" in BEHAVIOURS:  # reads nothing, answers nothing
+        time.sleep(3600)
     initialized = False
     for line in sys.stdin:
         message = json.loads(line)
@@ -5480,7 +5494,7 @@ class McpToolsTest(McpCase):
                     line["protocol"], "2026-07-28" if revision == "modern" else "2025-11-25"
                 )
 
-    def test_a_legacy_server_that_never_answers_the_probe_is_restarted_then_initialized(
+    def test_a_legacy_server_that_never_answers_the_probe_is_initialized_on_the_same_process(
         self,
     ) -> None:
         argv = shlex.split(self.command("legacy", "silent-probe"))
@@ -5488,8 +5502,74 @@ class McpToolsTest(McpCase):
             self.assertEqual(server.protocol, "2025-11-25")
             self.assertEqual(len(fc.mcp_tools(server)), 6)
         started = [m for m in self.received() if "started" in m]
-        self.assertEqual(len(started), 2)  # the probe's process, and a fresh one for initialize
+        self.assertEqual(len(started), 1)  # never restarted: it may be a download under way
+        methods = [m.get("method") for m in self.received() if "started" not in m]
+        self.assertEqual(
+            methods[:3], ["server/discover", "initialize", "notifications/initialized"]
+        )
+        self.assertEqual(self.audit_records("mcp_error"), [])  # nothing failed
         self.assert_reaped()
+
+    def test_a_server_still_starting_past_the_probe_is_started_once_and_used(self) -> None:
+        # a first `npx -y` reads nothing for seconds; the probe's 5 s pass, nothing restarts
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("7 in stock.")]
+        started = time.monotonic()
+        done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["slow-start-6"])
+        self.assertEqual((done.returncode, done.stdout), (0, "7 in stock.\n"), done.stderr)
+        self.assertGreaterEqual(time.monotonic() - started, 6)
+        self.assertEqual(len([m for m in self.received() if "started" in m]), 1)
+        self.assertEqual(len(self.calls()), 1)
+        self.assert_reaped()
+
+    def test_a_modern_server_still_starting_is_modern_and_the_handshake_answer_dropped(
+        self,
+    ) -> None:
+        argv = shlex.split(self.command("modern", "slow-start-0.8"))
+        with fc.McpServer(argv, probe_timeout=0.2, audit=self.audit) as server:
+            self.assertEqual(server.protocol, "2026-07-28")
+            self.assertEqual(len(fc.mcp_tools(server)), 6)  # a late answer broke nothing
+        self.assertEqual(len([m for m in self.received() if "started" in m]), 1)
+        self.assert_reaped()
+
+    def test_a_server_that_answers_nothing_by_the_startup_deadline_ends_in_one_line(
+        self,
+    ) -> None:
+        done, requests = self.ask(
+            [text_reply("ok")], "--mcp-startup-timeout", "1", behaviours=["mute"]
+        )
+        self.assertEqual(done.returncode, 1)
+        (line,) = done.stderr.splitlines()
+        self.assertTrue(
+            line.endswith(
+                "answered neither server/discover nor initialize within 1 s (--mcp-startup-timeout)"
+            ),
+            line,
+        )
+        self.assertEqual(requests, [])
+        self.assert_reaped()
+
+    def test_a_server_that_dies_at_start_says_why_its_environment_redacted(self) -> None:
+        done, requests = self.ask(
+            [text_reply("ok")],
+            "--mcp-env",
+            "TOKEN=tok-0123456789",
+            behaviours=["die-at-start"],
+        )
+        self.assertEqual(done.returncode, 1)
+        (line,) = done.stderr.splitlines()
+        self.assertIn("exited with status 1 before it answered; its stderr ends:", line)
+        self.assertIn("ModuleNotFoundError: No module named 'mcp' [redacted]", line)
+        self.assertNotIn("tok-0123456789", done.stderr + self.audit_path.read_text())
+        self.assertEqual(requests, [])
+        self.assert_reaped()
+
+    def test_a_tool_that_runs_only_as_a_task_is_not_offered(self) -> None:
+        done, requests = self.ask([text_reply("ok")], behaviours=["task-tool"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("tool long.job left out: it runs only as a task", done.stderr)
+        offered = [t["function"]["name"] for t in json.loads(requests[0].body)["tools"]]
+        self.assertNotIn(fc.mcp_wire_name("long.job"), offered)
+        self.assertIn(STOCK, offered)
 
     def test_pages_are_followed_and_pages_without_end_refused(self) -> None:
         argv = shlex.split(self.command("modern", "paginate"))
@@ -5500,14 +5580,28 @@ class McpToolsTest(McpCase):
             server.list_tools()
         self.assert_reaped()
 
-    def test_a_schema_outside_the_subset_is_refused_at_start_unless_accepted(self) -> None:
-        done, requests = self.ask([text_reply("ok")], behaviours=["unsupported"])
-        self.assertEqual(done.returncode, 2)
-        self.assertIn("patternProperties", done.stderr)
-        self.assertIn("--mcp-unchecked odd", done.stderr)
-        self.assertEqual(requests, [])
-        done, _ = self.ask([text_reply("ok")], "--mcp-unchecked", "odd", behaviours=["unsupported"])
+    def test_a_schema_outside_the_subset_leaves_out_that_tool_only_unless_accepted(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("7 in stock.")]
+        done, requests = self.ask(
+            script, "--mcp-read-only", "stock.lookup", behaviours=["unsupported"]
+        )
+        self.assertEqual((done.returncode, done.stdout), (0, "7 in stock.\n"), done.stderr)
+        (warning,) = [line for line in done.stderr.splitlines() if "left out" in line]
+        self.assertIn("tool odd left out: ", warning)
+        self.assertIn("patternProperties", warning)
+        self.assertIn("--mcp-unchecked odd", warning)
+        offered = [t["function"]["name"] for t in json.loads(requests[0].body)["tools"]]
+        self.assertNotIn("odd", offered)
+        self.assertIn(STOCK, offered)  # the others are offered, and used
+        (mapping,) = self.audit_records("mcp_tools")
+        self.assertEqual([t["mcp_name"] for t in mapping["left_out"]], ["odd"])
+        self.assertIn("patternProperties", mapping["left_out"][0]["reason"])
+        done, requests = self.ask(
+            [text_reply("ok")], "--mcp-unchecked", "odd", behaviours=["unsupported"]
+        )
         self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotIn("left out", done.stderr)
+        self.assertIn("odd", [t["function"]["name"] for t in json.loads(requests[0].body)["tools"]])
         typo = self.ask([text_reply("ok")], "--mcp-read-only", "stock.lokup")[0]
         self.assertEqual(typo.returncode, 2)
         self.assertIn("no MCP server offers a tool named stock.lokup", typo.stderr)
@@ -5567,8 +5661,8 @@ class McpHostileServerTest(McpCase):
 
     def test_a_json_rpc_error_is_infrastructure_its_words_in_the_audit_log_only(self) -> None:
         self.assert_turn_ended("rpc-error", "refused tools/call (JSON-RPC error -32603)")
-        probe, refused = self.audit_records("mcp_error")  # the probe's, as a legacy server does
-        self.assertEqual((probe["method"], refused["method"]), ("server/discover", "tools/call"))
+        (refused,) = self.audit_records("mcp_error")  # not the probe's: a legacy server refuses it
+        self.assertEqual(refused["method"], "tools/call")
         self.assertIn("/srv/secret/db.py", refused["error"])  # for operators
 
     def test_a_server_that_hangs_gets_the_call_answered_as_failed(self) -> None:
@@ -5918,43 +6012,49 @@ def _summary(passed: int, failed: int, skipped: int) -> str:
     return f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
 
 
-SHARDS = 2  # the whole suite runs as this many processes at once: most of it waits, not computes
+WORKERS = 4  # classes run this many at a time, each in its own process: most of it waits
 
 
 def _run_in_shards() -> int:
-    """The whole suite, its test classes dealt round-robin to SHARDS child processes; their
-    output is printed whole, one after the other, and the counts added up."""
+    """The whole suite, one child process per test class, WORKERS of them at a time, the
+    classes with the most tests first (a free worker takes the next, so the slow ones do
+    not queue behind each other); their output is printed whole, class by class, and the
+    counts added up."""
     classes = sorted(
-        name
-        for name, value in globals().items()
-        if isinstance(value, type)
-        and issubclass(value, unittest.TestCase)
-        and unittest.defaultTestLoader.getTestCaseNames(value)
+        (
+            (len(unittest.defaultTestLoader.getTestCaseNames(value)), name)
+            for name, value in globals().items()
+            if isinstance(value, type)
+            and issubclass(value, unittest.TestCase)
+            and unittest.defaultTestLoader.getTestCaseNames(value)
+        ),
+        reverse=True,
     )
-    children = [
-        subprocess.Popen(
-            [sys.executable, __file__, *classes[shard::SHARDS]],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for shard in range(SHARDS)
-    ]
-    counts, status = [0, 0, 0], 0
-    for child in children:
-        output, _ = child.communicate()
-        lines = output.rstrip("\n").splitlines() or [""]
-        print("\n".join(lines[:-1]), flush=True)
-        found = re.fullmatch(r"(\d+) passed, (\d+) failed(?:, (\d+) skipped)?", lines[-1])
-        if found is None:
-            print(lines[-1], "(a shard of the suite did not finish)", flush=True)
-            counts[1] += 1
-        else:
-            for index, number in enumerate(found.groups()):
-                counts[index] += int(number or 0)
-        status = status or child.returncode or (found is None)
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        runs = [pool.submit(_run_class, name) for _, name in classes]
+        counts, status = [0, 0, 0], 0
+        for name, run in zip((name for _, name in classes), runs, strict=True):
+            returncode, output = run.result()
+            lines = output.rstrip("\n").splitlines() or [""]
+            print("\n".join(lines[:-1]), flush=True)
+            found = re.fullmatch(r"(\d+) passed, (\d+) failed(?:, (\d+) skipped)?", lines[-1])
+            if found is None:
+                print(lines[-1], f"({name} did not finish)", flush=True)
+                counts[1] += 1
+            else:
+                for index, number in enumerate(found.groups()):
+                    counts[index] += int(number or 0)
+            status = status or returncode or (found is None)
     print(_summary(*counts), file=sys.stderr, flush=True)
     return int(status)
+
+
+def _run_class(name: str) -> tuple[int, str]:
+    command = [sys.executable, __file__, name]
+    child = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
+    return child.returncode, child.stdout
 
 
 if __name__ == "__main__":
