@@ -4383,10 +4383,18 @@ SCHEMA_KEYWORDS = frozenset(
         "exclusiveMaximum",
         "multipleOf",
         "properties",
-        "required",
+        "patternProperties",
         "additionalProperties",
+        "propertyNames",
+        "required",
+        "dependentRequired",
+        "minProperties",
+        "maxProperties",
         "items",
         "prefixItems",
+        "contains",
+        "minContains",
+        "maxContains",
         "minItems",
         "maxItems",
         "uniqueItems",
@@ -4394,27 +4402,21 @@ SCHEMA_KEYWORDS = frozenset(
         "anyOf",
         "oneOf",
         "not",
+        "if",
+        "then",
+        "else",
         "$ref",
         "$defs",
         "definitions",
     )
 )
-# Keywords that do validate (or change what a $ref means) and are not checked here.
+# Keywords that do validate (or change what a $ref means) and are not checked here. Draft 7's
+# additionalItems is checked in a schema whose $schema says draft 7, and $id at the root only
+# (a local #/… ref means the same whatever the base URI).
 _UNCHECKED_KEYWORDS = frozenset(
     (
-        "patternProperties",
-        "propertyNames",
-        "minProperties",
-        "maxProperties",
-        "dependentRequired",
         "dependentSchemas",
         "dependencies",
-        "if",
-        "then",
-        "else",
-        "contains",
-        "minContains",
-        "maxContains",
         "additionalItems",
         "unevaluatedProperties",
         "unevaluatedItems",
@@ -4427,12 +4429,32 @@ _UNCHECKED_KEYWORDS = frozenset(
         "$vocabulary",
     )
 )
+DRAFT_7 = ("http://json-schema.org/draft-07/schema#", "http://json-schema.org/draft-07/schema")
 _SCHEMA_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
-_ONE_SCHEMA = ("additionalProperties", "items", "not")
+_ONE_SCHEMA = (
+    "additionalProperties",
+    "propertyNames",
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+)
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+_COUNTS = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
 # ECMA-262's \s: Python's re.ASCII would leave out the Unicode spaces
 _ECMA_SPACE = (
     "\\t\\n\\v\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
@@ -4447,6 +4469,7 @@ def json_schema_problem(schema: Any, unchecked: bool = False) -> str | None:
     through, and go unchecked; a malformed schema is refused all the same."""
     if _nested_deeper_than(schema, MAX_SCHEMA_DEPTH):
         return f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels"
+    draft7 = _is_draft7(schema)
     pending: list[tuple[Any, str]] = [(schema, "inputSchema")]
     seen: set[int] = set()
     while pending:
@@ -4457,9 +4480,12 @@ def json_schema_problem(schema: Any, unchecked: bool = False) -> str | None:
         if not isinstance(node, dict):
             return f"{where} is not a schema (an object, true or false)"
         for keyword, value in node.items():
-            if keyword in _UNCHECKED_KEYWORDS and not unchecked:
+            known = (keyword == "additionalItems" and draft7) or (
+                keyword == "$id" and node is schema and isinstance(value, str)
+            )
+            if keyword in _UNCHECKED_KEYWORDS and not (unchecked or known):
                 return f"{where} uses {keyword}, a keyword this validator does not check"
-            problem = _keyword_problem(schema, keyword, value, unchecked)
+            problem = _keyword_problem(schema, keyword, value, unchecked, draft7)
             if problem:
                 return f"{where}.{keyword} {problem}"
             pending.extend(_subschemas(keyword, value, f"{where}.{keyword}"))
@@ -4468,8 +4494,13 @@ def json_schema_problem(schema: Any, unchecked: bool = False) -> str | None:
     return _ref_loop(schema)
 
 
-def _keyword_problem(  # noqa: PLR0911 -- one return per kind of keyword
-    root: Any, keyword: str, value: Any, unchecked: bool
+def _is_draft7(schema: Any) -> bool:
+    """Does the schema say it is draft 7's, where a list of items is the tuple form?"""
+    return isinstance(schema, dict) and schema.get("$schema") in DRAFT_7
+
+
+def _keyword_problem(  # noqa: PLR0911, PLR0912 -- one return per kind of keyword
+    root: Any, keyword: str, value: Any, unchecked: bool, draft7: bool = False
 ) -> str | None:
     if keyword == "type":
         names = value if isinstance(value, list) else [value]
@@ -4489,8 +4520,21 @@ def _keyword_problem(  # noqa: PLR0911 -- one return per kind of keyword
         return "must be true or false"
     elif keyword == "pattern":
         return _pattern_problem(value, unchecked)
+    elif keyword == "patternProperties" and isinstance(value, dict):
+        found = (_pattern_problem(pattern, unchecked) for pattern in value)
+        return next(filter(None, found), None)
+    elif keyword == "dependentRequired" and not (
+        isinstance(value, dict)
+        and all(
+            isinstance(names, list) and all(isinstance(n, str) for n in names)
+            for names in value.values()
+        )
+    ):
+        return "must map property names to lists of property names"
     elif keyword == "$ref":
         return _ref_problem(root, value)
+    elif keyword == "items" and isinstance(value, list) and draft7:
+        return None if value else "must be a schema or a list of schemas"
     elif keyword in _ONE_SCHEMA and isinstance(value, list):
         return "is a list: draft 7's tuple form, which 2020-12 writes as prefixItems"
     elif keyword in _SCHEMA_LISTS and not (isinstance(value, list) and value):
@@ -4501,6 +4545,8 @@ def _keyword_problem(  # noqa: PLR0911 -- one return per kind of keyword
 
 
 def _subschemas(keyword: str, value: Any, where: str) -> list[tuple[Any, str]]:
+    if keyword == "items" and isinstance(value, list):  # draft 7's tuple form
+        return [(item, f"{where}[{index}]") for index, item in enumerate(value)]
     if keyword in _ONE_SCHEMA:
         return [(value, where)]
     if keyword in _SCHEMA_LISTS:
@@ -4577,7 +4623,7 @@ def _ref_loop(root: Any) -> str | None:
         if not isinstance(node, dict) or id(node) in same_value:
             continue
         nodes.append(node)
-        here = [node[key] for key in ("not",) if key in node]
+        here = [node[key] for key in ("not", "if", "then", "else") if key in node]
         here += [item for key in ("allOf", "anyOf", "oneOf") for item in node.get(key, [])]
         if "$ref" in node:
             here.append(_resolve(root, node["$ref"]))
@@ -4610,10 +4656,12 @@ def _ecma_pattern(pattern: str) -> re.Pattern[str]:
     and \\b ASCII (re.ASCII), \\s with its Unicode spaces, `$` only at the very end (Python's
     also matches before a last "\\n"), `.` stopping at every line terminator, (?<name>…) a
     named group. What re cannot mean the same way raises re.error: \\p{…}, Python's own
-    escapes (\\A, \\Z), and a repeated group that repeats inside, as (a+)+, whose backtracking
-    can take exponential time on a hostile value."""
+    escapes (\\A, \\Z), and a repeated group whose backtracking can take exponential time on
+    a hostile value: one that repeats inside, as (a+)+, or whose alternatives can begin
+    alike, as (a|aa)+."""
     out: list[str] = []
     repeats: list[bool] = [False]  # per open group: does something inside it repeat?
+    starts: list[int] = []  # per open group: where its contents begin
     position, in_class = 0, False
     while position < len(pattern):
         char = pattern[position]
@@ -4642,11 +4690,17 @@ def _ecma_pattern(pattern: str) -> re.Pattern[str]:
             )
             out.append("(?P<" if named else "(")
             position += 3 if named else 1
+            starts.append(position)
             continue
         elif char == ")":
             inner = repeats.pop() if len(repeats) > 1 else False
+            begun = starts.pop() if starts else position
             if inner and _repeats(pattern, position + 1):
                 raise re.error("a repeated group that repeats inside can take exponential time")
+            if _repeats(pattern, position + 1) and _overlapping(pattern[begun:position]):
+                raise re.error(
+                    "a repeated group whose alternatives overlap can take exponential time"
+                )
             repeats[-1] = repeats[-1] or inner
             out.append(char)
         else:
@@ -4669,6 +4723,71 @@ def _ecma_escape(escape: str, in_class: bool) -> str:
     if not escape:
         raise re.error("a pattern ending in a backslash")
     return "\\" + escape
+
+
+_FIRST_CHARACTERS = "".join(map(chr, range(32, 127))) + "\t\n\u00e9\u0661\uff11\u3000"
+
+
+def _overlapping(group: str) -> bool:
+    """Can two alternatives of a group begin with the same character? Told from what each
+    begins with (a character, an escape, a class, or anything for a group), against a sample
+    of characters: enough to refuse (a|a)* and (a|aa)+ and to keep (GET|POST)+."""
+    firsts = []
+    for alternative in _alternatives(group):
+        token = _first_token(alternative)
+        if token is None:
+            continue
+        try:
+            compiled = _ecma_pattern(token) if token else None
+        except re.error:
+            return True
+        firsts.append(compiled)
+    return any(
+        first is None
+        or other is None
+        or any(first.fullmatch(c) and other.fullmatch(c) for c in _FIRST_CHARACTERS)
+        for index, first in enumerate(firsts)
+        for other in firsts[index + 1 :]
+    )
+
+
+def _alternatives(group: str) -> list[str]:
+    """A group's contents split at its own `|`s (not those in a class or an inner group)."""
+    found, depth, start, position, in_class = [], 0, 0, 0, False
+    while position < len(group):
+        char = group[position]
+        if char == "\\":
+            position += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            position += 2 if group.startswith(("[^]", "[]"), position) else 1
+            continue
+        elif char in "()":
+            depth += 1 if char == "(" else -1
+        elif char == "|" and depth == 0:
+            found.append(group[start:position])
+            start = position + 1
+        position += 1
+    return [*found, group[start:]] if found else []
+
+
+def _first_token(alternative: str) -> str | None:
+    """What an alternative begins with, as a pattern of one character ("" when that cannot be
+    told: a group, an anchor, an atom that may be skipped); None for an empty one."""
+    if not alternative:
+        return None
+    if alternative[0] == "\\":
+        token = alternative[:2]
+    elif alternative[0] == "[":
+        end = alternative.find("]", 2 if alternative.startswith(("[^]", "[]")) else 1)
+        token = alternative[: end + 1] if end > 0 else ""
+    else:
+        token = alternative[0] if alternative[0] not in "()^$" else ""
+    optional = alternative[len(token) : len(token) + 2].startswith(("?", "*", "{0"))
+    return "" if optional else token
 
 
 def _repeats(pattern: str, position: int) -> bool:
@@ -4697,6 +4816,9 @@ class _SchemaCheck:
     """One check of one value against a schema, whose root its $refs point into."""
 
     root: Any
+
+    def __post_init__(self) -> None:
+        self.draft7 = _is_draft7(self.root)
 
     def violation(self, value: Any, schema: Any, where: str) -> str | None:
         if schema is True:
@@ -4738,11 +4860,7 @@ class _SchemaCheck:
         return None
 
     def _matches(self, pattern: str, value: str) -> bool:
-        try:
-            compiled = _ecma_pattern(pattern)
-        except re.error:  # accepted unchecked: nothing to check it with
-            return True
-        return compiled.search(value) is not None  # unanchored, as JSON Schema means it
+        return _search(pattern, value) is not False  # accepted unchecked: nothing to check it with
 
     def _object_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
         if not isinstance(value, dict):
@@ -4756,17 +4874,42 @@ class _SchemaCheck:
                 return (
                     f"{_member(where, name)}: required; expected {_cut(expected, 80)}; got nothing"
                 )
+        problem = self._object_shape(value, schema, where)
+        if problem:
+            return problem
         extra = schema.get("additionalProperties", True)
+        patterns: Mapping[str, Any] = schema.get("patternProperties", {})
         for name, item in value.items():
-            if name in properties:
-                problem = self.violation(item, properties[name], _member(where, name))
-            elif extra is False:
+            matched = [rule for pattern, rule in patterns.items() if _search(pattern, name)]
+            matched += [properties[name]] if name in properties else []
+            if any(_search(pattern, name) is None for pattern in patterns):
+                matched.append(True)  # a pattern accepted unchecked may match it: not "extra"
+            if not matched and extra is False:
                 known = ", ".join(properties) or "no arguments"
-                problem = f"{_shown(name)}: expected only {known}; got an unknown key"
-            else:
-                problem = self.violation(item, extra, _member(where, name))
+                return f"{_shown(name)}: expected only {known}; got an unknown key"
+            for rule in matched or [extra]:
+                problem = self.violation(item, rule, _member(where, name))
+                if problem:
+                    return problem
+        return None
+
+    def _object_shape(
+        self, value: dict[str, Any], schema: Mapping[str, Any], where: str
+    ) -> str | None:
+        """The object's keys as a whole: how many, what they are called, which need which."""
+        least, most = _count(schema.get("minProperties")), _count(schema.get("maxProperties"))
+        if least is not None and len(value) < least:
+            return _rejection(where, f"an object of at least {least} properties", value)
+        if most is not None and len(value) > most:
+            return _rejection(where, f"an object of at most {most} properties", value)
+        for name in value:
+            problem = self.violation(name, schema.get("propertyNames", True), f"{where} key")
             if problem:
                 return problem
+        for name, needed in schema.get("dependentRequired", {}).items():
+            missing = [other for other in needed if name in value and other not in value]
+            if missing:
+                return f"{_member(where, missing[0])}: required with {name}; got nothing"
         return None
 
     def _array_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
@@ -4783,12 +4926,29 @@ class _SchemaCheck:
             return _rejection(where, "items that are all different", value)
         prefix: Sequence[Any] = schema.get("prefixItems", [])
         rest = schema.get("items", True)
+        if self.draft7 and isinstance(rest, list):  # draft 7's tuple form
+            prefix, rest = rest, schema.get("additionalItems", True)
         for index, item in enumerate(value):
             problem = self.violation(
                 item, prefix[index] if index < len(prefix) else rest, f"{where}[{index}]"
             )
             if problem:
                 return problem
+        return self._contains_violation(value, schema, where)
+
+    def _contains_violation(
+        self, value: list[Any], schema: Mapping[str, Any], where: str
+    ) -> str | None:
+        if "contains" not in schema:
+            return None
+        found = sum(self.violation(item, schema["contains"], where) is None for item in value)
+        least, most = _count(schema.get("minContains", 1)), _count(schema.get("maxContains"))
+        if least is not None and found < least:
+            return _rejection(
+                where, f"at least {least} items of the form contains describes", value
+            )
+        if most is not None and found > most:
+            return _rejection(where, f"at most {most} items of the form contains describes", value)
         return None
 
     def _combined_violation(self, value: Any, schema: Mapping[str, Any], where: str) -> str | None:
@@ -4810,6 +4970,19 @@ class _SchemaCheck:
                 )
         if "not" in schema and self.violation(value, schema["not"], where) is None:
             return _rejection(where, "a value the schema's `not` does not describe", value)
+        if "if" in schema:
+            branch = "then" if self.violation(value, schema["if"], where) is None else "else"
+            if branch in schema:
+                return self.violation(value, schema[branch], where)
+        return None
+
+
+def _search(pattern: str, value: str) -> bool | None:
+    """Does `pattern` match somewhere in `value` (unanchored, as JSON Schema means it)? None
+    for a pattern accepted unchecked, which re cannot match as ECMA-262 does."""
+    try:
+        return _ecma_pattern(pattern).search(value) is not None
+    except re.error:
         return None
 
 
