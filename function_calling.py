@@ -5696,7 +5696,7 @@ class McpTool(Tool):
             message = _cut(text, MAX_RESULT_BYTES // 2)
             # escaped: through `approve`, this text reaches a terminal
             raise ToolError(_control_escaped(message, keep="\n") or "the tool reported an error")
-        return _fitted(text, result.get("structuredContent"))
+        return _fitted(text, _without_data(result.get("structuredContent")))
 
 
 def _fitted(text: str, structured: Any) -> dict[str, Any]:
@@ -5730,16 +5730,41 @@ def _content_line(block: Any) -> str:
     if kind == "text" and isinstance(block.get("text"), str):
         return str(block["text"])
     if kind in ("image", "audio"):
-        data = block.get("data")
-        size = len(data) * 3 // 4 if isinstance(data, str) else 0
-        return f"[{kind}: {_cut(str(block.get('mimeType')), 80)}, about {size} bytes, not shown]"
+        return f"[{kind}: {_data_about(block)}, not shown]"
     if kind == "resource_link":
         return f"[resource link: {_cut(str(block.get('uri')), 300)}]"
     if kind == "resource":
-        resource = block.get("resource")
-        uri = resource.get("uri") if isinstance(resource, dict) else None
-        return f"[embedded resource: {_cut(str(uri), 300)}, not shown]"
+        return _resource_lines(block.get("resource"))
     return f"[a content block of type {_cut(_shown(kind), 80)}, not shown]"
+
+
+def _resource_lines(resource: Any) -> str:
+    """An embedded resource: a text one is text, and the model reads it; a blob is not."""
+    resource = resource if isinstance(resource, dict) else {}
+    uri = _cut(str(resource.get("uri")), 300)
+    if isinstance(resource.get("text"), str):
+        return f"[embedded resource: {uri}]\n{resource['text']}"
+    return f"[embedded resource: {uri}, {_data_about(resource)}, not shown]"
+
+
+def _data_about(item: Mapping[str, Any]) -> str:
+    """Base64 data (`data`, or a resource's `blob`) described: its type and about its size."""
+    data = item.get("data", item.get("blob"))
+    size = len(data) * 3 // 4 if isinstance(data, str) else 0
+    return f"{_cut(str(item.get('mimeType')), 80)}, about {size} bytes"
+
+
+def _without_data(value: Any) -> Any:
+    """structuredContent with each piece of base64 data (an object with `data` or `blob` and
+    a `mimeType`, as an image block has) described instead: bytes are never text to read."""
+    if isinstance(value, list):
+        return [_without_data(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    data = value.get("data", value.get("blob"))
+    if isinstance(data, str) and isinstance(value.get("mimeType"), str):
+        return f"[data: {_data_about(value)}, not shown]"
+    return {key: _without_data(item) for key, item in value.items()}
 
 
 def mcp_wire_name(mcp_name: str) -> str:

@@ -5246,12 +5246,16 @@ def error(ident, code, text, data=None):
 
 def call(ident, name, arguments):
     if name == "media":
+        picture = {"type": "image", "data": "aGVsbG8=", "mimeType": "image/png"}
         result(ident, {"content": [
             {"type": "text", "text": "two pictures:"},
-            {"type": "image", "data": "aGVsbG8=", "mimeType": "image/png"},
+            picture,
             {"type": "audio", "data": "aGVsbG8=", "mimeType": "audio/wav"},
-            {"type": "resource", "resource": {"uri": "file:///r.txt", "text": "secret"}},
-            {"type": "resource_link", "uri": "file:///l.txt", "name": "l"}]})
+            {"type": "resource", "resource": {"uri": "file:///r.txt", "text": "the notes"}},
+            {"type": "resource", "resource": {"uri": "file:///b.bin", "blob": "aGVsbG8=",
+                                              "mimeType": "application/zip"}},
+            {"type": "resource_link", "uri": "file:///l.txt", "name": "l"}],
+            "structuredContent": {"content": [picture], "caption": "two pictures"}})
     elif name == "fails":
         text = {"type": "text", "text": "no such SKU\x1b[2J"}
         result(ident, {"content": [text], "isError": True})
@@ -5512,9 +5516,15 @@ class McpToolsTest(McpCase):
         self.assertEqual(lines[0], "two pictures:")
         self.assertRegex(lines[1], r"^\[image: image/png, about \d+ bytes, not shown\]$")
         self.assertRegex(lines[2], r"^\[audio: audio/wav")
-        self.assertEqual(lines[3], "[embedded resource: file:///r.txt, not shown]")
-        self.assertEqual(lines[4], "[resource link: file:///l.txt]")
-        self.assertNotIn("secret", media["content"])
+        self.assertEqual(lines[3:5], ["[embedded resource: file:///r.txt]", "the notes"])
+        self.assertRegex(lines[5], r"^\[embedded resource: file:///b.bin, application/zip, about")
+        self.assertEqual(lines[6], "[resource link: file:///l.txt]")
+        structured = media["structuredContent"]
+        self.assertEqual(structured["caption"], "two pictures")
+        self.assertRegex(
+            structured["content"][0], r"^\[data: image/png, about \d+ bytes, not shown\]$"
+        )
+        self.assertNotIn("aGVsbG8=", requests[1].body.decode())  # no base64, anywhere
         self.assertEqual(
             fails["error"], "tool_error"
         )  # the tool's own words: data, the turn went on
