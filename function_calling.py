@@ -3463,6 +3463,11 @@ class ToolSource:
     def open(self, args: argparse.Namespace, audit: AuditLog) -> AbstractContextManager[list[Tool]]:
         raise NotImplementedError
 
+    def hint(self, tool_name: str, audit: AuditLog) -> str | None:
+        """How to have `tool_name` here, if it is one of this source's: what `approve` says
+        when the tool a pending action needs is missing."""
+        return None
+
 
 TOOL_SOURCES: list[ToolSource] = []  # sections further down add theirs
 
@@ -3952,9 +3957,23 @@ def _cmd_approve(args: argparse.Namespace, app: App) -> int:
     with ExitStack() as stack:
         extra = _source_tools(args, workspace.audit, stack)
         tools = tool_table([*app.tools(workspace.database), *extra])
-        outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
+        try:
+            outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
+        except ApprovalError as exc:
+            hint = _missing_tool_hint(workspace, args.action_id, tools)
+            raise ApprovalError(f"{exc}{hint}", exc.detail) from None
     print(f"approved {args.action_id} by {args.operator}: {canonical_json(outcome)}")
     return EXIT_OK
+
+
+def _missing_tool_hint(workspace: _Workspace, action_id: str, tools: Mapping[str, Tool]) -> str:
+    """When the tool a pending action needs is not here: what would bring it, if a source knows."""
+    needed = [a.tool for a in workspace.approvals.pending() if a.action_id == action_id]
+    if not needed or needed[0] in tools:
+        return ""
+    hints = (source.hint(needed[0], workspace.audit) for source in TOOL_SOURCES)
+    found = next(filter(None, hints), None)
+    return f"; {found}" if found else ""
 
 
 def _cmd_reject(args: argparse.Namespace, app: App) -> int:
@@ -5926,7 +5945,37 @@ class _McpFlags(ToolSource):
             unknown = sorted((read_only | unchecked) - listed)
             if unknown:
                 raise ConfigError(f"no MCP server offers a tool named {', '.join(unknown)}")
+            _name_collisions(tools)
+            for tool in tools:
+                if tool.name != tool.mcp_name:  # what the model, pending and the log will say
+                    print(f"MCP tool {tool.mcp_name} is offered as {tool.name}", file=sys.stderr)
             yield list(tools)
+
+    def hint(self, tool_name: str, audit: AuditLog) -> str | None:
+        """The server whose tool it was, from the log's latest mcp_tools line that names it."""
+        server = None
+        with suppress(OSError), open(audit.path, "rb") as log:
+            for record in filter(None, map(_record_or_none, log)):
+                listed = record.get("tools") if record.get("event") == "mcp_tools" else None
+                if isinstance(listed, list) and any(
+                    isinstance(t, dict) and t.get("name") == tool_name for t in listed
+                ):
+                    server = record.get("server")
+        if not isinstance(server, str):
+            return None
+        return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}"
+
+
+def _name_collisions(tools: Sequence[McpTool]) -> None:
+    """Two servers' tools the model would see under one name: say which, before tool_table."""
+    seen: dict[str, McpTool] = {}
+    for tool in tools:
+        other = seen.setdefault(tool.name, tool)
+        if other is not tool:
+            raise ConfigError(
+                f"MCP tool {tool.mcp_name} of {tool.server.label} and {other.mcp_name} of"
+                f" {other.server.label} would both be offered as {tool.name}"
+            )
 
 
 def _names(values: Sequence[str]) -> set[str]:

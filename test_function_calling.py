@@ -5469,13 +5469,20 @@ class McpToolsTest(McpCase):
         self.assertEqual(self.calls(), [])  # nothing left for the server before a human said yes
         action_id = told["approvalId"]
         self.assertIn(action_id, self.cli("pending").stdout)
+        self.assertIn(f"MCP tool orders/cancel is offered as {CANCEL}", done.stderr)
+        self.assertNotIn("MCP tool fails is offered", done.stderr)  # kept as it is
+        without = self.cli("approve", action_id)  # which server it needs, said plainly
+        self.assertEqual(without.returncode, 1)
+        self.assertIn("it is a tool of the MCP server ", without.stderr)
+        self.assertIn(f"pass --mcp {shlex.quote(self.command())}", without.stderr)
         approved = self.cli("approve", action_id, "--operator", "ops", "--mcp", self.command())
         self.assertEqual(approved.returncode, 0, approved.stderr)
         self.assertIn(f"approved {action_id} by ops", approved.stdout)
         (call,) = self.calls()
         self.assertEqual(call["arguments"], {"orderId": "A-1"})
         self.assertEqual(call["_meta"], {fc.MCP_IDEMPOTENCY_KEY: action_id})
-        (decision,) = self.audit_records("approval_decision")
+        refused, decision = self.audit_records("approval_decision")
+        self.assertEqual(refused["outcome"], "refused")  # the first try, without its server
         self.assertEqual(decision["outcome"], "approved")
         self.assertIn("orders/cancel", decision["result"]["content"])
         again = self.cli("approve", action_id, "--mcp", self.command())
@@ -5543,7 +5550,9 @@ class McpToolsTest(McpCase):
         twice = ["--mcp", self.command("modern")]
         done, requests = self.ask([text_reply("ok")], *twice)
         self.assertEqual(done.returncode, 2)
-        self.assertIn("two tools are named", done.stderr)
+        self.assertIn(f"would both be offered as {STOCK}", done.stderr)
+        self.assertIn(" legacy - ", done.stderr)  # each server, by its command
+        self.assertIn(" modern - ", done.stderr)
         self.assertEqual(requests, [])
         self.assert_reaped()
 
@@ -5769,7 +5778,8 @@ class McpHostileServerTest(McpCase):
         done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["noise"])
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(tool_results(requests[1])[0]["content"], "quiet now")
-        self.assertEqual(done.stderr, "")
+        shown = done.stderr.splitlines()  # the names it maps, once each; nothing of the server's
+        self.assertEqual([line for line in shown if " is offered as " not in line], [])
         (declined,) = [m for m in self.received() if m.get("id") == "srv-1"]
         self.assertEqual(declined["error"]["code"], -32601)  # this client offers no sampling
         (stopped,) = [r for r in self.audit_records("mcp_server") if r["state"] == "stopped"]
