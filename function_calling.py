@@ -1506,7 +1506,10 @@ class Settings:
             # subtle: http.client's own error would print the header, key and all
             raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
         if not self.api_key and parts.hostname == "api.openai.com":
-            raise ConfigError("OPENAI_API_KEY is not set (required for api.openai.com)")
+            raise ConfigError(
+                "OPENAI_API_KEY is not set (required for api.openai.com; for a local server,"
+                " set OPENAI_BASE_URL to it instead; `demo` runs offline)"
+            )
         if not self.model:
             raise ConfigError("the model name is empty")
         if self.timeout <= 0 or self.max_retries < 0 or self.max_retry_wait < 0:
@@ -3303,7 +3306,8 @@ class Conversations:
                 (conversation_id,),
             ).fetchall()
         if row is None:
-            shown = conversation_id if _CONVERSATION_ID.fullmatch(conversation_id) else "that id"
+            known = _CONVERSATION_ID.fullmatch(conversation_id)
+            shown = conversation_id if known else "with that id"
             raise ConversationError(f"no conversation {shown} for customer {customer_id}")
         saved = tuple(
             SavedTurn(tuple(json.loads(m)), (url, model), stop, tuple(json.loads(told)), ended)
@@ -3504,10 +3508,12 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     app = app or App()
     _tolerant_streams()
     parser = _build_parser(app)
+    typed = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(typed)
     except SystemExit as exc:  # argparse has printed usage; 2 for errors, 0 for --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    args.typed = typed
     try:
         code: int = args.command(args, app)
         return code
@@ -3772,12 +3778,22 @@ def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: st
     if chosen is None:
         conversation = store.start(args.customer, app.system_prompt)
         shown = conversation.conversation_id
-        print(f"conversation {shown} (continue it: chat --resume {shown})", file=sys.stderr)
+        again = _resume_command(args, workspace, shown)
+        print(f"conversation {shown} (continue it: {again})", file=sys.stderr)
     else:
         conversation = store.load(chosen, args.customer)
         turns = len(conversation.turns)
         print(f"conversation {chosen}, {turns} turn{'s' * (turns != 1)} so far", file=sys.stderr)
     return _Saved(store, conversation, workspace.approvals)
+
+
+def _resume_command(args: argparse.Namespace, workspace: _Workspace, conversation_id: str) -> str:
+    """The command that carries a conversation on, as it works pasted anywhere: this one as
+    typed (its tool sources' flags included), then --resume and the data directory's absolute
+    path, which argparse takes over any given before them."""
+    directory = str(workspace.directory.resolve())
+    typed = [*args.typed, "--resume", conversation_id, "--data-dir", directory]
+    return "python3 " + shlex.join([sys.argv[0], *typed])
 
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
@@ -4016,7 +4032,7 @@ def _cmd_verify_audit(args: argparse.Namespace, app: App) -> int:
             print(f"{path}: disagrees with the database: {problem}", file=sys.stderr)
         if problems:
             return EXIT_FAILED
-    print(f"{check.records} records, head {check.head}")
+    print(f"{check.records} record{'s' * (check.records != 1)}, head {check.head}")
     return EXIT_OK
 
 
@@ -4888,8 +4904,9 @@ class _SchemaCheck:
         for name in schema.get("required", []):
             if name not in value:
                 described = properties.get(name)
-                about = described.get("description") if isinstance(described, dict) else None
-                expected = about if isinstance(about, str) else "a value"
+                kinds = described.get("type") if isinstance(described, dict) else None
+                kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else []
+                expected = " or ".join(_a(str(kind)) for kind in kinds) or "a value"
                 return (
                     f"{_member(where, name)}: required; expected {_cut(expected, 80)}; got nothing"
                 )
@@ -5015,9 +5032,11 @@ def _type_violation(value: Any, schema: Mapping[str, Any], where: str) -> str | 
     names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
     if any(_is_type(value, name) for name in names):
         return None
-    return _rejection(
-        where, " or ".join(("an " if name[0] in "aeio" else "a ") + name for name in names), value
-    )
+    return _rejection(where, " or ".join(_a(name) for name in names), value)
+
+
+def _a(type_name: str) -> str:
+    return ("an " if type_name[:1] in ("a", "e", "i", "o") else "a ") + type_name
 
 
 def _is_type(value: Any, name: str) -> bool:

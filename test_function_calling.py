@@ -625,6 +625,9 @@ class AuditChainTest(LoopTestCase):
         head = hashlib.sha256(self.lines[-1].rstrip(b"\n")).hexdigest()
         done = self.verify()
         self.assertEqual((done.returncode, done.stdout), (0, f"6 records, head {head}\n"))
+        self.rewrite(self.lines[:1])
+        head = hashlib.sha256(self.lines[0].rstrip(b"\n")).hexdigest()
+        self.assertEqual(self.verify().stdout, f"1 record, head {head}\n")
 
     def test_the_chain_can_be_checked_in_ten_lines_of_ones_own(self) -> None:
         prev, count = "0" * 64, 0  # the README's recipe, verbatim
@@ -3532,7 +3535,9 @@ class CliTest(LoopTestCase):
         done = self.cli("ask", "hi")
         self.assertEqual(done.returncode, 2)
         self.assertEqual(
-            done.stderr, "error: OPENAI_API_KEY is not set (required for api.openai.com)\n"
+            done.stderr,
+            "error: OPENAI_API_KEY is not set (required for api.openai.com; for a local server,"
+            " set OPENAI_BASE_URL to it instead; `demo` runs offline)\n",
         )
 
     def test_ask_exits_2_on_bad_usage(self) -> None:
@@ -3609,11 +3614,31 @@ class CliTest(LoopTestCase):
             stdin="Where is ORD-1001?\nWhere was it last seen?\n",
         )
         self.assertEqual(done.returncode, 0)
-        self.assertRegex(
-            done.stderr,
-            r"^conversation conv-[0-9a-f]{20} \(continue it: chat --resume conv-[0-9a-f]{20}\)\n$",
+        said = re.fullmatch(
+            r"conversation (conv-[0-9a-f]{20}) \(continue it: (.*)\)\n", done.stderr
         )
+        assert said is not None, done.stderr
         self.assertEqual(done.stdout, "ORD-1001 has shipped.\nIt left the Memphis hub.\n")
+        # the command works pasted anywhere: another directory, no FUNCTION_CALLING_DATA
+        again = shlex.split(said.group(2))
+        self.assertEqual(again[0], "python3")
+        self.assertIn("--resume", again)
+        elsewhere = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, elsewhere, ignore_errors=True)
+        with ScriptedChatServer([text_reply("Still on its way.")]) as server:
+            resumed = subprocess.run(
+                [sys.executable, *again[1:]],
+                env={"PATH": os.environ["PATH"], "OPENAI_BASE_URL": server.base_url},
+                cwd=elsewhere,
+                input="And now?\n",
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        self.assertEqual(resumed.returncode, 0, resumed.stderr)
+        self.assertEqual(resumed.stderr, f"conversation {said.group(1)}, 2 turns so far\n")
+        self.assertEqual(len(server.requests[0].json()["messages"]), 8)  # the history went along
         first_turn = [json.dumps(m) for m in requests[1].json()["messages"]]
         second_turn = [json.dumps(m) for m in requests[2].json()["messages"]]
         self.assertEqual(second_turn[: len(first_turn)], first_turn)
@@ -4792,6 +4817,7 @@ class ConversationTest(ApprovalCase):
             "ask", "hi", "--conversation", "\x1b[2J", env={"OPENAI_BASE_URL": "http://127.0.0.1:9"}
         )
         self.assertNotIn("\x1b", odd.stderr)
+        self.assertIn("no conversation with that id for customer", odd.stderr)
 
     def test_past_the_cap_the_oldest_whole_turns_are_not_sent(self) -> None:
         lines = "".join(f"question {n} {'x' * 400}\n" for n in range(6))
