@@ -66,6 +66,10 @@ from function_calling import (
 )
 
 DEMO_CUSTOMER = SHOP_CUSTOMER
+# The module's warnings (a retry, a settled crash) are tested with assertLogs; with no handler
+# at all, logging's last resort would print them among the dots.
+logging.getLogger("function_calling").addHandler(logging.NullHandler())
+
 HERE = Path(__file__).resolve().parent
 MODULE = HERE / "function_calling.py"
 FAKE_KEY = "sk-test-FAKEKEY0123456789abcdef"
@@ -6126,6 +6130,12 @@ def _run_with_summary(argv: list[str]) -> int:
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     skipped = len(result.skipped)
     sys.stdout.flush()
+    reasons: dict[str, list[str]] = {}
+    for test, reason in result.skipped:
+        reasons.setdefault(reason, []).append(type(test).__name__)
+    for reason, where in reasons.items():  # what was not tested, and why: said, not hidden
+        classes = ", ".join(sorted(set(where)))
+        print(f"skipped {len(where)} ({classes}): {reason}", file=sys.stderr)
     print(_summary(result.passed, failed, skipped), file=sys.stderr, flush=True)
     return 0 if result.wasSuccessful() else 1
 
@@ -6154,11 +6164,13 @@ def _run_in_shards() -> int:
     )
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         runs = [pool.submit(_run_class, name) for _, name in classes]
-        counts, status = [0, 0, 0], 0
+        counts, status, skips = [0, 0, 0], 0, []
         for name, run in zip((name for _, name in classes), runs, strict=True):
             returncode, output = run.result()
             lines = output.rstrip("\n").splitlines() or [""]
-            print("\n".join(lines[:-1]), flush=True)
+            skips += [line for line in lines[:-1] if line.startswith("skipped ")]
+            shown = [line for line in lines[:-1] if not line.startswith("skipped ")]
+            print("\n".join(shown if returncode else shown[:1]), flush=True)  # a pass: its dots
             found = re.fullmatch(r"(\d+) passed, (\d+) failed(?:, (\d+) skipped)?", lines[-1])
             if found is None:
                 print(lines[-1], f"({name} did not finish)", flush=True)
@@ -6167,6 +6179,7 @@ def _run_in_shards() -> int:
                 for index, number in enumerate(found.groups()):
                     counts[index] += int(number or 0)
             status = status or returncode or (found is None)
+    print("\n".join(skips), flush=True)
     print(_summary(*counts), file=sys.stderr, flush=True)
     return int(status)
 
