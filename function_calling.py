@@ -29,12 +29,12 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,466 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,467 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,550 lines), makes each of its promises hold against real servers and
+hardening (about 1,600 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
-audit chain · the approvals' journal · the database. Part III, operating it (about 1,330
+audit chain · the approvals' journal · the database. Part III, operating it (about 1,380
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 two parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
@@ -122,8 +122,9 @@ MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs 
 MAX_ARGUMENT_DEPTH = 32  # levels of arrays and objects in the model's arguments
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
-REQUEST_TIMEOUT_S = 60.0  # a total deadline per request, from connect to the last byte
-TURN_TIMEOUT_S = 300.0  # a total deadline per turn: rounds, retries and tools together
+REQUEST_TIMEOUT_S = 600.0  # per request, connect to last byte (a stream's: to its headers)
+STREAM_IDLE_S = 60.0  # then a stream goes on while a byte comes at least this often
+TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds, retries and tools together
 MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
 MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
 TOOL_WORKERS = 4  # calls of one reply run concurrently, this many at a time
@@ -1482,6 +1483,10 @@ class Settings:
     model: str = DEFAULT_MODEL
     api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
     timeout: float = REQUEST_TIMEOUT_S
+    stream_idle: float = STREAM_IDLE_S
+    # A request that timed out once the server had it may be generating still: sent again,
+    # its tokens are paid for twice and the work done twice. Off unless asked for.
+    retry_timeouts: bool = False
     max_retries: int = MAX_RETRIES
     max_retry_wait: float = MAX_RETRY_WAIT_S
     max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
@@ -1512,7 +1517,11 @@ class Settings:
             )
         if not self.model:
             raise ConfigError("the model name is empty")
-        if self.timeout <= 0 or self.max_retries < 0 or self.max_retry_wait < 0:
+        if (
+            min(self.timeout, self.stream_idle) <= 0
+            or self.max_retries < 0
+            or self.max_retry_wait < 0
+        ):
             raise ConfigError("timeouts must be positive and retries not negative")
 
     @classmethod
@@ -1547,6 +1556,8 @@ class _DeadlineReader(io.RawIOBase):
         self.sock = sock
         self.raw = sock.makefile("rb", buffering=0)  # counted by the socket, as http.client's is
         self.deadline = deadline
+        self.idle: float | None = None  # set for a stream, once its headers are in
+        self.until = deadline
 
     def readable(self) -> bool:
         return True
@@ -1556,7 +1567,16 @@ class _DeadlineReader(io.RawIOBase):
         if remaining <= 0:
             raise TimeoutError("deadline passed")
         self.sock.settimeout(remaining)
-        return self.raw.readinto(buffer)
+        count = self.raw.readinto(buffer)
+        if count and self.idle is not None:  # a stream: each byte buys it `idle` more
+            self.deadline = min(time.monotonic() + self.idle, self.until)
+        return count
+
+    def stretch(self, idle: float, until: float) -> None:
+        """From now on, a read may wait `idle` after the last byte, up to `until`: a model
+        may write for minutes, and each piece it streams shows it is still writing."""
+        self.idle, self.until = idle, until
+        self.deadline = min(time.monotonic() + idle, until)
 
     def close(self) -> None:
         self.raw.close()
@@ -1580,11 +1600,13 @@ class _TimedHTTPConnection(http.client.HTTPConnection):
     def __init__(self, *args: Any, deadline: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.deadline = deadline
+        self.sent = False  # has any of this request reached the socket? (then the server has it)
 
     def send(self, data: Any) -> None:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
+        self.sent = True
         if self.sock is not None:  # None: not connected yet; connect() sets the timeout
             self.sock.settimeout(remaining)  # a server that stops reading cannot stall us
         super().send(data)
@@ -1749,9 +1771,12 @@ class ChatClient:
         try:
             response = self._response(body, deadline)
         except (http.client.HTTPException, OSError) as exc:
+            taken = self._kept is not None and self._kept.sent
             self.close()
             if isinstance(exc, ssl.SSLCertVerificationError):  # trying again will not help
                 raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
+            if isinstance(exc, TimeoutError) and taken:
+                raise self._unanswered(deadline == turn_deadline) from None
             # nothing arrived: as the official SDKs do, a connection failure or a timeout
             # before any response is retried
             raise _RetryableError(
@@ -1763,18 +1788,39 @@ class ChatClient:
             raise error
         # From here on a response has begun: nothing is retried, so no text is printed twice.
         try:
-            reply = self._read_reply(response, on_text)
+            reply = self._read_reply(response, on_text, turn_deadline)
         except (http.client.HTTPException, OSError) as exc:
             self.close()
-            raise ApiError(
-                f"the reply from the model API broke off: {_transport_reason(exc)}"
-            ) from None
+            reason = _transport_reason(exc)
+            if isinstance(exc, TimeoutError):
+                idle, timeout = self.settings.stream_idle, self.settings.timeout
+                waited = (
+                    f"nothing for {idle:g} s, --stream-idle"
+                    if on_text
+                    else f"no whole reply within {timeout:g} s, --timeout"
+                )
+                reason = f"timed out ({waited}, or the turn's deadline passed)"
+            raise ApiError(f"the reply from the model API broke off: {reason}") from None
         except BaseException:  # an error midway, Ctrl-C: closed now, the rest never waited for
             self.close()
             raise
         if not _drained(response):  # a stream that went on after [DONE]: not reusable
             self.close()
         return reply
+
+    def _unanswered(self, by_the_turn: bool) -> ApiError:
+        """The server had the request and gave no reply in time. It may be generating (a CPU
+        model writes for minutes), so it is not asked again unless retry_timeouts says so."""
+        if by_the_turn:
+            return ApiError("the model API had the request when the turn's deadline passed")
+        timeout = self.settings.timeout
+        took = f"the model API took the request but timed out: no reply within {timeout:g} s"
+        if self.settings.retry_timeouts:
+            return _RetryableError(f"{took} (--timeout)", None, None)
+        return ApiError(
+            f"{took} (--timeout); not sent again: it may still be writing, and a second"
+            " request pays for it twice (--retry-timeouts)"
+        )
 
     def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
         """Send the request and read the status line and headers, on the kept connection if
@@ -1802,15 +1848,21 @@ class ChatClient:
             self._kept, self._path = _connection(self.settings, self._tls)
         if self._kept.sock is None:  # new, or closed: the next request connects (and counts)
             self.connections_opened += 1
-        self._kept.deadline = deadline
+        self._kept.deadline, self._kept.sent = deadline, False
         self._kept.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
         return self._kept
 
     def _read_reply(
-        self, response: http.client.HTTPResponse, on_text: Callable[[str], None] | None
+        self,
+        response: http.client.HTTPResponse,
+        on_text: Callable[[str], None] | None,
+        turn_deadline: float,
     ) -> Reply:
         content_type = response.headers.get("Content-Type") or ""
         if on_text and content_type.startswith("text/event-stream"):
+            reader = getattr(response.fp, "raw", None)
+            if isinstance(reader, _DeadlineReader):  # headers in: now bytes keep it alive
+                reader.stretch(self.settings.stream_idle, turn_deadline)
             # subtle: the framing of 30,000 events is ten times the answer they carry, so the
             # cap is on what the stream assembles, with a larger one on the bytes on the wire
             wire = _chunks(response, self.settings.max_stream_bytes)
@@ -3577,10 +3629,28 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         "--max-rounds", type=_whole(1, 1000), default=MAX_ROUNDS, help="model calls per turn (8)"
     )
     talk.add_argument(
-        "--timeout", type=_seconds(3600), default=REQUEST_TIMEOUT_S, help="one request (60 s)"
+        "--timeout",
+        type=_seconds(3600),
+        default=REQUEST_TIMEOUT_S,
+        help=f"one request, to a whole reply or a stream's start ({REQUEST_TIMEOUT_S:g} s)",
     )
     talk.add_argument(
-        "--turn-timeout", type=_seconds(86400), default=TURN_TIMEOUT_S, help="one turn (300 s)"
+        "--stream-idle",
+        type=_seconds(3600),
+        default=STREAM_IDLE_S,
+        help=f"the longest a stream may send nothing ({STREAM_IDLE_S:g} s)",
+    )
+    talk.add_argument(
+        "--retry-timeouts",
+        action="store_true",
+        help="send again a request the server took but did not answer in time (it may still"
+        " be writing: a second request pays for it twice)",
+    )
+    talk.add_argument(
+        "--turn-timeout",
+        type=_seconds(86400),
+        default=TURN_TIMEOUT_S,
+        help=f"one turn ({TURN_TIMEOUT_S:g} s)",
     )
     talk.add_argument(
         "--retries", type=_whole(0, 100), default=MAX_RETRIES, help="retries per request (2)"
@@ -3758,7 +3828,13 @@ def _conversation(
 ) -> tuple[ToolLoop, _Workspace]:
     """The loop `ask` and `chat` talk through, its tool sources open until `stack` closes.
     The settings come first: a missing key must not leave a fresh data directory behind."""
-    settings = Settings.from_env(os.environ, timeout=args.timeout, max_retries=args.retries)
+    settings = Settings.from_env(
+        os.environ,
+        timeout=args.timeout,
+        stream_idle=args.stream_idle,
+        retry_timeouts=args.retry_timeouts,
+        max_retries=args.retries,
+    )
     workspace = _open(args, app, create=True)
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(

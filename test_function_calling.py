@@ -1100,7 +1100,26 @@ class TransportTest(LoopTestCase):
 
     def test_a_server_that_never_answers_times_out(self) -> None:
         with raw_server(lambda connection, finished: finished.wait(5)) as url:
-            self.assert_transport_error(self.turn_against(url, timeout=0.2), "timed out")
+            self.assert_transport_error(
+                self.turn_against(url, timeout=0.2),
+                "timed out: no reply within 0.2 s (--timeout)",
+                kind="the model API took the request",
+            )
+
+    def test_a_generation_that_timed_out_is_not_sent_again_unless_asked(self) -> None:
+        def slow(request: RecordedRequest) -> bytes:
+            time.sleep(0.8)  # a slow model: the server has the request and is writing
+            return text_reply("late")
+
+        for retry_timeouts, sent in ((False, 1), (True, 3)):
+            with self.subTest(retry_timeouts=retry_timeouts):
+                settings = {"timeout": 0.3, "max_retries": 2, "retry_timeouts": retry_timeouts}
+                result, requests = self.run_turn([slow, slow, slow], client=settings)
+                self.assertEqual(result.stop_reason, "api_error")
+                self.assertEqual(len(requests), sent)
+                self.assertIn("took the request but timed out", result.error or "")
+                if not retry_timeouts:
+                    self.assertIn("not sent again", result.error or "")
 
 
 class RetryTest(LoopTestCase):
@@ -1961,14 +1980,35 @@ class StreamTest(LoopTestCase):
                 "ask",
                 "hi",
                 "--stream",
-                "--timeout",
+                "--stream-idle",
                 "0.5",
                 env={"OPENAI_BASE_URL": server.base_url},
             )
         self.assertEqual(done.returncode, 1)
         self.assertEqual(done.stdout, "Let me see\n")
         self.assertEqual(done.stderr.count("\n"), 1)
-        self.assertIn("broke off: timed out", done.stderr)
+        self.assertIn("broke off: timed out (nothing for 0.5 s, --stream-idle", done.stderr)
+
+    def test_a_slow_model_streaming_longer_than_the_request_deadline_is_heard_out(self) -> None:
+        # a CPU model: a token every 0.2 s for 1.6 s, past a 0.5 s --timeout; each byte counts
+        def slowly() -> Iterator[dict[str, Any] | str]:
+            for word in ("It ", "takes ", "a ", "while ", "to ", "write ", "this", "."):
+                time.sleep(0.2)
+                yield chunk({"content": word})
+            yield chunk({}, "stop")
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(slowly())]) as server:
+            done = self.cli(
+                "ask",
+                "hi",
+                "--stream",
+                "--timeout",
+                "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "It takes a while to write this.\n"))
+        self.assertEqual(len(server.requests), 1)
 
     def test_chat_streams_too(self) -> None:
         replies = [
