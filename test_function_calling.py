@@ -5164,6 +5164,16 @@ class SchemaRulesTest(unittest.TestCase):
         self.assertIsNone(ok({"sku": "ABC-123", "note": "x"}, STOCK_SCHEMA))  # as its schema says
         self.assertIn("count", ok({"sku": "ABC-123", "count": True}, STOCK_SCHEMA) or "")
         self.assertIn("sku: required", ok({}, STOCK_SCHEMA) or "")
+        described = {
+            "type": "object",
+            "required": ["entityType"],
+            "properties": {
+                "entityType": {"type": "string", "description": "The type of the entity"}
+            },
+        }
+        self.assertEqual(
+            ok({}, described), "entityType: required; expected a string; got nothing"
+        )  # its type, not its description, which is no expectation
         for digits in ("ABC-\u0661\u0662\u0663", "ABC-\uff11\uff12\uff13", "ABC-123\n"):
             self.assertIn(
                 "sku: expected a string matching", ok({"sku": digits}, STOCK_SCHEMA) or ""
@@ -5291,6 +5301,12 @@ TOOLS = [
 if "unsupported" in BEHAVIOURS:
     ODD = {"type": "object", "dependentSchemas": {"a": {}}}
     TOOLS.append({"name": "odd", "inputSchema": ODD})
+if "fastmcp" in BEHAVIOURS:  # as FastMCP writes dict[Literal["apples", "pears"], int]
+    COUNTS = {"type": "object", "title": "Counts", "propertyNames": {"enum": ["apples", "pears"]},
+              "additionalProperties": {"type": "integer"}}
+    TOOLS.append({"name": "tally", "inputSchema": {
+        "type": "object", "title": "tallyArguments", "properties": {"counts": COUNTS},
+        "required": ["counts"]}})
 if "task-tool" in BEHAVIOURS:
     TASK = {"taskSupport": "required"}
     TOOLS.append({"name": "long.job", "inputSchema": OBJECT, "execution": TASK})
@@ -5675,17 +5691,6 @@ class McpToolsTest(McpCase):
         self.assertEqual(self.audit_records("mcp_error"), [])  # nothing failed
         self.assert_reaped()
 
-    def test_a_server_still_starting_past_the_probe_is_started_once_and_used(self) -> None:
-        # a first `npx -y` reads nothing for seconds; the probe's 5 s pass, nothing restarts
-        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("7 in stock.")]
-        started = time.monotonic()
-        done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["slow-start-6"])
-        self.assertEqual((done.returncode, done.stdout), (0, "7 in stock.\n"), done.stderr)
-        self.assertGreaterEqual(time.monotonic() - started, 6)
-        self.assertEqual(len([m for m in self.received() if "started" in m]), 1)
-        self.assertEqual(len(self.calls()), 1)
-        self.assert_reaped()
-
     def test_a_modern_server_still_starting_is_modern_and_the_handshake_answer_dropped(
         self,
     ) -> None:
@@ -5792,6 +5797,38 @@ class McpToolsTest(McpCase):
         )  # LC_CTYPE: Python's own locale coercion
         self.assertIn("EXTRA", seen)
         self.assertNotIn("OPENAI_API_KEY", seen)
+
+
+class McpFirstRunTest(McpCase):
+    """A server started by a package runner on its first run: it downloads before it reads."""
+
+    def test_a_server_still_starting_past_the_probe_is_started_once_and_used(self) -> None:
+        # a first `npx -y` reads nothing for 13 s; the probe's 5 s pass, nothing restarts
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("7 in stock.")]
+        started = time.monotonic()
+        done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["slow-start-12"])
+        self.assertEqual((done.returncode, done.stdout), (0, "7 in stock.\n"), done.stderr)
+        self.assertGreaterEqual(time.monotonic() - started, 12)
+        self.assertEqual(len([m for m in self.received() if "started" in m]), 1)
+        self.assertEqual(len(self.calls()), 1)
+        self.assert_reaped()
+
+    def test_a_fastmcp_schema_with_property_names_is_checked_not_refused(self) -> None:
+        tally = fc.mcp_wire_name("tally")
+        script = [
+            tool_call_reply([(tally, '{"counts": {"plums": 1}}')]),
+            tool_call_reply([(tally, '{"counts": {"apples": 2}}')]),
+            text_reply("Counted."),
+        ]
+        done, requests = self.ask(script, "--mcp-read-only", "tally", behaviours=["fastmcp"])
+        self.assertEqual((done.returncode, done.stdout), (0, "Counted.\n"), done.stderr)
+        self.assertNotIn("left out", done.stderr)
+        (rejected,) = tool_results(requests[1])
+        self.assertEqual(rejected["error"], "invalid_arguments")
+        self.assertIn(
+            'counts key: expected one of "apples", "pears"; got: "plums"', rejected["message"]
+        )
+        self.assertEqual([c["arguments"] for c in self.calls()], [{"counts": {"apples": 2}}])
 
 
 class McpHostileServerTest(McpCase):
@@ -6185,27 +6222,28 @@ def _summary(passed: int, failed: int, skipped: int) -> str:
 
 
 WORKERS = 4  # classes run this many at a time, each in its own process: most of it waits
+# The classes that wait longest (child processes killed on purpose, servers that stall or
+# start slowly) go first, so that none of them starts last; the rest, most tests first.
+SLOW_FIRST = ("McpToolsTest", "CrashTest", "McpFirstRunTest", "ClearOutcomeTest", "CliTest")
 
 
 def _run_in_shards() -> int:
-    """The whole suite, one child process per test class, WORKERS of them at a time, the
-    classes with the most tests first (a free worker takes the next, so the slow ones do
-    not queue behind each other); their output is printed whole, class by class, and the
-    counts added up."""
+    """The whole suite, one child process per test class, WORKERS of them at a time, the slow
+    ones first (a free worker takes the next); a failing class's output is printed whole,
+    a passing one's dots, then why tests were skipped, then the counts added up."""
     classes = sorted(
         (
-            (len(unittest.defaultTestLoader.getTestCaseNames(value)), name)
+            (name not in SLOW_FIRST, -len(unittest.defaultTestLoader.getTestCaseNames(value)), name)
             for name, value in globals().items()
             if isinstance(value, type)
             and issubclass(value, unittest.TestCase)
             and unittest.defaultTestLoader.getTestCaseNames(value)
-        ),
-        reverse=True,
+        )
     )
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
-        runs = [pool.submit(_run_class, name) for _, name in classes]
+        runs = [pool.submit(_run_class, name) for *_, name in classes]
         counts, status, skips = [0, 0, 0], 0, []
-        for name, run in zip((name for _, name in classes), runs, strict=True):
+        for name, run in zip((name for *_, name in classes), runs, strict=True):
             returncode, output = run.result()
             lines = output.rstrip("\n").splitlines() or [""]
             skips += [line for line in lines[:-1] if line.startswith("skipped ")]
