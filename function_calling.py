@@ -664,6 +664,8 @@ def _raw_span(text: str, path: tuple[str | int, ...]) -> tuple[int, int]:
 def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecoder) -> int:
     """Start of member `step` (an object key or array index) of the container at `pos`."""
     skip = _WHITESPACE.match
+    if text[pos] != ("{" if isinstance(step, str) else "["):  # not what json.loads saw here
+        raise ApiError("the model API sent a reply whose structure could not be located")
     closer = "}" if text[pos] == "{" else "]"
     found, index = -1, 0
     pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
@@ -673,7 +675,7 @@ def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecode
             pos = skip(text, skip(text, pos).end() + 1).end()  # type: ignore[union-attr]  # past ':'
             if key == step:
                 found = pos  # json.loads keeps the last of duplicate keys, so look on …
-                if text.find(json.dumps(step), pos) < 0:  # … unless no such key can follow
+                if not _may_come_again(text, pos, key):  # … unless no such key can follow
                     return found
         elif index == step:
             return pos
@@ -685,6 +687,16 @@ def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecode
     if found < 0:
         raise ApiError("the model API sent a reply whose structure could not be located")
     return found
+
+
+def _may_come_again(text: str, pos: int, key: str) -> bool:
+    """Can `key` be spelt again after `pos`? As json.dumps spells it, or with escapes: a key of
+    ASCII letters, digits and _ has no other spelling than with \\u (subtle: "ch\\u006fices"
+    is "choices", and json.loads keeps the last)."""
+    if text.find(json.dumps(key), pos) >= 0:
+        return True
+    plain = key.isascii() and key.replace("_", "").isalnum()
+    return text.find("\\u" if plain else "\\", pos) >= 0
 
 
 def _printable(body: bytes) -> str:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pwd
+import random
 import re
 import resource
 import shlex
@@ -2035,6 +2036,42 @@ class HostileReplyTest(LoopTestCase):
         (turn,) = self.audit_records("turn")
         self.assertEqual(turn["stop_reason"], "api_error")
         return result
+
+    def test_the_echo_and_the_parse_agree_on_a_key_spelt_twice(self) -> None:
+        # "choices" (or "message") twice, one spelt with \\u escapes: json.loads keeps the last
+        def spelt(key: str, rng: random.Random) -> str:
+            letters = (f"\\u{ord(c):04x}" if rng.random() < 0.3 else c for c in key)
+            return '"' + "".join(letters) + '"'
+
+        def message(n: int) -> str:
+            call = {
+                "id": f"call_{n}",
+                "type": "function",
+                "function": {"name": "f", "arguments": "{}"},
+            }
+            return json.dumps({"role": "assistant", "content": None, "tool_calls": [call]})
+
+        rng, checked = random.Random(21), 0
+        for _ in range(800):
+            members = []
+            for n in range(rng.randint(1, 3)):
+                first, second = spelt("message", rng), spelt("message", rng)
+                twice = f"{first}:{message(n)},{second}:{message(n + 10)}"
+                value = rng.choice(["null", f'[{{"message":{message(n)}}}]', f"[{{{twice}}}]"])
+                members.append(f"{spelt('choices', rng)}:{value}")
+            body = ("{" + ",".join(members) + "}").encode()
+            with self.subTest(body=body[:80]):
+                try:
+                    reply = fc.parse_reply(body)
+                except fc.ApiError:
+                    continue  # refused cleanly: never an unexpected exception
+                parsed = json.loads(body)["choices"][0]["message"]
+                self.assertEqual(json.loads(reply.message_json), parsed)  # the echo is the parse
+                self.assertEqual(
+                    [c.id for c in reply.tool_calls], [c["id"] for c in parsed["tool_calls"]]
+                )
+                checked += 1
+        self.assertGreater(checked, 400)
 
     def test_stream_chunks_of_the_wrong_shape_are_clear_errors(self) -> None:
         choice = {"index": 0, "finish_reason": None}
