@@ -2583,14 +2583,12 @@ class AuditFileHandler(logging.Handler):
         later = self.fsync and self._batches > 0 and not getattr(record, "audit_sync", True)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            head = self._append(fd, fields)
+            self._append(fd, fields)
             # subtle: the fsync waits outside the flock; the chain is whole without it, since
             # every line was appended under it, and other processes need not wait on our disk
             if self.fsync and not later:
                 os.fsync(fd)
             self._unsynced = self._unsynced or later
-            if self.head_file:
-                _write_head(self.head_file, *head, self.fsync)
         finally:
             os.close(fd)
 
@@ -2627,7 +2625,18 @@ class AuditFileHandler(logging.Handler):
                 raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
             head = hashlib.sha256(line).hexdigest()
             self._tail = (os.fstat(fd).st_size, seq + 1, head)
+            if self.head_file:  # under the flock: two processes' heads land in the log's order
+                self._anchor(self.head_file, seq + 1, head)
             return seq + 1, head
+
+    def _anchor(self, head_file: Path, seq: int, head: str) -> None:
+        """The head, to the head file. The line is in the log already: a head file that cannot
+        be written must not make it look unwritten (a filing would be withdrawn while its line
+        stays), so it is a warning; the anchor lags, and an older anchor still verifies."""
+        try:
+            _write_head(head_file, seq, head, self.fsync)
+        except OSError as exc:
+            _log.warning("the audit head file could not be written (%s)", exc.strerror)
 
     def _chain_tail(self, fd: int) -> tuple[int, str]:
         """The seq and hash of the last line, from our cache unless the file has grown."""
@@ -2693,8 +2702,9 @@ def _last_line(fd: int, size: int) -> bytes:
 
 
 def _write_head(head_file: Path, seq: int, head: str, fsync: bool) -> None:
-    """Anchor the head elsewhere: `seq hash`, replaced atomically."""
-    temporary = head_file.with_name(head_file.name + ".tmp")
+    """Anchor the head elsewhere: `seq hash`, replaced atomically (through a temporary file of
+    this process and thread's own: a shared one was renamed away by another writer)."""
+    temporary = head_file.with_name(f"{head_file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(temporary, "w", encoding="ascii") as out:
         out.write(f"{seq} {head}\n")
         if fsync:

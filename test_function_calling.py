@@ -595,7 +595,8 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import function_calling as fc
-log = fc.AuditLog(Path(sys.argv[2]), fsync=False)
+head = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+log = fc.AuditLog(Path(sys.argv[2]), fsync=False, head_file=head)
 gate = Path(sys.argv[5]) if len(sys.argv) > 5 else None
 if gate:  # say we are ready, then wait for the start: the writers must overlap
     gate.with_name(gate.name + "." + sys.argv[3]).touch()
@@ -731,6 +732,30 @@ class AuditChainTest(LoopTestCase):
         gate.touch()  # both are waiting for this: now they write at the same time
         self.assertEqual([w.wait(timeout=60) for w in writers], [0, 0])
         self.assert_chain_holds(path, {"a": 1000, "b": 1000})
+
+    def test_two_processes_sharing_a_head_file_never_fail_an_append_that_was_written(
+        self,
+    ) -> None:
+        path, gate, head = (
+            self.data_dir / "shared.log",
+            self.data_dir / "go",
+            self.data_dir / "HEAD",
+        )
+        command = [sys.executable, "-c", APPEND_SCRIPT, str(HERE), str(path)]
+        writers = [
+            subprocess.Popen([*command, w, "2000", str(gate), str(head)], stderr=subprocess.PIPE)
+            for w in "ab"
+        ]
+        while not all(gate.with_name(f"go.{w}").exists() for w in "ab"):
+            time.sleep(0.001)
+        gate.touch()
+        outcomes = [(w.wait(timeout=120), w.stderr.read() if w.stderr else b"") for w in writers]
+        self.assertEqual(outcomes, [(0, b""), (0, b"")])  # not one AuditError
+        self.assert_chain_holds(path, {"a": 2000, "b": 2000})
+        seq, anchored = head.read_text().split()
+        check = fc.verify_audit(path)
+        self.assertEqual((int(seq), anchored), (check.records, check.head))  # the last append's
+        self.assertEqual([p.name for p in self.data_dir.glob("HEAD*")], ["HEAD"])  # no leftovers
 
     def test_a_restarted_process_continues_the_chain(self) -> None:
         done = subprocess.run(
