@@ -29,10 +29,10 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,467 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,479 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,600 lines), makes each of its promises hold against real servers and
+hardening (about 1,610 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
 audit chain · the approvals' journal · the database. Part III, operating it (about 1,380
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
@@ -2542,6 +2542,8 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
             raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
         if tool.name in table:
             raise ConfigError(f"two tools are named {tool.name!r}")
+        if tool.name == NOTICE_TOOL:  # a conversation tells decisions as this call of ours
+            raise ConfigError(f"the tool name {NOTICE_TOOL!r} is the application's own")
         problem = tool.schema_problem()
         if problem:
             raise ConfigError(f"tool {tool.name!r}: {problem}")
@@ -4502,6 +4504,7 @@ from operator import ge, gt, le, lt  # noqa: E402
 # format, …) constrain nothing and are accepted.
 
 MAX_SCHEMA_DEPTH = 64  # levels of a tool's schema; deeper is refused at start-up
+MAX_SCHEMA_STEPS = 100_000  # subschemas one check may visit: oneOf within oneOf is 2^levels
 SCHEMA_KEYWORDS = frozenset(
     (
         "type",
@@ -4690,6 +4693,9 @@ def _subschemas(keyword: str, value: Any, where: str) -> list[tuple[Any, str]]:
 
 
 def _not_number(value: Any) -> bool:
+    """Not a number a check can use: true is none, and neither is 1e400 (json.loads' inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return True
     return isinstance(value, bool) or not isinstance(value, int | float)
 
 
@@ -4792,56 +4798,84 @@ def _ecma_pattern(pattern: str) -> re.Pattern[str]:
     escapes (\\A, \\Z), and a repeated group whose backtracking can take exponential time on
     a hostile value: one that repeats inside, as (a+)+, or whose alternatives can begin
     alike, as (a|aa)+."""
-    out: list[str] = []
-    repeats: list[bool] = [False]  # per open group: does something inside it repeat?
-    starts: list[int] = []  # per open group: where its contents begin
-    position, in_class = 0, False
-    while position < len(pattern):
-        char = pattern[position]
+    return re.compile(_EcmaTranslation(pattern).translated(), re.ASCII)
+
+
+class _EcmaTranslation:
+    """One pattern, read from left to right into Python's re (see _ecma_pattern)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern, self.position, self.in_class = pattern, 0, False
+        self.out: list[str] = []
+        self.repeats: list[bool] = [False]  # per open group: does something inside it repeat?
+        self.starts: list[int] = []  # per open group: where what it holds begins
+        self.last = ""  # what came last: "atom", "quantifier", "lazy" (its ?), "" (nothing)
+
+    def translated(self) -> str:
+        while self.position < len(self.pattern):
+            self._step(self.pattern[self.position])
+        return "".join(self.out)
+
+    def _step(self, char: str) -> None:
+        pattern, position = self.pattern, self.position
+        quantifier = None if self.in_class else _QUANTIFIER.match(pattern, position)
         if char == "\\":
-            escape = pattern[position + 1 : position + 2]
-            out.append(_ecma_escape(escape, in_class))
-            position += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-            out.append(char)
+            self._take(_ecma_escape(pattern[position + 1 : position + 2], self.in_class), 2)
+        elif self.in_class:
+            self.in_class = char != "]"
+            self._take(char)
         elif char == "[":
-            opening = "[^" if pattern.startswith("[^", position) else "["
-            if pattern.startswith("]", position + len(opening)):  # ECMA: [] none, [^] any
-                out.append("(?!)" if opening == "[" else "[\\s\\S]")
-                position += len(opening) + 1
-                continue
-            out.append(opening)
-            position += len(opening) - 1
-            in_class = True
+            self._open_class()
         elif char == "(":
-            repeats.append(False)
-            named = (
-                pattern.startswith("(?<", position)
-                and pattern[position + 3 : position + 4] not in "=!"
-            )
-            out.append("(?P<" if named else "(")
-            position += 3 if named else 1
-            starts.append(position)
-            continue
+            prefix = _group_prefix(pattern, position)
+            self.repeats.append(False)
+            self._take("(?P<" if prefix == "(?<" else prefix, len(prefix), "")  # (?<name>…)
+            named_end = pattern.find(">", self.position) + 1 if prefix == "(?<" else 0
+            self.starts.append(max(named_end, self.position))  # after the group's name
         elif char == ")":
-            inner = repeats.pop() if len(repeats) > 1 else False
-            begun = starts.pop() if starts else position
-            if inner and _repeats(pattern, position + 1):
-                raise re.error("a repeated group that repeats inside can take exponential time")
-            if _repeats(pattern, position + 1) and _overlapping(pattern[begun:position]):
-                raise re.error(
-                    "a repeated group whose alternatives overlap can take exponential time"
-                )
-            repeats[-1] = repeats[-1] or inner
-            out.append(char)
+            self._close_group()
+        elif quantifier is not None:
+            self._quantifier(quantifier.group())
+        elif char == "{" and re.match(r"\{,[0-9]*\}", pattern[position:]):
+            self._take("\\{")  # ECMA-262: {,3} is text; Python's re would read it as {0,3}
+        elif char in "|^$":
+            self._take({"$": "\\Z"}.get(char, char), 1, "")  # nothing to repeat after these
         else:
-            out.append({"$": "\\Z", ".": "[^\\n\\r\\u2028\\u2029]"}.get(char, char))
-            if _repeats(pattern, position) and char in "*+{":
-                repeats[-1] = True
-        position += 1
-    return re.compile("".join(out), re.ASCII)
+            self._take({".": "[^\\n\\r\\u2028\\u2029]"}.get(char, char))
+
+    def _take(self, text: str, length: int = 1, last: str = "atom") -> None:
+        self.out.append(text)
+        self.position += length
+        self.last = last
+
+    def _open_class(self) -> None:
+        opening = "[^" if self.pattern.startswith("[^", self.position) else "["
+        if self.pattern.startswith("]", self.position + len(opening)):  # ECMA: [] none, [^] any
+            self._take("(?!)" if opening == "[" else "[\\s\\S]", len(opening) + 1)
+        else:
+            self._take(opening, len(opening))
+            self.in_class = True
+
+    def _close_group(self) -> None:
+        pattern, position = self.pattern, self.position
+        inner = self.repeats.pop() if len(self.repeats) > 1 else False
+        begun = self.starts.pop() if self.starts else position
+        repeated = _repeats(pattern, position + 1)
+        if inner and repeated:
+            raise re.error("a repeated group that repeats inside can take exponential time")
+        if repeated and _overlapping(pattern[begun:position]):
+            raise re.error("a repeated group whose alternatives overlap can take exponential time")
+        self.repeats[-1] = self.repeats[-1] or inner
+        self._take(")")
+
+    def _quantifier(self, text: str) -> None:
+        if self.last == "quantifier" and text == "?":
+            self._take(text, 1, "lazy")  # x*? : the ? makes the * lazy
+            return
+        if self.last != "atom":  # x*+ is possessive to Python; ECMA-262 refuses it
+            raise re.error("a quantifier on a quantifier (x*+, x{2}*), or on nothing")
+        self.repeats[-1] = self.repeats[-1] or _repeats(self.pattern, self.position)
+        self._take(text, len(text), "quantifier")
 
 
 def _ecma_escape(escape: str, in_class: bool) -> str:
@@ -4923,6 +4957,17 @@ def _first_token(alternative: str) -> str | None:
     return "" if optional else token
 
 
+def _group_prefix(pattern: str, position: int) -> str:
+    """How the group at `position` opens, as ECMA-262 writes groups; re.error for the rest
+    ((?P<name>…), (?#…), (?i)…: Python's own, which ECMA-262 does not have)."""
+    for prefix in ("(?:", "(?=", "(?!", "(?<=", "(?<!", "(?<"):
+        if pattern.startswith(prefix, position):
+            return prefix
+    if pattern.startswith("(?", position):
+        raise re.error("a group of Python's own kind, not ECMA-262's ((?P…), (?#…), …)")
+    return "("
+
+
 def _repeats(pattern: str, position: int) -> bool:
     """Does a quantifier that can repeat more than once start at `position`?"""
     match = _QUANTIFIER.match(pattern, position)
@@ -4942,18 +4987,29 @@ def json_schema_violation(value: Any, schema: Any, where: str = "arguments") -> 
         return _SchemaCheck(schema).violation(value, schema, where)
     except RecursionError:  # a long acyclic $ref chain: refuse, rather than guess
         return f"{where}: the tool's schema is too deep to check this value against"
+    except _TooMuchWorkError:  # nested oneOf/anyOf: refuse, rather than work for ever
+        return f"{where}: the tool's schema takes too much work to check this value against"
+
+
+class _TooMuchWorkError(Exception):
+    """A check past MAX_SCHEMA_STEPS."""
 
 
 @dataclass
 class _SchemaCheck:
-    """One check of one value against a schema, whose root its $refs point into."""
+    """One check of one value against a schema, whose root its $refs point into; it visits
+    at most MAX_SCHEMA_STEPS subschemas, and a check that would visit more fails closed."""
 
     root: Any
 
     def __post_init__(self) -> None:
         self.draft7 = _is_draft7(self.root)
+        self.steps = 0
 
     def violation(self, value: Any, schema: Any, where: str) -> str | None:
+        self.steps += 1
+        if self.steps > MAX_SCHEMA_STEPS:
+            raise _TooMuchWorkError
         if schema is True:
             return None
         if schema is False:
@@ -5960,12 +6016,19 @@ def _unusable(listed: Any, unchecked: set[str]) -> str | None:
         return "its inputSchema is not an object schema"
     if len(_compact(schema)) > MAX_MCP_SCHEMA_BYTES:
         return "its inputSchema is over 64 KiB"
-    execution = listed.get("execution")
+    problem = _unrunnable(name, listed.get("execution"))
+    if problem is None:
+        found = json_schema_problem(schema, unchecked=name in unchecked)
+        problem = found and f"{found}; pass --mcp-unchecked {name} to accept it unchecked"
+    return problem
+
+
+def _unrunnable(name: str, execution: Any) -> str | None:
+    """A tool this client cannot call as the server means it, whatever its schema."""
+    if mcp_wire_name(name) == NOTICE_TOOL:
+        return f"its name is the application's own ({NOTICE_TOOL} tells of decisions)"
     if isinstance(execution, dict) and execution.get("taskSupport") == "required":
         return "it runs only as a task (taskSupport required), which this client does not do"
-    problem = json_schema_problem(schema, unchecked=name in unchecked)
-    if problem:
-        return f"{problem}; pass --mcp-unchecked {name} to accept it unchecked"
     return None
 
 

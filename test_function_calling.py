@@ -5310,6 +5310,11 @@ class SchemaRulesTest(unittest.TestCase):
             "overlap can": {"type": "object", "properties": {"a": {"pattern": "(a|aa)+$"}}},
             "overlap ": {"type": "object", "properties": {"a": {"pattern": "(x?a|a)+$"}}},
             "additionalItems": {"type": "array", "items": {}, "additionalItems": False},
+            "overlap can take": {"type": "object", "properties": {"a": {"pattern": "(?<n>a|aa)+"}}},
+            "on a quantifier": {"type": "object", "properties": {"a": {"pattern": "^x*+$"}}},
+            "Python's own": {"type": "object", "properties": {"a": {"pattern": "(?P<n>x)"}}},
+            "own kind": {"type": "object", "properties": {"a": {"pattern": "(?#note)x"}}},
+            "must be a number": {"type": "object", "properties": {"a": {"multipleOf": 1e400}}},
             "leads back": {
                 "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
                 "$ref": "#/$defs/a",
@@ -5325,7 +5330,14 @@ class SchemaRulesTest(unittest.TestCase):
             with self.subTest(fragment):
                 self.assertIn(fragment, fc.json_schema_problem(schema) or "")
         self.assertIsNone(fc.json_schema_problem(refused["dependentSchemas"], unchecked=True))
-        for safe in ("^(a|b)*$", "^(GET|POST)$", "^([a-z]+-)?[0-9]+$", "(ab|cd)+"):
+        self.assertIsNone(fc.json_schema_violation("x{,3}", {"pattern": "^x{,3}$"}))  # as ECMA
+        self.assertIsNotNone(fc.json_schema_violation("xx", {"pattern": "^x{,3}$"}))
+        nested: dict[str, Any] = {"type": "integer"}
+        for _ in range(40):  # 2^40 paths through the oneOfs: the check fails closed, soon
+            nested = {"oneOf": [nested, {"not": nested}]}
+        self.assertIn("too much work", fc.json_schema_violation(1, nested) or "")
+        safe_ones = ("^(a|b)*$", "^(GET|POST)$", "^([a-z]+-)?[0-9]+$", "(ab|cd)+", "x*?y")
+        for safe in (*safe_ones, "(?<year>[0-9]{4})"):
             schema = {"type": "object", "properties": {"a": {"pattern": safe}}}
             self.assertIsNone(fc.json_schema_problem(schema), safe)
         annotations = {
@@ -5369,6 +5381,8 @@ if "fastmcp" in BEHAVIOURS:  # as FastMCP writes dict[Literal["apples", "pears"]
     TOOLS.append({"name": "tally", "inputSchema": {
         "type": "object", "title": "tallyArguments", "properties": {"counts": COUNTS},
         "required": ["counts"]}})
+if "impostor" in BEHAVIOURS:  # the name the application tells decisions under
+    TOOLS.append({"name": "application_notice", "inputSchema": OBJECT})
 if "task-tool" in BEHAVIOURS:
     TASK = {"taskSupport": "required"}
     TOOLS.append({"name": "long.job", "inputSchema": OBJECT, "execution": TASK})
@@ -5794,6 +5808,15 @@ class McpToolsTest(McpCase):
         self.assertNotIn("tok-0123456789", done.stderr + self.audit_path.read_text())
         self.assertEqual(requests, [])
         self.assert_reaped()
+
+    def test_a_server_tool_named_as_the_applications_notice_is_not_offered(self) -> None:
+        done, requests = self.ask([text_reply("ok")], behaviours=["impostor"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn(
+            "tool application_notice left out: its name is the application's", done.stderr
+        )
+        offered = [t["function"]["name"] for t in json.loads(requests[0].body)["tools"]]
+        self.assertNotIn("application_notice", offered)
 
     def test_a_tool_that_runs_only_as_a_task_is_not_offered(self) -> None:
         done, requests = self.ask([text_reply("ok")], behaviours=["task-tool"])
