@@ -34,7 +34,7 @@ at its end marker: settings · errors · tools and validation · audit · the re
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,610 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
-audit chain · the approvals' journal · the database. Part III, operating it (about 1,380
+audit chain · the approvals' journal · the database. Part III, operating it (about 1,410
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 two parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
@@ -3183,6 +3183,7 @@ def _median(histogram: Mapping[int, int]) -> float:
 # application and nobody else can write: a tool call of the application's and its result.
 
 MAX_HISTORY_BYTES = 256 * 1024  # of saved turns sent again; past it the oldest whole turns go
+MAX_SAVED_DEPTH = 64  # levels of one saved message: deeper was never saved, so it is damage
 NOTICE_TOOL = "application_notice"  # the application's own call: never a tool the model has
 
 _CONVERSATIONS_SCHEMA = """
@@ -3377,7 +3378,7 @@ class Conversations:
                 (conversation_id, customer_id),
             ).fetchone()
             turns = db.execute(
-                "SELECT messages_json, base_url, model, stop_reason, told_json, ended_at"
+                "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
                 " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn",
                 (conversation_id,),
             ).fetchall()
@@ -3385,11 +3386,14 @@ class Conversations:
             known = _CONVERSATION_ID.fullmatch(conversation_id)
             shown = conversation_id if known else "with that id"
             raise ConversationError(f"no conversation {shown} for customer {customer_id}")
-        saved = tuple(
-            SavedTurn(tuple(json.loads(m)), (url, model), stop, tuple(json.loads(told)), ended)
-            for m, url, model, stop, told, ended in turns
-        )
-        return Conversation(conversation_id, customer_id, row[0], row[1], saved)
+        try:  # a row edited, cut or lost: said as such, never as an exception of json's
+            system = _saved_message(row[1], "system")
+            saved = tuple(_saved_turn(number, *turn) for number, turn in enumerate(turns, 1))
+        except (ValueError, TypeError, RecursionError):
+            raise ConversationError(
+                f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
+            ) from None
+        return Conversation(conversation_id, customer_id, row[0], system, saved)
 
     def list(self) -> list[dict[str, Any]]:
         """Every saved conversation, newest activity first: id, customer, turns, last turn."""
@@ -3509,6 +3513,32 @@ class Conversations:
 
 
 _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
+def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
+    """A turn as load reads it back, or ValueError if it is not what was saved: a row edited
+    by hand, or missing (turn 3 after turn 1 would make every later save collide)."""
+    messages_json, base_url, model, stop_reason, told_json, ended_at = row
+    if turn != expected or not all(isinstance(v, str) for v in row):
+        raise ValueError(turn)
+    messages, told = json.loads(messages_json), json.loads(told_json)
+    if not isinstance(messages, list) or not isinstance(told, list):
+        raise ValueError(turn)
+    if not all(isinstance(action_id, str) for action_id in told):
+        raise ValueError(turn)
+    kept = tuple(_saved_message(message) for message in messages)
+    return SavedTurn(kept, (base_url, model), stop_reason, tuple(told), ended_at)
+
+
+def _saved_message(raw: Any, role: str | None = None) -> str:
+    """A saved wire message, as it was sent (the text itself), or ValueError: a JSON object
+    with a role (`role`, if given), nested no deeper than MAX_SAVED_DEPTH."""
+    message = json.loads(raw)
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(raw)
+    if (role and message["role"] != role) or _nested_deeper_than(message, MAX_SAVED_DEPTH):
+        raise ValueError(raw)
+    return str(raw)
 
 
 # ----------------------------------------------------------------------------------- the CLI

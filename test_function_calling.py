@@ -4761,6 +4761,57 @@ class ConversationTest(ApprovalCase):
         assert found is not None, done.stderr
         return found.group(1)
 
+    def test_a_damaged_saved_conversation_is_one_line_naming_it_and_nothing_is_sent(
+        self,
+    ) -> None:
+        done, _ = self.talk([text_reply("one"), text_reply("two")], "chat", stdin="a\nb\n")
+        conversation_id = self.started(done)
+        deep = "[" * 5000 + "]" * 5000
+        damage = [
+            ("conversation_turns", "messages_json", "not json"),
+            ("conversation_turns", "messages_json", '{"a": 1}'),
+            ("conversation_turns", "messages_json", "[1, 2]"),
+            ("conversation_turns", "messages_json", '["not json"]'),
+            ("conversation_turns", "messages_json", '["[1]"]'),
+            ("conversation_turns", "messages_json", deep),
+            ("conversation_turns", "messages_json", json.dumps([deep])),
+            ("conversation_turns", "told_json", "not json"),
+            ("conversation_turns", "told_json", "[1]"),
+            ("conversation_turns", "told_json", '{"x": 1}'),
+            ("conversations", "system_json", "not json"),
+            ("conversations", "system_json", "[]"),
+            ("conversations", "system_json", '{"role": "user", "content": "x"}'),
+            ("conversation_turns", "base_url", b"\x00"),
+            ("conversation_turns", "turn", 7),  # a gap: turn 1, then turn 7
+        ]
+        for table, column, value in damage:
+            with self.subTest(column=column, value=str(value)[:30]):
+                with closing(sqlite3.connect(self.db_path)) as db, db:
+                    saved = db.execute(
+                        f"SELECT rowid, {column} FROM {table} WHERE conversation_id = ?"
+                        " ORDER BY rowid DESC LIMIT 1",
+                        (conversation_id,),
+                    ).fetchone()
+                    db.execute(
+                        f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (value, saved[0])
+                    )
+                resumed, requests = self.talk([], "chat", "--resume", conversation_id, stdin="c\n")
+                with closing(sqlite3.connect(self.db_path)) as db, db:
+                    db.execute(
+                        f"UPDATE {table} SET {column} = ? WHERE rowid = ?", (saved[1], saved[0])
+                    )
+                self.assertEqual(resumed.returncode, 2, resumed.stderr)
+                self.assertEqual(
+                    resumed.stderr,
+                    f"error: conversation {conversation_id}: its saved state is damaged;"
+                    " nothing was sent\n",
+                )
+                self.assertEqual(requests, [])
+        healthy, _ = self.talk(
+            [text_reply("three")], "chat", "--resume", conversation_id, stdin="c\n"
+        )
+        self.assertEqual((healthy.returncode, healthy.stdout), (0, "three\n"), healthy.stderr)
+
     def test_chat_resumes_a_saved_conversation_byte_for_byte(self) -> None:
         call = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         answer = text_reply("It has shipped.")
