@@ -34,7 +34,7 @@ at its end marker: settings · errors · tools and validation · audit · the re
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,610 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
-audit chain · the approvals' journal · the database. Part III, operating it (about 1,410
+audit chain · the approvals' journal · the database. Part III, operating it (about 1,450
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 two parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
@@ -96,14 +96,14 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "ChatClient", "ConfigError", "Conversation", "ConversationError",
-    "Conversations", "Database", "PendingAction", "RecordedRequest", "SavedTurn",
-    "ScriptedChatServer", "ScriptedReply", "Settings", "Tool", "ToolContext", "ToolError",
-    "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "audit_disagreements",
-    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "main",
-    "parse_arguments", "portable_history", "require_choice", "require_integer",
-    "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
-    "verify_audit",
+    "AuditError", "AuditLog", "ChatClient", "ConfigError", "Conversation",
+    "ConversationConflictError", "ConversationError", "Conversations", "Database",
+    "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer", "ScriptedReply",
+    "Settings", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
+    "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
+    "check_argument_names", "delta_chunk", "main", "parse_arguments", "portable_history",
+    "require_choice", "require_integer", "require_pattern", "stream_reply", "text_reply",
+    "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
 
@@ -3230,7 +3230,17 @@ def _record_outcome(
 
 
 class ConversationError(Exception):
-    """No such conversation for this customer; the CLI exits 2."""
+    """No such conversation for this customer, or its saved state is damaged; the CLI exits 2."""
+
+
+class ConversationConflictError(ConversationError):
+    """Another process carried the conversation on while this turn ran: the turn was answered
+    (`result`), not saved; `conversation` is the conversation as saved now, to go on from."""
+
+    def __init__(self, message: str, result: TurnResult, conversation: Conversation) -> None:
+        super().__init__(message)
+        self.result = result
+        self.conversation = conversation
 
 
 @dataclass(frozen=True)
@@ -3489,9 +3499,11 @@ class Conversations:
         try:
             self._insert(conversation, turn)
         except sqlite3.IntegrityError:  # two processes continued it at once: the first one won
-            raise ConversationError(
+            raise ConversationConflictError(
                 f"{conversation.conversation_id} was continued elsewhere meanwhile; this turn"
-                " was answered but not saved"
+                " was answered but not saved",
+                result,
+                self.load(conversation.conversation_id, conversation.customer_id),
             ) from None
         return replace(conversation, turns=(*conversation.turns, turn))
 
@@ -3932,7 +3944,8 @@ def _cmd_ask(args: argparse.Namespace, app: App) -> int:
         loop, workspace = _conversation(args, app, stack)
         saved = _saved(args, app, workspace, args.conversation) if args.conversation else None
         result, printer = _turn(loop, question, args, saved)
-    return _report(result, printer)
+    code = _report(result, printer)
+    return EXIT_FAILED if saved and saved.unsaved and code == EXIT_OK else code
 
 
 def _cmd_chat(args: argparse.Namespace, app: App) -> int:
@@ -3956,8 +3969,11 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
             print(f"error: {exc}", file=sys.stderr)
             worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
             continue
+        unsaved = saved.unsaved
         result, printer = _turn(loop, question, args, saved)  # a guard ends one turn only
-        worst = max(worst, _report(result, printer), key=_EXIT_SEVERITY.__getitem__)
+        code = _report(result, printer)
+        code = EXIT_FAILED if saved.unsaved > unsaved and code == EXIT_OK else code
+        worst = max(worst, code, key=_EXIT_SEVERITY.__getitem__)
     return worst
 
 
@@ -3984,6 +4000,7 @@ class _Saved:
     store: Conversations
     conversation: Conversation
     approvals: Approvals
+    unsaved: int = 0  # turns answered but not saved: another process carried it on meanwhile
 
 
 def _turn(
@@ -3997,20 +4014,40 @@ def _turn(
         if saved is None:
             result = loop.run(question, context, on_text=printer)
         else:
-            result, saved.conversation = saved.store.turn(
-                loop,
-                saved.conversation,
-                question,
-                context,
-                saved.approvals,
-                on_text=printer,
-                max_history_bytes=args.max_history,
-            )
+            result = _carry_on(saved, loop, question, context, args.max_history, printer)
     except KeyboardInterrupt:
         if printer:
             printer.end_line()
         raise
     return result, printer
+
+
+def _carry_on(
+    saved: _Saved,
+    loop: ToolLoop,
+    question: str,
+    context: ToolContext,
+    max_history: int,
+    printer: _Printer | None,
+) -> TurnResult:
+    """One turn of a saved conversation. When another process carried it on meanwhile, the
+    answer is still the user's (it was paid for): it is shown, with a note that it was not
+    saved, and the conversation goes on from what was saved, so that it stays one history."""
+    try:
+        result, saved.conversation = saved.store.turn(
+            loop,
+            saved.conversation,
+            question,
+            context,
+            saved.approvals,
+            on_text=printer,
+            max_history_bytes=max_history,
+        )
+    except ConversationConflictError as lost:
+        result, saved.conversation = lost.result, lost.conversation
+        saved.unsaved += 1
+        print(f"note: {lost}; what was saved meanwhile is carried on", file=sys.stderr)
+    return result
 
 
 def _read_lines(stream: TextIO) -> Iterator[str]:

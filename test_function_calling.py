@@ -4812,6 +4812,52 @@ class ConversationTest(ApprovalCase):
         )
         self.assertEqual((healthy.returncode, healthy.stdout), (0, "three\n"), healthy.stderr)
 
+    def test_the_loser_of_a_race_still_shows_its_answer_and_the_chat_goes_on(self) -> None:
+        done, _ = self.talk([text_reply("one")], "chat", stdin="first\n")
+        conversation_id = self.started(done)
+        release = threading.Event()
+
+        def slowly(request: RecordedRequest) -> bytes:
+            release.wait(20)  # while this chat's model writes, another process saves a turn
+            return text_reply("the slow answer")
+
+        self.server.script.extend([slowly])
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "NO_PROXY": "127.0.0.1",
+            "FUNCTION_CALLING_DATA": str(self.data_dir),
+            "OPENAI_BASE_URL": self.server.base_url,
+        }
+        chat = subprocess.Popen(
+            [sys.executable, str(MODULE), "chat", "--resume", conversation_id],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert chat.stdin is not None
+        chat.stdin.write("second\n")
+        chat.stdin.flush()
+        while len(self.server.requests) < 2:  # the chat's request is in; its answer waits
+            time.sleep(0.01)
+        other, _ = self.talk(
+            [text_reply("the other")], "ask", "x", "--conversation", conversation_id
+        )
+        self.assertEqual(other.returncode, 0, other.stderr)
+        self.server.script.append(text_reply("third answer"))
+        release.set()
+        out, err = chat.communicate("third\n", timeout=30)
+        self.assertEqual(out, "the slow answer\nthird answer\n")  # shown, though not saved
+        self.assertIn("was answered but not saved; what was saved meanwhile is carried on", err)
+        self.assertEqual(chat.returncode, 1)  # one turn could not be saved
+        saved = fc.Conversations(self.database).load(conversation_id, DEMO_CUSTOMER)
+        texts = [m for turn in saved.turns for m in turn.messages]
+        self.assertEqual(len(saved.turns), 3)  # first, the other's, then the third on top
+        self.assertIn("the other", texts[3])
+        self.assertIn("third", texts[4])
+        self.assertNotIn("second", "".join(texts))
+
     def test_chat_resumes_a_saved_conversation_byte_for_byte(self) -> None:
         call = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         answer = text_reply("It has shipped.")
@@ -5142,8 +5188,11 @@ class ConversationTest(ApprovalCase):
             loop = self.loop_on(server, self.approvals)
             context = ToolContext(DEMO_CUSTOMER)
             conversations.turn(loop, started, "first", context, self.approvals)
-            with self.assertRaisesRegex(fc.ConversationError, "answered but not saved"):
+            with self.assertRaisesRegex(fc.ConversationError, "answered but not saved") as lost:
                 conversations.turn(loop, started, "stale", context, self.approvals)
+        assert isinstance(lost.exception, fc.ConversationConflictError)
+        self.assertEqual(lost.exception.result.answer, "two")  # the answer is not lost
+        self.assertEqual(len(lost.exception.conversation.turns), 1)  # what was saved, to go on
         (turn,) = conversations.load(started.conversation_id, DEMO_CUSTOMER).turns
         self.assertIn('"content":"first"', turn.messages[0])
         with self.assertRaises(fc.ConversationError):
