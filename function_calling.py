@@ -5539,6 +5539,7 @@ class McpServer:
         executable = shutil.which(self.command[0])  # on our PATH: the child gets none of ours
         if executable is None:
             raise McpError(f"MCP server {self.label}: {self.command[0]!r} was not found")
+        _unreadable_to_children()
         try:
             process = subprocess.Popen(  # noqa: S603 -- the user's own command, no shell
                 [executable, *self.command[1:]],
@@ -5891,6 +5892,21 @@ class McpServer:
 
 
 _HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
+
+
+def _unreadable_to_children() -> None:
+    """Keep this process's environment and memory from its servers where the OS allows it.
+
+    subtle: a server runs as the same user, and on Linux may read /proc/<our pid>/environ,
+    OPENAI_API_KEY and all: a process that is not "dumpable" has those files owned by root,
+    as ssh-agent does (prctl PR_SET_DUMPABLE 0; it also means no core dump). Elsewhere, and
+    for root, who reads everything, nothing changes; README: "What a server can do to you"."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # noqa: PLC0415 -- here only: loading it costs every run that starts no server
+
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
 def _modern_meta() -> dict[str, Any]:
