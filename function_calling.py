@@ -29,10 +29,10 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,479 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,480 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,610 lines), makes each of its promises hold against real servers and
+hardening (about 1,640 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
 audit chain · the approvals' journal · the database. Part III, operating it (about 1,450
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
@@ -476,6 +476,7 @@ class AuditLog:
         return _one_fsync(self._handler())
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
+        fields = {k: _scrubbed(v) if k in _FREE_TEXT else v for k, v in fields.items()}
         extra = {"audit": {"time": _utc_now(), "event": event, **fields}, "audit_sync": sync}
         try:
             self._logger.info(event, extra=extra)
@@ -2656,6 +2657,34 @@ class AuditFileHandler(logging.Handler):
                 " run verify-audit"
             )
         return last_seq, hashlib.sha256(last).hexdigest()
+
+
+# The fields where an audit line carries text nobody chose for it (an exception's, a server's
+# stderr or error): secrets in such text are cut out before it is written, and kept nowhere.
+# Not redacted: the model's arguments, which the log keeps exactly as sent.
+_FREE_TEXT = frozenset(("error", "stderr", "reason"))
+_SECRETS = (
+    (re.compile(r"(://)[^/\s@]+@"), r"\1[redacted]@"),  # user:password@ in a URL
+    (re.compile(r"(?i)\b(bearer|basic)(\s+)[^\s,;\"']+"), r"\1\2[redacted]"),
+    (
+        re.compile(
+            r"(?i)\b(password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key)"
+            r"(\"?\s*[=:]\s*\"?)[^\s&;,\"']+"
+        ),
+        r"\1\2[redacted]",
+    ),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), "[redacted]"),  # an OpenAI-style key
+)
+
+
+def _scrubbed(value: Any) -> Any:
+    """Text with what looks like a secret redacted: a URL's user:password@, an Authorization
+    header's credentials, a password=, token= or api_key= value, an sk-… key."""
+    if not isinstance(value, str):
+        return value
+    for shape, replacement in _SECRETS:
+        value = shape.sub(replacement, value)
+    return value
 
 
 @contextmanager

@@ -484,7 +484,10 @@ class DataTest(LoopTestCase):
 class FailingTool(Tool):
     """A tool whose backend fails with internal text that must stay internal."""
 
-    SECRET: ClassVar[str] = "db.internal.example:5432 password=hunter2 SELECT * FROM cards"
+    SECRET: ClassVar[str] = (
+        "postgres://admin:hunter2@db.internal.example:5432/shop password=hunter2"
+        " Authorization: Bearer tok-abc.def key sk-live0123456789abcdef SELECT * FROM cards"
+    )
     name = "getOrderStatus"
     description = "Looks up an order (always fails in tests)."
     parameters: ClassVar[dict[str, Any]] = fc.GetOrderStatus.parameters
@@ -2569,7 +2572,11 @@ class LoopTest(LoopTestCase):
         outcomes = {r["tool"]: r for r in self.audit_records()}
         self.assertEqual(outcomes["getOrderStatus"]["outcome"], "error:exception")
         self.assertEqual(outcomes["listRecentOrders"]["outcome"], "ok")
-        self.assertIn("hunter2", outcomes["getOrderStatus"]["error"])
+        kept = outcomes["getOrderStatus"]["error"]  # for operators: where and what, no secrets
+        for internal in ("db.internal.example:5432/shop", "SELECT * FROM cards", "[redacted]"):
+            self.assertIn(internal, kept)
+        for secret in ("hunter2", "tok-abc.def", "sk-live0123456789abcdef", "admin:"):
+            self.assertNotIn(secret, self.audit_path.read_text())
 
     def test_a_model_correcting_itself_after_a_rejection_gets_its_answer(self) -> None:
         result, requests = self.run_turn(
@@ -3457,7 +3464,8 @@ class AnyWriterTest(LoopTestCase):
             f"error: {action_id}: not carried out: the tool failed; details are in the audit log\n",
         )
         (refused,) = self.audit_records("approval_decision")
-        self.assertIn("hunter2", refused["error"])
+        self.assertIn("db.internal.example:5432", refused["error"])
+        self.assertNotIn("hunter2", refused["error"])
         self.assertEqual(len(self.approvals.pending()), 1)
 
 
@@ -3700,7 +3708,9 @@ class CliTest(LoopTestCase):
         for secret in ("hunter2", "db.internal.example", "SELECT"):
             self.assertNotIn(secret, out.getvalue() + err.getvalue())
             self.assertNotIn(secret.encode(), server.requests[0].body)
-        self.assertIn("hunter2", self.audit_path.read_text(encoding="ascii"))
+        logged = self.audit_path.read_text(encoding="ascii")
+        self.assertIn("db.internal.example:5432", logged)  # for operators: where it failed
+        self.assertNotIn("hunter2", logged)  # and no secret, there either
 
     def chat(
         self, script: Sequence[fc.ScriptItem], stdin: str
