@@ -29,10 +29,10 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,480 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,481 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,640 lines), makes each of its promises hold against real servers and
+hardening (about 1,690 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
 audit chain · the approvals' journal · the database. Part III, operating it (about 1,450
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
@@ -63,6 +63,7 @@ import os
 import random
 import re
 import secrets
+import select
 import shlex
 import socket
 import sqlite3
@@ -1571,6 +1572,7 @@ class _DeadlineReader(io.RawIOBase):
         self.deadline = deadline
         self.idle: float | None = None  # set for a stream, once its headers are in
         self.until = deadline
+        self.no_wait = False  # while set, a read takes only what has already arrived
 
     def readable(self) -> bool:
         return True
@@ -1579,6 +1581,8 @@ class _DeadlineReader(io.RawIOBase):
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("deadline passed")
+        if self.no_wait and not select.select([self.sock], [], [], 0)[0]:
+            return None  # nothing has arrived (BufferedReader reads None as "would block")
         self.sock.settimeout(remaining)
         count = self.raw.readinto(buffer)
         if count and self.idle is not None:  # a stream: each byte buys it `idle` more
@@ -1629,7 +1633,31 @@ class _TimedHTTPConnection(http.client.HTTPConnection):
         self, sock: socket.socket, *args: Any, **kwargs: Any
     ) -> http.client.HTTPResponse:
         reader = _DeadlineSocket(sock, self.deadline)
-        return http.client.HTTPResponse(reader, *args, **kwargs)  # type: ignore[arg-type]
+        return _Response(reader, *args, **kwargs)  # type: ignore[arg-type]
+
+
+class _Response(http.client.HTTPResponse):
+    """A response read past its interim ones: http.client skips 100 Continue, and 102
+    Processing and 103 Early Hints are as legal before the final status (each byte of them
+    read by the request's deadline, as every other)."""
+
+    leftover = False  # bytes came after its end: its connection carries no other request
+
+    def _read_status(self) -> tuple[str, int, str]:
+        version, status, reason = super()._read_status()  # type: ignore[misc]
+        interim = 102 <= status < 200  # 101 Switching Protocols is final, and refused later
+        return version, http.client.CONTINUE if interim else status, reason
+
+    def _close_conn(self) -> None:  # http.client's own step once the body is read whole
+        # subtle: its buffer may hold bytes read past the body, which a next response read
+        # on a fresh buffer would never see: whatever they are, they are no answer to it
+        reader = getattr(self.fp, "raw", None)
+        if isinstance(reader, _DeadlineReader) and self.fp is not None:
+            reader.no_wait = True
+            with suppress(OSError, ValueError):
+                self.leftover = bool(self.fp.peek(1))
+            reader.no_wait = False
+        super()._close_conn()  # type: ignore[misc]
 
 
 class _TimedHTTPSConnection(_TimedHTTPConnection, http.client.HTTPSConnection):
@@ -1680,8 +1708,9 @@ class ChatClient:
     one ApiError.
 
     Only the HTTP request is retried, never a tool: a reply is parsed once it has arrived whole.
-    A kept connection the server closed meanwhile is replaced before any byte of a response
-    arrived, and that is not a retry; a response that has begun is never sent again.
+    A kept connection the server closed (or wrote to) while idle is replaced before the request
+    goes, and that is not a retry; a request written whole is sent again only as a retry; a
+    response that has begun is never sent again.
     """
 
     def __init__(
@@ -1837,23 +1866,30 @@ class ChatClient:
 
     def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
         """Send the request and read the status line and headers, on the kept connection if
-        there is one. subtle: a server may close an idle connection at any time; if a reused
-        one fails before any byte of a response, the request goes again on a new connection."""
+        there is one and it is still fit to carry it.
+
+        subtle: a server may close an idle connection at any time. A kept connection that
+        was closed, or sent anything, while idle is replaced before the request goes (what it
+        holds is no answer to it). One that fails while the request is being written is
+        replaced and the request written again: a request the server never had whole was
+        not processed. Once it is written, a failure is the server's, and the request is sent
+        again only as a retry, if retries allow: it may have been processed."""
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.settings.api_key:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        if self._kept is not None and self._kept.sock is not None and _stale(self._kept.sock):
+            self.close()
         reused = self._kept is not None and self._kept.sock is not None
         connection = self._connection(deadline)
         try:
             connection.request("POST", self._path, body, headers)
-            return connection.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        except (ConnectionResetError, BrokenPipeError):
             if not reused:
                 raise
             self.close()
             connection = self._connection(deadline)
             connection.request("POST", self._path, body, headers)
-            return connection.getresponse()
+        return connection.getresponse()
 
     def _connection(self, deadline: float) -> _TimedHTTPConnection:
         """The kept connection, with this request's deadline; opened when there is none."""
@@ -1906,6 +1942,17 @@ class ChatClient:
         return ApiError(message, status, _error_code(body))
 
 
+def _stale(sock: socket.socket) -> bool:
+    """Has an idle kept connection been closed, or been sent bytes nobody asked for? Either
+    makes it readable (a close reads as the end): it is looked at, not waited on."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True  # decrypted bytes already waiting
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
 def _error_code(body: bytes) -> str | None:
     """The `error.code` of an error body, such as "tool_use_failed", if it has one."""
     with suppress(ValueError, RecursionError):
@@ -1952,7 +1999,7 @@ def _drained(response: http.client.HTTPResponse, budget: int = 65536) -> bool:
             if not piece:
                 response.close()
             budget -= len(piece)
-    return response.isclosed() and not response.length
+    return response.isclosed() and not response.length and not getattr(response, "leftover", 0)
 
 
 def _chunks(response: http.client.HTTPResponse, limit: int) -> Iterator[bytes]:
@@ -5364,8 +5411,7 @@ def _is_multiple(value: float, step: float) -> bool:
 # stderr is kept for the audit log only, and it gets no environment variable it was not
 # given (OPENAI_API_KEY least of all). However a command ends, the process is reaped.
 
-import select  # noqa: E402 -- the MCP section's own imports, so that the cut takes them
-import shutil  # noqa: E402
+import shutil  # noqa: E402 -- the MCP section's own imports, so that the cut takes them
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 
