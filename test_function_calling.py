@@ -6562,6 +6562,25 @@ class Benchmarks(LoopTestCase):
         small, large = per_chunk(1_000), per_chunk(30_000)
         report(f"a stream of 30,000 chunks completes; per chunk, 30k / 1k = {large / small:.2f}")
 
+    def test_assembling_streamed_calls_costs_the_same_per_call(self) -> None:
+        def per_call(count: int) -> float:
+            pieces = [
+                call_piece(
+                    index=n, id=f"c{n}", type="function", function={"name": "f", "arguments": "{}"}
+                )
+                for n in range(count)
+            ]
+            wire = [
+                f"data: {json.dumps(p)}\n\n".encode() for p in (*pieces, chunk({}, "tool_calls"))
+            ]
+            return (
+                timed(lambda: fc.read_stream(iter([*wire, b"data: [DONE]\n\n"]), lambda text: None))
+                / count
+            )
+
+        small, large = per_call(10_000), per_call(40_000)
+        report(f"streamed calls assembled, per call, 40,000 / 10,000 = {large / small:.2f}")
+
     def test_finding_the_echo_against_parsing_alone(self) -> None:
         for size in (1_000, 8_000_000):
             body = json.dumps(
