@@ -4644,7 +4644,8 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "mcp_wire_name",
 ]
 
-from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
+import importlib  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from fractions import Fraction  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 
@@ -4865,7 +4866,7 @@ def _pattern_problem(pattern: Any, unchecked: bool) -> str | None:
     if not isinstance(pattern, str):
         return "must be a string"
     try:
-        _ecma_pattern(pattern)
+        _matcher(pattern)
     except re.error as exc:
         if unchecked:
             return None
@@ -5029,6 +5030,166 @@ class _EcmaTranslation:
             raise re.error("a quantifier on a quantifier (x*+, x{2}*), or on nothing")
         self.repeats[-1] = self.repeats[-1] or _repeats(self.pattern, self.position)
         self._take(text, len(text), "quantifier")
+
+
+# Matching without backtracking. Python's re backtracks: a(a|aa)*, a*a*b or even [a-z]+@ on a
+# long enough argument can hold a worker past every deadline, and a thread cannot be stopped.
+# So a pattern is matched here by a Thompson-style simulation (a Pike VM) of the tree re's own
+# parser makes of the translated pattern: each character of the value advances every live
+# state at once, so the work is linear in the value, whatever the pattern.
+_RE_SYNTAX: Any = importlib.import_module(
+    "re._parser" if sys.version_info >= (3, 11) else "sre_parse"
+)
+MAX_PATTERN_STATES = 20_000  # a pattern's program: x{1000}{1000} is refused, not unrolled
+_WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_CATEGORIES: dict[str, Callable[[str], bool]] = {  # re.ASCII's meanings (\s is translated)
+    "CATEGORY_DIGIT": lambda c: "0" <= c <= "9",
+    "CATEGORY_NOT_DIGIT": lambda c: not "0" <= c <= "9",
+    "CATEGORY_WORD": lambda c: c in _WORD,
+    "CATEGORY_NOT_WORD": lambda c: c not in _WORD,
+    "CATEGORY_SPACE": lambda c: c in " \t\n\r\f\v",
+    "CATEGORY_NOT_SPACE": lambda c: c not in " \t\n\r\f\v",
+}
+
+
+@lru_cache(maxsize=256)
+def _matcher(pattern: str) -> _PikeProgram:
+    """A JSON Schema pattern as a program matched in linear time; re.error if it cannot be."""
+    program = _PikeProgram()
+    program.compile(_RE_SYNTAX.parse(_ecma_pattern(pattern).pattern, re.ASCII))
+    program.emit("match")
+    return program
+
+
+class _PikeProgram:
+    """The instructions of a pattern: a character test, a split, a jump, an assertion (^, $,
+    \\b, \\B) or the match; and the search that runs them over a value, all threads at once."""
+
+    def __init__(self) -> None:
+        self.code: list[list[Any]] = []
+
+    def emit(self, *instruction: Any) -> int:
+        if len(self.code) >= MAX_PATTERN_STATES:
+            raise re.error(f"a pattern of more than {MAX_PATTERN_STATES} states")
+        self.code.append(list(instruction))
+        return len(self.code) - 1
+
+    def compile(self, nodes: Iterable[tuple[Any, Any]]) -> None:
+        for kind, value in nodes:
+            self._node(str(kind), value)
+
+    def _node(self, kind: str, value: Any) -> None:
+        if kind in ("LITERAL", "NOT_LITERAL"):
+            self.emit("char", _one_of([(kind, value)]))
+        elif kind == "IN":
+            self.emit("char", _one_of(value))
+        elif kind == "ANY":
+            self.emit("char", lambda c: c != "\n")
+        elif kind in ("MAX_REPEAT", "MIN_REPEAT"):  # greed does not change what matches
+            self._repeat(*value)
+        elif kind == "SUBPATTERN":
+            self.compile(value[-1])
+        elif kind == "BRANCH":
+            self._branch(value[1])
+        elif kind == "AT":
+            self.emit("assert", str(value))
+        else:  # lookaround, backreference, atomic group: no linear-time meaning here
+            raise re.error(f"{kind.lower()} cannot be matched without backtracking")
+
+    def _branch(self, alternatives: Sequence[Any]) -> None:
+        exits = []
+        for alternative in alternatives[:-1]:
+            split = self.emit("split", len(self.code) + 1, None)
+            self.compile(alternative)
+            exits.append(self.emit("jmp", None))
+            self.code[split][2] = len(self.code)
+        self.compile(alternatives[-1])
+        for jump in exits:
+            self.code[jump][1] = len(self.code)
+
+    def _repeat(self, least: int, most: int, item: Any) -> None:
+        for _ in range(least):
+            self.compile(item)
+        if most == _RE_SYNTAX.MAXREPEAT:  # x*: a loop
+            loop = self.emit("split", len(self.code) + 1, None)
+            self.compile(item)
+            self.emit("jmp", loop)
+            self.code[loop][2] = len(self.code)
+            return
+        skips = []
+        for _ in range(most - least):  # x{0,3}: each further one may be left out
+            skips.append(self.emit("split", len(self.code) + 1, None))
+            self.compile(item)
+        for skip in skips:
+            self.code[skip][2] = len(self.code)
+
+    def search(self, text: str) -> bool:
+        """Does the pattern match somewhere in `text`? Every state advances by each character
+        once: O(characters x states), never a step of backtracking."""
+        states = self._closure([0], text, 0)
+        for position, char in enumerate(text):
+            if "match" in (self.code[pc][0] for pc in states):
+                return True
+            moved = [
+                pc + 1 for pc in states if self.code[pc][0] == "char" and self.code[pc][1](char)
+            ]
+            states = self._closure([*moved, 0], text, position + 1)  # 0: a match may start here
+        return "match" in (self.code[pc][0] for pc in states)
+
+    def _closure(self, starts: list[int], text: str, position: int) -> list[int]:
+        """The states reached from `starts` without reading a character (each once)."""
+        seen, found, pending = set(), [], list(reversed(starts))
+        while pending:
+            pc = pending.pop()
+            if pc in seen:
+                continue
+            seen.add(pc)
+            kind, *targets = self.code[pc]
+            if kind == "split":
+                pending += [targets[1], targets[0]]
+            elif kind == "jmp":
+                pending.append(targets[0])
+            elif kind == "assert":
+                if _holds(targets[0], text, position):
+                    pending.append(pc + 1)
+            else:
+                found.append(pc)
+        return found
+
+
+def _one_of(items: Sequence[tuple[Any, Any]]) -> Callable[[str], bool]:
+    """A character class (re's parse of one) as a test of one character."""
+    negated = bool(items) and str(items[0][0]) == "NEGATE"
+    tests = [_char_test(str(kind), value) for kind, value in items[negated:]]
+    return lambda c: any(test(c) for test in tests) != negated
+
+
+def _char_test(kind: str, value: Any) -> Callable[[str], bool]:
+    if kind == "LITERAL":
+        return chr(value).__eq__
+    if kind == "NOT_LITERAL":
+        return chr(value).__ne__
+    if kind == "RANGE":
+        low, high = value
+        return lambda c: low <= ord(c) <= high
+    if kind == "CATEGORY":
+        return _CATEGORIES[str(value)]
+    raise re.error(f"a class holding {kind.lower()}")
+
+
+def _holds(assertion: str, text: str, position: int) -> bool:
+    """^, $ (translated to \\Z: the very end), \\b and \\B at `position`."""
+    if assertion in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
+        return position == 0
+    if assertion in ("AT_END_STRING", "AT_END"):
+        return position == len(text)
+    before = position > 0 and text[position - 1] in _WORD
+    after = position < len(text) and text[position] in _WORD
+    if assertion == "AT_BOUNDARY":
+        return before != after
+    if assertion == "AT_NON_BOUNDARY":
+        return before == after
+    raise re.error(f"an assertion {assertion.lower()}")
 
 
 def _ecma_escape(escape: str, in_class: bool) -> str:
@@ -5324,9 +5485,10 @@ def _search(pattern: str, value: str) -> bool | None:
     """Does `pattern` match somewhere in `value` (unanchored, as JSON Schema means it)? None
     for a pattern accepted unchecked, which re cannot match as ECMA-262 does."""
     try:
-        return _ecma_pattern(pattern).search(value) is not None
+        matcher = _matcher(pattern)
     except re.error:
         return None
+    return matcher.search(value)
 
 
 def _member(where: str, name: str) -> str:

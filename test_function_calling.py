@@ -5518,6 +5518,64 @@ class SchemaRulesTest(unittest.TestCase):
         }
         self.assertIn("a: expected at most 3 characters", ok({"a": "abcd"}, refs) or "")
 
+    def test_no_pattern_holds_a_check_however_long_the_value(self) -> None:
+        # backtracking took over 120 s on each of these (a thread cannot be stopped); the
+        # matcher here advances every state at once, so each check is linear in the value.
+        # A child process with a deadline no backtracking matcher would meet: a hang, not a
+        # speed, is what fails this test.
+        script = """
+import sys; sys.path.insert(0, sys.argv[1])
+import function_calling as fc
+cases = [("a*a*b", "a" * 30000), ("[a-z]+@", "a" * 65536), ("\\\\d*\\\\d*\\\\d*x", "1" * 3000)]
+for pattern, value in cases:
+    schema = {"type": "string", "pattern": pattern}
+    assert fc.json_schema_problem({"type": "object", "properties": {"a": schema}}) is None
+    assert "matching" in fc.json_schema_violation(value, schema), pattern
+print("checked")
+"""
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(HERE)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        self.assertEqual((done.returncode, done.stdout), (0, "checked\n"), done.stderr)
+
+    def test_the_matcher_agrees_with_re_where_re_is_right(self) -> None:
+        rng = random.Random(19)
+        atoms = [
+            "a",
+            "b",
+            ".",
+            "[ab]",
+            "[^a]",
+            "\\d",
+            "\\w",
+            "\\s",
+            "(a|b)",
+            "(?:ab|c)",
+            "\\b",
+            "^",
+            "$",
+        ]
+        counts = ["", "*", "+", "?", "{2}", "{1,3}", "{0,2}", "*?"]
+        compared = 0
+        for _ in range(1500):
+            pattern = "".join(
+                rng.choice(atoms) + rng.choice(counts) for _ in range(rng.randint(1, 4))
+            )
+            try:
+                matcher, backtracking = fc._matcher(pattern), fc._ecma_pattern(pattern)
+            except re.error:
+                continue  # refused at start-up: never matched at all
+            for _ in range(4):
+                value = "".join(rng.choice("ab cx01_\n") for _ in range(rng.randint(0, 8)))
+                with self.subTest(pattern=pattern, value=value):
+                    self.assertEqual(matcher.search(value), backtracking.search(value) is not None)
+                compared += 1
+        self.assertGreater(compared, 2000)
+
     def test_the_keywords_frameworks_emit_are_checked(self) -> None:
         # pydantic's dict[Literal["a", "b"], int], zod's draft-07 tuple, a FastMCP root $id
         counts = {
