@@ -5599,6 +5599,30 @@ MCP_PROBE_TIMEOUT_S = 5.0  # server/discover alone; after it, the handshake is a
 # server that answers sooner waits none of it. --mcp-startup-timeout sets it.
 MCP_STARTUP_TIMEOUT_S = 120.0
 MCP_STDERR_TAIL_CHARS = 400  # the end of a server's stderr, shown when it dies at start
+MCP_MARK = "FUNCTION_CALLING_MCP_SERVER"  # in a server's environment: its descendants inherit it
+# Linux: a watchdog for each server, in a session of its own, waits on a pipe from this
+# process; when the pipe closes (the command ended, however: kill -9 included) it kills every
+# process whose environment holds the server's mark, setsid'd grandchildren too.
+_WATCHDOG = """
+import os, signal, sys
+sys.stdin.buffer.read()
+mark = b"FUNCTION_CALLING_MCP_SERVER=" + sys.argv[1].encode()
+for _ in range(20):  # again until none is left: one may fork while the others die
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/" + pid + "/environ", "rb") as environ:
+                found += [int(pid)] if mark in environ.read().split(b"\\0") else []
+        except OSError:
+            pass
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if not found:
+        break
+"""
 MCP_CLOSE_GRACE_S = 1.0  # after stdin closes, before SIGTERM (then SIGKILL)
 MAX_MCP_MESSAGE_BYTES = 4 * 1024 * 1024  # one line from the server
 MAX_MCP_STDERR_BYTES = 16 * 1024  # what the audit log keeps of a server's stderr
@@ -5692,6 +5716,7 @@ class McpServer:
         self._broken: McpError | None = None
         self._stderr = bytearray()
         self._stderr_tail = b""  # the last bytes of it, for a death at start
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._stderr_bytes = 0
 
     def __enter__(self) -> McpServer:
@@ -5775,6 +5800,7 @@ class McpServer:
             if process.poll() is None:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
+            _release(self._watchdog)  # and what it started, whatever became of its group
             for thread in self._threads:
                 thread.join(1.0)
             self._threads = []
@@ -5787,13 +5813,14 @@ class McpServer:
         if executable is None:
             raise McpError(f"MCP server {self.label}: {self.command[0]!r} was not found")
         _unreadable_to_children()
+        mark = secrets.token_hex(8)
         try:
             process = subprocess.Popen(  # noqa: S603 -- the user's own command, no shell
                 [executable, *self.command[1:]],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=self.env,
+                env={**self.env, MCP_MARK: mark},
                 start_new_session=True,  # its own process group: one signal reaches them all
                 bufsize=0,
             )
@@ -5801,6 +5828,7 @@ class McpServer:
             reason = exc.strerror or type(exc).__name__
             raise McpError(f"MCP server {self.label}: could not start ({reason})") from None
         os.set_blocking(process.stdin.fileno(), False)  # type: ignore[union-attr]
+        self._watchdog = _watchdog(mark)
         self._stderr.clear()
         self._stderr_tail, self._stderr_bytes = b"", 0
         with self._lock:
@@ -6162,6 +6190,30 @@ def _modern_meta() -> dict[str, Any]:
         "io.modelcontextprotocol/clientCapabilities": {},
         "io.modelcontextprotocol/clientInfo": MCP_CLIENT_INFO,
     }
+
+
+def _watchdog(mark: str) -> subprocess.Popen[bytes] | None:
+    """The watchdog of a server marked `mark` (Linux only: it reads /proc), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with suppress(OSError):
+        return subprocess.Popen(  # noqa: S603 -- this interpreter, on a script of ours
+            [sys.executable, "-c", _WATCHDOG, mark],
+            stdin=subprocess.PIPE,
+            env={},
+            start_new_session=True,  # Ctrl-C to the command must not stop it first
+        )
+    return None
+
+
+def _release(watchdog: subprocess.Popen[bytes] | None) -> None:
+    """Close the watchdog's pipe, so that it kills what is left of the server, and reap it."""
+    if watchdog is None:
+        return
+    with suppress(OSError):
+        watchdog.stdin.close()  # type: ignore[union-attr]
+    with suppress(subprocess.TimeoutExpired):
+        watchdog.wait(5)
 
 
 def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:

@@ -5806,6 +5806,12 @@ def main():
                 log({"peeked": b"OPENAI_API_KEY=" in parent.read()})
         except OSError as exc:
             log({"peeked": False, "errno": exc.errno})
+    if "descendants" in BEHAVIOURS:  # one in its group, one that left it (setsid)
+        import subprocess
+        sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+        for session in (False, True):
+            child = subprocess.Popen(sleeper, start_new_session=session)
+            log({"descendant": child.pid})
     if "mute" in BEHAVIOURS:  # reads nothing, answers nothing
         time.sleep(3600)
     initialized = False
@@ -6220,7 +6226,7 @@ class McpToolsTest(McpCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         seen = set(json.loads(tool_results(requests[1])[0]["content"]))
         self.assertLessEqual(
-            seen - {"LC_CTYPE"}, {"EXTRA", "MODE"}
+            seen - {"LC_CTYPE"}, {"EXTRA", "MODE", fc.MCP_MARK}
         )  # LC_CTYPE: Python's own locale coercion
         self.assertIn("EXTRA", seen)
         self.assertNotIn("OPENAI_API_KEY", seen)
@@ -6318,6 +6324,57 @@ class McpTamperTest(McpCase):
         self.assertEqual(verified.returncode, 1)
         self.assertIn("appr-00000000000000000bad: the database holds it approved", verified.stderr)
         self.assertIn("the log never filed it", verified.stderr)
+
+
+@unittest.skipUnless(sys.platform.startswith("linux"), "the watchdog reads Linux's /proc")
+class McpDescendantsTest(McpCase):
+    """Every process a server started is gone when the command ends, however it ends."""
+
+    def descendants(self) -> list[int]:
+        return [m["descendant"] for m in self.received() if "descendant" in m]
+
+    def assert_gone(self, pids: Sequence[int]) -> None:
+        until = time.monotonic() + 10  # a generous bound on the watchdog's /proc scan
+        alive = list(pids)
+        while alive and time.monotonic() < until:
+            alive = [pid for pid in alive if _alive(pid)]
+            time.sleep(0.05)
+        self.assertEqual(alive, [], "still running")
+
+    def test_a_command_that_ends_leaves_none_of_a_servers_processes(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["descendants"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(len(self.descendants()), 2)
+        self.assert_gone(self.descendants())
+
+    def test_a_command_killed_with_sigkill_leaves_none_of_a_servers_processes(self) -> None:
+        with ScriptedChatServer([tool_call_reply([(STOCK, '{"sku": "ABC-123"}')])]) as server:
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+                "OPENAI_BASE_URL": server.base_url,
+            }
+            command = self.command("legacy", "descendants", "hang")
+            asked = ["ask", "hi", "--mcp", command, "--mcp-read-only", "stock.lookup"]
+            child = subprocess.Popen([sys.executable, str(MODULE), *asked], env=env)
+            until = time.monotonic() + 20
+            while not self.calls() and time.monotonic() < until:  # the call hangs: now
+                time.sleep(0.05)
+            child.kill()
+            child.wait()
+        started = [m["started"] for m in self.received() if "started" in m]
+        self.assertEqual(len(self.descendants()), 2)
+        self.assert_gone([*started, *self.descendants()])
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` a process that runs (not a zombie waiting for a parent)?"""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _run_as(uid: int, gid: int) -> None:
@@ -6452,7 +6509,7 @@ class McpHostileServerTest(McpCase):
                 server.call_tool("stock.lookup", {"sku": "ABC-123"})
             listed = server.call_tool("env", {})
             seen = set(json.loads(listed["content"][0]["text"])) - {"LC_CTYPE"}  # Python's own
-            self.assertEqual(seen, set())
+            self.assertEqual(seen, {fc.MCP_MARK})  # the mark its processes are found by
         self.assertEqual(len([m for m in self.received() if "started" in m]), 2)
         self.assert_reaped()
 
