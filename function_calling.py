@@ -1819,8 +1819,9 @@ class ChatClient:
                 raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
             if isinstance(exc, TimeoutError) and taken:
                 raise self._unanswered(deadline == turn_deadline) from None
-            # nothing arrived: as the official SDKs do, a connection failure or a timeout
-            # before any response is retried
+            # no response: a connection that failed, or one the server closed without a reply,
+            # is retried as the official SDKs do, when retries allow (a timeout once the server
+            # had the request is not: above)
             raise _RetryableError(
                 f"could not reach the model API: {_transport_reason(exc)}", None, None
             ) from None
