@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,481 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,482 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,700 lines), makes each of its promises hold against real servers and
@@ -1019,7 +1019,8 @@ class ToolLoop:
                 yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
         reason = guard or "too_many_calls"
         not_run = calls[len(running) :]
-        yield from skip_calls(not_run, reason, self.max_calls_per_reply, context, self.audit, turn)
+        named = self.max_calls_per_reply
+        yield from skip_calls(not_run, reason, named, context, self.audit, turn.rounds)
 
     def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
         """Return-direct only when every call is return-direct and succeeded; a rejected call
@@ -2349,7 +2350,7 @@ def skip_calls(
     named: int,
     context: ToolContext,
     audit: AuditLog,
-    turn: _Turn,
+    round_number: int,
 ) -> Iterator[ToolResult]:
     """Answer every call that will not run: the first `named` with an audit line each, the
     rest with one line together (how many, and a digest of their ids).
@@ -2357,13 +2358,13 @@ def skip_calls(
     subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
     valid), but only as many are audited one by one as could have run."""
     for call in calls[:named]:
-        yield skip_call(call, reason, context, audit, turn.rounds)
+        yield skip_call(call, reason, context, audit, round_number)
     counted = [call.id for call in calls[named:]]
     if counted:
         audit.record_in_batch(
             "tool_calls_skipped",
             turn_id=context.turn_id,
-            round=turn.rounds,
+            round=round_number,
             customer_id=context.customer_id,
             reason=reason,
             count=len(counted),
@@ -5056,8 +5057,8 @@ _CATEGORIES: dict[str, Callable[[str], bool]] = {  # re.ASCII's meanings (\s is 
 @lru_cache(maxsize=256)
 def _matcher(pattern: str) -> _PikeProgram:
     """A JSON Schema pattern as a program matched in linear time; re.error if it cannot be."""
-    program = _PikeProgram()
-    program.compile(_RE_SYNTAX.parse(_ecma_pattern(pattern).pattern, re.ASCII))
+    program = _PikeProgram()  # re's parser reads the translation; re never compiles it
+    program.compile(_RE_SYNTAX.parse(_EcmaTranslation(pattern).translated(), re.ASCII))
     program.emit("match")
     return program
 
