@@ -1066,19 +1066,7 @@ def raw_server(respond: Callable[[socket.socket, threading.Event], object]) -> I
             return
         with connection:
             connection.settimeout(5)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += connection.recv(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(
-                next(
-                    line.split(b":")[1]
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-            )
-            while len(body) < length:
-                body += connection.recv(65536)
+            read_request(connection, [b""])
             respond(connection, finished)
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -1472,22 +1460,34 @@ class KeptConnections:
             self.accepted += 1
             with connection:
                 connection.settimeout(5)
-                script(connection, functools.partial(self.read_request, connection, [b""]))
+                script(connection, functools.partial(self.counted, connection, [b""]))
 
-    def read_request(self, connection: socket.socket, buffered: list[bytes]) -> bytes | None:
-        data = buffered[0]
-        while b"\r\n\r\n" not in data:
-            piece = connection.recv(65536)
-            if not piece:
-                return None
-            data += piece
-        head, _, rest = data.partition(b"\r\n\r\n")
-        length = int(re.search(rb"(?i)content-length: *([0-9]+)", head).group(1))  # type: ignore[union-attr]
-        while len(rest) < length:
-            rest += connection.recv(65536)
-        buffered[0] = rest[length:]
-        self.requests += 1
-        return head + b"\r\n\r\n" + rest[:length]
+    def counted(self, connection: socket.socket, buffered: list[bytes]) -> bytes | None:
+        request = read_request(connection, buffered)
+        if request is not None:
+            self.requests += 1
+        return request
+
+
+def read_request(connection: socket.socket, buffered: list[bytes]) -> bytes | None:
+    """The next whole request on `connection` (None once it is closed); what was read past
+    it waits in `buffered[0]` for the next one."""
+    data = buffered[0]
+    while b"\r\n\r\n" not in data:
+        piece = connection.recv(65536)
+        if not piece:
+            return None
+        data += piece
+    head, _, rest = data.partition(b"\r\n\r\n")
+    found = re.search(rb"(?i)content-length: *([0-9]+)", head)
+    length = int(found.group(1)) if found else 0
+    while len(rest) < length:
+        piece = connection.recv(65536)
+        if not piece:
+            return None
+        rest += piece
+    buffered[0] = rest[length:]
+    return head + b"\r\n\r\n" + rest[:length]
 
 
 def http_response(body: bytes, status: str = "200 OK") -> bytes:
