@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,482 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,495 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,700 lines), makes each of its promises hold against real servers and
@@ -519,26 +519,32 @@ def _request_body(
     stream: bool = False,
     tool_choice: str = '"auto"',
     parallel_tool_calls: bool | None = None,
-) -> bytes:
-    """The request body as bytes, built from JSON texts rather than from dicts.
+) -> bytearray:
+    """The request body, built from JSON texts rather than from dicts.
 
     The messages are spliced in as the texts they already are: that is what keeps an echoed
     assistant message byte for byte as the server sent it. `tool_choice` is JSON text.
     """
-    body = '{"model":' + json.dumps(model) + ',"messages":[' + ",".join(messages) + "]"
+    pieces = ['{"model":', json.dumps(model), ',"messages":[']
+    for message in messages:
+        pieces += (message, ",")
+    pieces[-1] = "]"
     if tools_json != "[]":  # some servers reject tool_choice when no tools are offered
-        body += ',"tools":' + tools_json + ',"tool_choice":' + tool_choice
+        pieces += (',"tools":', tools_json, ',"tool_choice":', tool_choice)
         if parallel_tool_calls is not None:
-            body += ',"parallel_tool_calls":' + json.dumps(parallel_tool_calls)
+            pieces += (',"parallel_tool_calls":', json.dumps(parallel_tool_calls))
     if stream:  # include_usage: without it OpenAI sends no token counts in a stream
-        body += ',"stream":true,"stream_options":{"include_usage":true}'
-    return (body + "}").encode("utf-8")
+        pieces.append(',"stream":true,"stream_options":{"include_usage":true}')
+    body = bytearray()  # grown in place: the body of 100,000 answers is not held twice
+    for piece in [*pieces, "}"]:
+        body += piece.encode("utf-8")
+    return body
 
 
 # --------------------------------------------------------------------------------- the reply
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a reply may carry 100,000 of them
 class ToolCall:
     """One call the model asked for, as it asked: id, tool name and arguments text."""
 
@@ -564,29 +570,44 @@ def parse_reply(body: bytes) -> Reply:
     """Read choices[0] from a chat-completions body; ApiError if it is not usable."""
     try:
         text = body.decode("utf-8")
-        document = json.loads(text)
+        _SKIMMER.decode(text)  # JSON or not, as json.loads decides; it builds no objects
     except (ValueError, RecursionError):
         snippet = _cut(_printable(body), 120)
         raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
-    choice = _first_choice(document)
-    start, end = _raw_span(text, ("choices", 0, "message"))
-    usage = document["usage"] if isinstance(document.get("usage"), dict) else {}
-    return _reply_from(text[start:end], choice["message"], choice.get("finish_reason"), usage)
+    document = _members(text, (_after_space(text, 0), len(text)))
+    if document is None:
+        raise ApiError("the model API sent JSON that is not an object")
+    error = _value(text, document.get("error"))
+    if error:  # "error": null beside a good reply is not an error
+        raise ApiError(f"the model API reported an error: {_error_text(error)}")
+    choice = _members(text, next(_items(text, document.get("choices")), None))
+    if choice is None:
+        raise ApiError("the model API sent a reply without choices")
+    message = choice.get("message")
+    message_json = text[slice(*message)] if message else ""  # "": none, refused below
+    usage = _value(text, document.get("usage"))
+    finish_reason = _value(text, choice.get("finish_reason"))
+    del text  # only the message is kept: 8 MiB of calls are not held three times
+    try:
+        return _reply_from(message_json, finish_reason, usage if isinstance(usage, dict) else {})
+    except RecursionError:
+        raise ApiError("the model API sent a reply nested too deep to read") from None
 
 
-def _reply_from(
-    message_json: str, message: Mapping[str, Any], finish_reason: Any, usage: Mapping[str, Any]
-) -> Reply:
-    """A Reply from a message (and its exact JSON text), or ApiError if it says nothing."""
+def _reply_from(message_json: str, finish_reason: Any, usage: Mapping[str, Any]) -> Reply:
+    """A Reply from a message's exact JSON text, or ApiError if it says nothing."""
+    message = _members(message_json, (0, len(message_json)))
+    if message is None:
+        raise ApiError("the model API sent a choice without a message")
     reply = Reply(
         message_json=message_json,
-        content=_text_or_none(message.get("content")),
+        content=_text_or_none(_value(message_json, message.get("content"))),
         # subtle: read tool_calls whatever finish_reason says; "stop", "", "eos_token" and
         # no value at all have been recorded beside real tool calls
-        tool_calls=_parse_tool_calls(message.get("tool_calls"), message_json),
+        tool_calls=_parse_tool_calls(message_json, message.get("tool_calls")),
         usage=usage,
         finish_reason=_text_or_none(finish_reason),
-        refusal=_text_or_none(message.get("refusal")),
+        refusal=_text_or_none(_value(message_json, message.get("refusal"))),
     )
     cut_short = reply.finish_reason in ("length", "content_filter")
     if not (reply.tool_calls or reply.content or reply.refusal or cut_short):
@@ -604,29 +625,19 @@ def _text_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _first_choice(document: Any) -> dict[str, Any]:
-    if not isinstance(document, dict):
-        raise ApiError("the model API sent JSON that is not an object")
-    if document.get("error"):  # "error": null beside a good reply is not an error
-        raise ApiError(f"the model API reported an error: {_error_text(document['error'])}")
-    choices = document.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ApiError("the model API sent a reply without choices")
-    if not isinstance(choices[0].get("message"), dict):
-        raise ApiError("the model API sent a choice without a message")
-    choice: dict[str, Any] = choices[0]
-    return choice
-
-
-def _parse_tool_calls(raw: Any, message_json: str) -> tuple[ToolCall, ...]:
-    if raw is None:
+def _parse_tool_calls(message_json: str, span: Span | None) -> tuple[ToolCall, ...]:
+    if span is None or message_json.startswith("null", span[0]):
         return ()
-    if not isinstance(raw, list):
+    if not message_json.startswith("[", span[0]):
         raise ApiError("the model API sent tool_calls that is not a list")
-    return tuple(_parse_tool_call(item, n, message_json) for n, item in enumerate(raw))
+    names: dict[str, str] = {}  # one string per name: 100,000 calls name a few tools
+    items = _items(message_json, span)
+    return tuple(_parse_tool_call(message_json, item, names) for item in items)
 
 
-def _parse_tool_call(item: Any, position: int, message_json: str) -> ToolCall:
+def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> ToolCall:
+    """One call, decoded on its own: a reply's 100,000 calls are never all objects at once."""
+    item = _value(message_json, span)
     function = item.get("function") if isinstance(item, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError("the model API sent a tool call without a function name")
@@ -637,68 +648,64 @@ def _parse_tool_call(item: Any, position: int, message_json: str) -> ToolCall:
     if isinstance(arguments, str) and arguments:
         arguments_json = arguments
     else:  # none, or an object (server quirks): what the model's arguments are, as text
-        arguments_json = _arguments_text(arguments, position, message_json)
-    return ToolCall(id=call_id, name=function["name"], arguments_json=arguments_json)
+        arguments_json = _arguments_text(arguments, message_json, span)
+    name = names.setdefault(function["name"], function["name"])
+    return ToolCall(id=call_id, name=name, arguments_json=arguments_json)
 
 
+# Where a value sits in a JSON text, as (start, end): the echo and the parse read the same.
+Span: TypeAlias = tuple[int, int]
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+_SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and keeps no object
 
 
-def _raw_span(text: str, path: tuple[str | int, ...]) -> tuple[int, int]:
-    """Where the value at `path` starts and ends in the JSON `text`.
+def _members(text: str, span: Span | None) -> dict[str, Span] | None:
+    """Where each member's value of the object at `span` sits; None if it is not an object.
 
     Why: the assistant message that carries tool_calls must go back exactly as it came. Some
     providers attach fields (reasoning signatures, vendor extras) that they verify on the next
     request; a re-serialization that reorders keys, re-escapes "\\u00e9" or rewrites 1.0e2 as
-    100.0 can break them. json.loads gives values but no positions, so we walk the containers
-    along `path` and let the stdlib's own scanner (JSONDecoder.raw_decode) step over keys and
-    values: the span it finds is scanned exactly as json.loads scanned it. Only the value
-    found last is decoded whole; a member on the path is stepped into, not decoded.
+    100.0 can break them. json.loads gives values but no positions, so the stdlib's own
+    scanner (JSONDecoder.raw_decode) steps over each key and value, in a text known to be
+    JSON: a value is read from the very span that is echoed. Of a key given twice the last
+    counts, as json.loads keeps it (subtle: "ch\\u006fices" is "choices" too).
     """
-    decoder = json.JSONDecoder()
-    pos = _WHITESPACE.match(text, 0).end()  # type: ignore[union-attr]
-    for step in path:
-        pos = _member_start(text, pos, step, decoder)
-    _, end = decoder.raw_decode(text, pos)
-    return pos, end
+    if span is None or not text.startswith("{", span[0]):
+        return None
+    members: dict[str, Span] = {}
+    pos = _after_space(text, span[0] + 1)
+    while text[pos] != "}":
+        key, pos = _DECODER.raw_decode(text, pos)
+        start = _after_space(text, _after_space(text, pos) + 1)  # past the ':'
+        members[key] = (start, _SKIMMER.raw_decode(text, start)[1])
+        pos = _next_item(text, members[key][1])
+    return members
 
 
-def _member_start(text: str, pos: int, step: str | int, decoder: json.JSONDecoder) -> int:
-    """Start of member `step` (an object key or array index) of the container at `pos`."""
-    skip = _WHITESPACE.match
-    if text[pos] != ("{" if isinstance(step, str) else "["):  # not what json.loads saw here
-        raise ApiError("the model API sent a reply whose structure could not be located")
-    closer = "}" if text[pos] == "{" else "]"
-    found, index = -1, 0
-    pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-    while text[pos] != closer:
-        if closer == "}":
-            key, pos = decoder.raw_decode(text, pos)
-            pos = skip(text, skip(text, pos).end() + 1).end()  # type: ignore[union-attr]  # past ':'
-            if key == step:
-                found = pos  # json.loads keeps the last of duplicate keys, so look on …
-                if not _may_come_again(text, pos, key):  # … unless no such key can follow
-                    return found
-        elif index == step:
-            return pos
-        _, pos = decoder.raw_decode(text, pos)
-        pos = skip(text, pos).end()  # type: ignore[union-attr]
-        if text[pos] == ",":
-            pos = skip(text, pos + 1).end()  # type: ignore[union-attr]
-        index += 1
-    if found < 0:
-        raise ApiError("the model API sent a reply whose structure could not be located")
-    return found
+def _items(text: str, span: Span | None) -> Iterator[Span]:
+    """Where each item of the array at `span` sits, one at a time; none if it is no array."""
+    if span is None or not text.startswith("[", span[0]):
+        return
+    pos = _after_space(text, span[0] + 1)
+    while text[pos] != "]":
+        end = _SKIMMER.raw_decode(text, pos)[1]
+        yield pos, end
+        pos = _next_item(text, end)
 
 
-def _may_come_again(text: str, pos: int, key: str) -> bool:
-    """Can `key` be spelt again after `pos`? As json.dumps spells it, or with escapes: a key of
-    ASCII letters, digits and _ has no other spelling than with \\u (subtle: "ch\\u006fices"
-    is "choices", and json.loads keeps the last)."""
-    if text.find(json.dumps(key), pos) >= 0:
-        return True
-    plain = key.isascii() and key.replace("_", "").isalnum()
-    return text.find("\\u" if plain else "\\", pos) >= 0
+def _after_space(text: str, pos: int) -> int:
+    return _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
+
+
+def _next_item(text: str, end: int) -> int:
+    """Past the ',' after a value, or at the closing bracket."""
+    pos = _after_space(text, end)
+    return _after_space(text, pos + 1) if text[pos] == "," else pos
+
+
+def _value(text: str, span: Span | None) -> Any:
+    return None if span is None else _DECODER.raw_decode(text, span[0])[0]
 
 
 def _printable(body: bytes) -> str:
@@ -708,7 +715,7 @@ def _printable(body: bytes) -> str:
 # -------------------------------------------------------------- dispatch (the trust boundary)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ToolResult:
     """What one call produced: the tool message content and the audited outcome."""
 
@@ -926,56 +933,58 @@ class ToolLoop:
             history = portable_history(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.messages.append(_message("user", user_message))
-        try:
-            return self._rounds(turn, context, on_text)
+        try:  # round after round, until a reply asks for no tool or a guard or failure ends it
+            while True:
+                turn.rounds += 1
+                ended = self._round(turn, context, on_text)
+                if ended:
+                    return ended
         except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
             turn.close_open_calls("interrupted")
             self._finish(turn, context, "interrupted", error="interrupted")
             raise
 
-    def _rounds(
+    def _round(  # noqa: PLR0911 -- one return per way a round ends
         self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
-    ) -> TurnResult:
-        """Round after round until a reply asks for no tool, a guard or a failure ends it."""
-        while True:
-            turn.rounds += 1
-            choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
-            try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
-                reply = self.client.complete(
-                    turn.messages,
-                    self._tools_json,
-                    turn.deadline,
-                    on_text,
-                    tool_choice=choice,
-                    parallel_tool_calls=self.parallel_tool_calls,
-                )
-            except ApiError as exc:
-                if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
-                    continue  # the server refused the model's call: a new round asks again
-                return self._finish(turn, context, *_api_failure(exc, choice, turn))
-            turn.add_reply(reply)
-            if not reply.tool_calls:
-                return self._finish(turn, context, *self._ending(reply))
-            # a plan the model did not finish writing is not a plan: none of it runs
-            guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
-            try:  # the reply's lines, then one fsync, and only then can a result go back
-                with self.audit.batch():
-                    results = turn.add_results(
-                        self._run_calls(reply.tool_calls, context, turn, guard)
-                    )
-            except AuditError as exc:  # fail closed: no unaudited result goes back
-                turn.close_open_calls("audit_failed")
-                return self._finish(turn, context, "audit_failed", error=str(exc))
-            if guard:  # cut short: the text that came and a note; a guard: its fallback
-                cut = guard == "incomplete"
-                answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
-                return self._finish(turn, context, guard, answer, note)
-            if turn.failed_tool:
-                error = f"the tool {turn.failed_tool} failed; details are in the audit log"
-                return self._finish(turn, context, "tool_failed", error=error)
-            if self._answers_directly(results):
-                answer = "\n".join(result.content for result in results)
-                return self._finish(turn, context, "returned_direct", answer=answer)
+    ) -> TurnResult | None:
+        """Ask once, run what the reply asks for; the TurnResult if that ends the turn. (A
+        function of its own so that a reply's calls are let go before the next request.)"""
+        choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
+        try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
+            reply = self.client.complete(
+                turn.messages,
+                self._tools_json,
+                turn.deadline,
+                on_text,
+                tool_choice=choice,
+                parallel_tool_calls=self.parallel_tool_calls,
+            )
+        except ApiError as exc:
+            if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
+                return None  # the server refused the model's call: a new round asks again
+            return self._finish(turn, context, *_api_failure(exc, choice, turn))
+        turn.add_reply(reply, self.max_calls_per_reply)
+        if not reply.tool_calls:
+            return self._finish(turn, context, *self._ending(reply))
+        # a plan the model did not finish writing is not a plan: none of it runs
+        guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
+        try:  # the reply's lines, then one fsync, and only then can a result go back
+            with self.audit.batch():
+                results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
+        except AuditError as exc:  # fail closed: no unaudited result goes back
+            turn.close_open_calls("audit_failed")
+            return self._finish(turn, context, "audit_failed", error=str(exc))
+        if guard:  # cut short: the text that came and a note; a guard: its fallback
+            cut = guard == "incomplete"
+            answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
+            return self._finish(turn, context, guard, answer, note)
+        if turn.failed_tool:
+            error = f"the tool {turn.failed_tool} failed; details are in the audit log"
+            return self._finish(turn, context, "tool_failed", error=error)
+        if len(results) == len(reply.tool_calls) and self._answers_directly(results):
+            answer = "\n".join(result.content for result in results)
+            return self._finish(turn, context, "returned_direct", answer=answer)
+        return None
 
     def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
         """How a reply without tool calls ends the turn: an answer, or plainly not one."""
@@ -1083,10 +1092,12 @@ class _Turn:
     calls_now: tuple[tuple[str, str], ...] = ()
     calls_before: tuple[tuple[str, str], ...] = ()
 
-    def add_reply(self, reply: Reply) -> None:
+    def add_reply(self, reply: Reply, can_run: int) -> None:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
         self.open_calls = collections.deque(reply.tool_calls)
-        self.calls_before, self.calls_now = self.calls_now, _call_signature(reply.tool_calls)
+        # the calls that can run: asked again, they are a repeat (the rest were told to ask)
+        runnable = reply.tool_calls[:can_run]
+        self.calls_before, self.calls_now = self.calls_now, _call_signature(runnable)
         self.retries += reply.retries
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = reply.usage.get(key)
@@ -1103,7 +1114,8 @@ class _Turn:
         return bool(self.calls_now) and self.calls_now == self.calls_before
 
     def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
-        """Append each result as it comes, so a failure midway loses none that ran."""
+        """Append each result as it comes, so a failure midway loses none that ran; returns
+        those of the calls that ran (100,000 that did not are answered, and not kept)."""
         added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
@@ -1112,7 +1124,8 @@ class _Turn:
             self.tool_errors += _is_tool_error(result.outcome)
             if result.ends_turn:
                 self.failed_tool = result.call.name
-            added.append(result)
+            if not result.outcome.startswith("skipped:"):
+                added.append(result)
         return added
 
     def close_open_calls(self, reason: str) -> None:
@@ -1769,7 +1782,7 @@ class ChatClient:
             ) from None
 
     def _attempts(
-        self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
+        self, body: bytearray, turn_deadline: float, on_text: Callable[[str], None] | None
     ) -> Reply:
         """The first try and the retries."""
         for attempt in range(self.settings.max_retries + 1):
@@ -1808,7 +1821,7 @@ class ChatClient:
         return wait
 
     def _post(
-        self, body: bytes, turn_deadline: float, on_text: Callable[[str], None] | None
+        self, body: bytearray, turn_deadline: float, on_text: Callable[[str], None] | None
     ) -> Reply:
         deadline = min(time.monotonic() + self.settings.timeout, turn_deadline)
         try:
@@ -1866,7 +1879,7 @@ class ChatClient:
             " request pays for it twice (--retry-timeouts)"
         )
 
-    def _response(self, body: bytes, deadline: float) -> http.client.HTTPResponse:
+    def _response(self, body: bytearray, deadline: float) -> http.client.HTTPResponse:
         """Send the request and read the status line and headers, on the kept connection if
         there is one and it is still fit to carry it.
 
@@ -2068,7 +2081,7 @@ def read_stream(
         if data == "[DONE]":
             break
         try:
-            chunk = json.loads(data)
+            chunk = json.loads(data, object_pairs_hook=message.object_of)
         except (ValueError, RecursionError):
             raise ApiError(
                 f"the stream carried an event that is not JSON: {_cut(data, 120)}"
@@ -2138,6 +2151,12 @@ class _StreamedMessage:
         self.finish_reason: Any = None
         self.usage: dict[str, Any] = {}
         self.limit, self.size = limit, 0  # what the deltas carry, not the events' framing
+        self.keys: dict[str, str] = {}
+
+    def object_of(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        """An event's object, its keys shared with every other event's: 100,000 calls must
+        not keep 100,000 strings "arguments" (json.loads shares keys within one text only)."""
+        return {self.keys.setdefault(key, key): value for key, value in pairs}
 
     def add(self, chunk: Any) -> str | None:
         """Take one chunk; returns its piece of text, if it carried one."""
@@ -2218,11 +2237,16 @@ class _StreamedMessage:
         return call
 
     def reply(self) -> Reply:
-        """The assembled message as a Reply; the same checks as a whole reply gets."""
-        message: dict[str, Any] = {"role": "assistant", **_settled(self.fields)}
-        if self.calls:
-            message["tool_calls"] = [_finished_call(_settled(call)) for call in self.calls]
-        return _reply_from(_compact(message), message, self.finish_reason, self.usage)
+        """The assembled message as a Reply, read from its JSON text as a whole reply is."""
+        message_json = _compact({"role": "assistant", **_settled(self.fields)})
+        if self.calls:  # written one by one, each let go once written: not all held twice
+            calls, self.calls, self.at_index, self.with_id = self.calls[::-1], [], {}, {}
+            written = []
+            while calls:
+                written.append(_compact(_finished_call(_settled(calls.pop()))))
+            tool_calls = ",".join(written)
+            message_json = "".join((message_json[:-1], ',"tool_calls":[', tool_calls, "]}"))
+        return _reply_from(message_json, self.finish_reason, self.usage)
 
 
 def _hashable(value: Any) -> Any:
@@ -2238,7 +2262,7 @@ class _Pieces(list[str]):
 def _merged(key: str, old: Any, new: Any) -> Any:
     """One delta's value joined to what earlier deltas carried for the same key."""
     if old is None:
-        return _Pieces([new]) if key in _TEXT_PIECES and isinstance(new, str) else new
+        return new
     if new is None:
         return old
     if isinstance(old, _Pieces | str) and isinstance(new, str):
@@ -2259,8 +2283,8 @@ def _joined_text(key: str, old: str | _Pieces, new: str) -> Any:
     if isinstance(old, _Pieces):
         old.append(new)
         return old
-    if key == "name" or old == new:  # a call's name comes whole; a second one is a repeat
-        return old or new
+    if key not in _TEXT_PIECES and (key == "name" or old == new):
+        return old or new  # a call's name comes whole, and a tag sent again is a repeat
     return _Pieces([old, new])
 
 
@@ -2370,8 +2394,9 @@ def skip_calls(
             count=len(counted),
             tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
         )
-        content = _not_run_content(reason)
-        yield from (ToolResult(call, content, f"skipped:{reason}") for call in calls[named:])
+        # shared, and short: 100,000 of them go in every later request (the first say why)
+        content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
+        yield from (ToolResult(call, content, outcome) for call in calls[named:])
 
 
 def _not_run_content(reason: str) -> str:
@@ -2451,16 +2476,13 @@ _WRITTEN_CALL = re.compile(
 )
 
 
-def _arguments_text(arguments: Any, position: int, message_json: str) -> str:
+def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
     """Arguments that came as no text at all ("{}": seen for no-argument tools) or as the
     object itself (its text as sent, duplicate keys and all)."""
     if arguments is None or arguments == "":
         return "{}"
-    path = ("tool_calls", position, "function", "arguments")
-    try:
-        start, end = _raw_span(message_json, path)
-    except RecursionError:
-        raise ApiError("the model API sent arguments nested too deep to read") from None
+    function = _members(message_json, call)["function"]  # type: ignore[index]
+    start, end = _members(message_json, function)["arguments"]  # type: ignore[index]
     return message_json[start:end]
 
 
