@@ -6692,38 +6692,56 @@ class SleepyTool(Tool):
         return {"ok": True}
 
 
+class TrivialTool(Tool):
+    """A tool that does nothing: what is left of a round is the mechanism's own cost."""
+
+    name = "getOrderStatus"
+    description = "Does nothing. Use it in benchmarks. Returns {ok}."
+    parameters: ClassVar[dict[str, Any]] = fc.GetOrderStatus.parameters
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        return {"ok": True}
+
+
 @unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
 class Benchmarks(LoopTestCase):
-    """Speed as ratios against a baseline measured in the same run: `make bench`."""
+    """Each figure a ratio against a baseline measured interleaved in the same run, printed as
+    median [first quartile..third quartile] over N pairs: `make bench`. Servers are started
+    before the clock, never inside a timed region."""
 
-    def test_a_tool_round_against_a_bare_post_on_a_kept_connection(self) -> None:
-        for fsync in (False, True):
-            loop_ms, bare_ms = self.tool_round_against_a_bare_post(fsync, rounds=200)
+    def test_a_tool_round_against_bare_posts_on_a_kept_connection(self) -> None:
+        for label, tools, fsync in (
+            ("a trivial tool, audit fsync off", [TrivialTool()], False),
+            ("the shipped SQLite tool, audit fsync on", self.tools, True),
+        ):
             report(
-                f"a turn of one tool round (fsync {'on' if fsync else 'off'}: two model calls,"
-                f" one tool call) / a bare http.client POST on a kept-alive connection ="
-                f" {loop_ms / bare_ms:.2f} (medians {loop_ms:.2f} ms / {bare_ms:.2f} ms)"
+                ratio_line(
+                    f"a turn of one tool round ({label}: two model calls, one tool call) / the"
+                    " same two requests as bare http.client POSTs on a kept-alive connection",
+                    self.tool_round_against_bare_posts(tools, fsync, runs=200),
+                )
             )
 
-    def tool_round_against_a_bare_post(self, fsync: bool, rounds: int) -> tuple[float, float]:
-        """Medians of a turn of one tool round, and of a bare POST of its first request."""
+    def tool_round_against_bare_posts(
+        self, tools: Sequence[Tool], fsync: bool, runs: int
+    ) -> list[tuple[float, float]]:
         audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
-        approvals = Approvals(self.database, audit)
-        lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
-        turns = ScriptedChatServer([lookup, text_reply("ok")] * (rounds + 1))
-        floor = ScriptedChatServer([text_reply("ok")] * rounds)
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        turns = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
+        floor = ScriptedChatServer([lookup, text_reply("ok")] * runs)
         with turns, floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(client, self.tools, audit, approvals=approvals)
+            loop = ToolLoop(client, tools, audit, approvals=Approvals(self.database, audit))
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
-            body = turns.requests[0].body
-            kept = http.client.HTTPConnection("127.0.0.1", int(floor.base_url.split(":")[2][:-3]))
-            loop_times, bare_times = [], []
-            for _ in range(rounds):  # interleaved, so drift hits both alike
-                loop_times.append(timed(lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER))))
-                bare_times.append(timed(lambda: bare_post_kept(kept, body)))
+            first, second = turns.requests[0].body, turns.requests[1].body
+            kept = kept_connection(floor.base_url)
+            pairs = interleaved(
+                lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER)),
+                lambda: (bare_post_kept(kept, first), bare_post_kept(kept, second)),
+                runs,
+            )
             kept.close()
-        return statistics.median(loop_times), statistics.median(bare_times)
+        return pairs
 
     def test_connections_and_handshakes_per_three_round_turn(self) -> None:
         lookups = alternating_lookups(2)
@@ -6752,70 +6770,83 @@ class Benchmarks(LoopTestCase):
         self.assertEqual(result.stop_reason, "answered", result.error)
 
     def test_a_reply_of_16_calls_against_one(self) -> None:
-        def turn_with(calls: int) -> tuple[float, int]:
-            script = [
-                tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')] * calls),
-                text_reply("ok"),
-            ]
-            with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
-                elapsed = timed(lambda: self.run_turn(script))
-            return elapsed, fsync.call_count - 1  # less the turn's own line
-
-        one = [turn_with(1) for _ in range(15)]
-        sixteen = [turn_with(16) for _ in range(15)]
-        ratio = statistics.median(t for t, _ in sixteen) / statistics.median(t for t, _ in one)
-        report(
-            f"fsyncs for a reply's calls: 16 calls {sixteen[0][1]}, 1 call {one[0][1]};"
-            f" time of a reply with 16 calls / with 1 = {ratio:.2f}"
-        )
-
-    def test_a_long_stream_costs_the_same_per_chunk(self) -> None:
-        def per_chunk(count: int) -> float:
-            events = [chunk({"content": "ab"}) for _ in range(count)]
-            body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-            elapsed = timed(
-                lambda: self.run_turn([sse(body + b"data: [DONE]\n\n")], on_text=lambda t: None)
+        runs, loops = 40, {}
+        servers = {
+            calls: ScriptedChatServer(
+                [tool_call_reply([("getOrderStatus", LOOKUP)] * calls), text_reply("ok")] * runs
             )
-            return elapsed / count
+            for calls in (1, 16)
+        }
+        with servers[1], servers[16]:
+            for calls, server in servers.items():
+                client = ChatClient(Settings(base_url=server.base_url, model="bench"))
+                loops[calls] = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
+                loops[16].run("where?", ToolContext(DEMO_CUSTOMER))
+            syncs = fsync.call_count - 1  # less the turn's own line
+            pairs = interleaved(
+                lambda: loops[16].run("where?", ToolContext(DEMO_CUSTOMER)),
+                lambda: loops[1].run("where?", ToolContext(DEMO_CUSTOMER)),
+                runs - 1,
+            )
+        report(f"fsyncs for the lines of a reply's 16 calls: {syncs}")
+        report(ratio_line("a turn whose reply asks for 16 calls / one asking for 1", pairs))
 
-        small, large = per_chunk(1_000), per_chunk(30_000)
-        report(f"a stream of 30,000 chunks completes; per chunk, 30k / 1k = {large / small:.2f}")
+    def test_a_long_stream_against_reading_its_bytes(self) -> None:
+        for count in (1_000, 30_000):
+            pairs = self.stream_against_bare_post(count, runs=15)
+            label = f"a streamed turn of {count:,} chunks / a bare POST of them, each event parsed"
+            report(ratio_line(label, pairs))
 
-    def test_assembling_streamed_calls_costs_the_same_per_call(self) -> None:
-        def per_call(count: int) -> float:
+    def stream_against_bare_post(self, count: int, runs: int) -> list[tuple[float, float]]:
+        events = [chunk({"content": "ab"}) for _ in range(count)]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        body += b"data: [DONE]\n\n"
+        turns = ScriptedChatServer([sse(body)] * runs)
+        floor = ScriptedChatServer([sse(body)] * runs)
+        with turns, floor:
+            client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            kept = kept_connection(floor.base_url)
+            request = bytes(fc._request_body("bench", [fc._message("user", "hi")], "[]", True))
+            pairs = interleaved(
+                lambda: loop.run("hi", ToolContext(DEMO_CUSTOMER), on_text=lambda t: None),
+                functools.partial(bare_stream_kept, kept, request),
+                runs,
+            )
+            kept.close()
+        return pairs
+
+    def test_assembling_streamed_calls_against_parsing_their_events(self) -> None:
+        for count in (10_000, 40_000):
             pieces = [
                 call_piece(
                     index=n, id=f"c{n}", type="function", function={"name": "f", "arguments": "{}"}
                 )
                 for n in range(count)
             ]
-            wire = [
-                f"data: {json.dumps(p)}\n\n".encode() for p in (*pieces, chunk({}, "tool_calls"))
-            ]
-            return (
-                timed(lambda: fc.read_stream(iter([*wire, b"data: [DONE]\n\n"]), lambda text: None))
-                / count
+            events = [json.dumps(p) for p in (*pieces, chunk({}, "tool_calls"))]
+            wire = [f"data: {e}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+            pairs = interleaved(
+                functools.partial(read_all, wire), functools.partial(loads_each, events), 7
             )
-
-        small, large = per_call(10_000), per_call(40_000)
-        report(f"streamed calls assembled, per call, 40,000 / 10,000 = {large / small:.2f}")
+            report(ratio_line(f"read_stream of {count:,} calls / json.loads of each event", pairs))
 
     def test_reading_a_reply_against_parsing_alone(self) -> None:
         calls = [
             {"id": f"call_{n}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
             for n in range(50_000)
         ]
-        for label, message in (
-            ("1 KB of text", {"role": "assistant", "content": "x" * 1_000}),
-            ("8 MB of text", {"role": "assistant", "content": "x" * 8_000_000}),
-            ("50,000 calls", {"role": "assistant", "content": None, "tool_calls": calls}),
+        for label, message, runs in (
+            ("1 KB of text", {"role": "assistant", "content": "x" * 1_000}, 200),
+            ("8 MB of text", {"role": "assistant", "content": "x" * 8_000_000}, 9),
+            ("50,000 calls", {"role": "assistant", "content": None, "tool_calls": calls}, 9),
         ):
             body = json.dumps({"choices": [{"message": message}]}).encode()
-            loads = statistics.median(timed(functools.partial(json.loads, body)) for _ in range(5))
-            ours = statistics.median(
-                timed(functools.partial(fc.parse_reply, body)) for _ in range(5)
+            pairs = interleaved(
+                functools.partial(fc.parse_reply, body), functools.partial(json.loads, body), runs
             )
-            report(f"parse_reply / json.loads, {label} = {ours / loads:.2f}")
+            report(ratio_line(f"parse_reply / json.loads, {label}", pairs))
 
     def test_what_a_reply_of_many_calls_holds_at_most(self) -> None:
         for count in (10_000, 40_000):  # the same ratio at both sizes: linear
@@ -6824,31 +6855,96 @@ class Benchmarks(LoopTestCase):
                 kind = "streamed" if stream else "whole"
                 report(
                     f"{count:,} calls, {kind}: most held / reply's bytes = {peak / wire:.2f};"
-                    f" next request / reply = {second / wire:.2f}"
+                    f" next request / reply = {second / wire:.2f} (tracemalloc: no spread)"
                 )
 
-    def test_four_slow_tools_take_about_as_long_as_one(self) -> None:
-        def turn_with(calls: int) -> float:
-            script = [tool_call_reply([("slowLookup", "{}")] * calls), text_reply("ok")]
-            return timed(lambda: self.run_turn(script, tools=[SleepyTool()]))
+    def test_four_slow_tools_against_one(self) -> None:
+        runs, loops = 5, {}
+        servers = {
+            calls: ScriptedChatServer(
+                [tool_call_reply([("slowLookup", "{}")] * calls), text_reply("ok")] * runs
+            )
+            for calls in (1, 4)
+        }
+        with servers[1], servers[4]:
+            for calls, server in servers.items():
+                client = ChatClient(Settings(base_url=server.base_url, model="bench"))
+                loops[calls] = ToolLoop(client, [SleepyTool()], self.audit)
+            pairs = interleaved(
+                lambda: loops[4].run("go", ToolContext(DEMO_CUSTOMER)),
+                lambda: loops[1].run("go", ToolContext(DEMO_CUSTOMER)),
+                runs,
+            )
+        report(ratio_line("a reply asking for four 300 ms tools / one asking for one", pairs))
+        self.assertLess(statistics.median(s / b for s, b in pairs), 4)  # they ran at once
 
-        one = statistics.median(turn_with(1) for _ in range(3))
-        four = statistics.median(turn_with(4) for _ in range(3))
-        report(f"a reply with 4 calls of a 300 ms tool / with 1 call = {four / one:.2f}")
-        self.assertLess(four / one, 4)  # not a timing goal: proof they did not run one by one
-
-    def test_audit_appends_per_second_with_and_without_fsync(self) -> None:
-        appends, rates = 500, {}
-        for fsync in (True, False):
+    def test_audit_appends_against_the_bare_disk(self) -> None:
+        for fsync in (False, True):
             log = AuditLog(self.data_dir / f"bench-{fsync}.log", fsync=fsync)
-            started = time.perf_counter()
-            for i in range(appends):
-                log.record("bench", i=i)
-            rates[fsync] = appends / (time.perf_counter() - started)
-        report(
-            f"audit appends per second: fsync on {rates[True]:.0f}, off {rates[False]:.0f};"
-            f" on / off = {rates[True] / rates[False]:.3f}"
-        )
+            path = self.data_dir / f"bare-{fsync}.log"
+            bare = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            line = (json.dumps({"event": "bench", "i": 0, "pad": "x" * 200}) + "\n").encode()
+            pairs = interleaved(
+                functools.partial(fifty_times, functools.partial(log.record, "bench", i=0)),
+                functools.partial(fifty_times, functools.partial(bare_append, bare, line, fsync)),
+                21,
+            )
+            os.close(bare)
+            state = "on" if fsync else "off"
+            report(ratio_line(f"50 audit appends, fsync {state} / 50 bare O_APPEND writes", pairs))
+
+
+def bare_stream_kept(connection: http.client.HTTPConnection, body: bytes) -> object:
+    """The floor of a stream: its bytes POSTed for and read whole, each event's JSON parsed."""
+    events = bare_post_kept(connection, body).split(b"\n\n")
+    return [json.loads(event[6:]) for event in events if event.startswith(b"data: {")]
+
+
+def read_all(wire: Sequence[bytes]) -> object:
+    return fc.read_stream(iter(wire), lambda text: None)
+
+
+def loads_each(events: Sequence[str]) -> object:
+    return [json.loads(event) for event in events]
+
+
+def fifty_times(action: Callable[[], object]) -> None:
+    for _ in range(50):
+        action()
+
+
+def bare_append(fd: int, line: bytes, fsync: bool) -> None:
+    """The floor of an audit append: the line written to an O_APPEND file, and fsync'ed."""
+    os.write(fd, line)
+    if fsync:
+        os.fsync(fd)
+
+
+def interleaved(
+    subject: Callable[[], object], baseline: Callable[[], object], runs: int
+) -> list[tuple[float, float]]:
+    """(subject ms, baseline ms) measured back to back `runs` times, which one goes first
+    alternating, so drift and a warm cache favour neither."""
+    pairs = []
+    for n in range(runs):
+        if n % 2:
+            base = timed(baseline)
+            pairs.append((timed(subject), base))
+        else:
+            pairs.append((timed(subject), timed(baseline)))
+    return pairs
+
+
+def ratio_line(label: str, pairs: Sequence[tuple[float, float]]) -> str:
+    """`label = median [q1..q3] over N`, of the pairs' ratios, and the baseline's median."""
+    ratios = [subject / baseline for subject, baseline in pairs]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    base = statistics.median(baseline for _, baseline in pairs)
+    return f"{label} = {median:.2f} [{q1:.2f}..{q3:.2f}] over {len(pairs)} (baseline {base:.3g} ms)"
+
+
+def kept_connection(base_url: str) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection("127.0.0.1", int(base_url.rsplit(":", 1)[1].split("/", 1)[0]))
 
 
 def timed(action: Callable[[], object]) -> float:
