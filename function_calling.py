@@ -3131,6 +3131,8 @@ class Database:
     def __init__(self, path: Path) -> None:
         self.path = path.resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._writer: sqlite3.Connection | None = None  # opened by the first write
+        self._writing = threading.Lock()  # one transaction at a time on it (tool threads too)
 
     def install(
         self,
@@ -3163,19 +3165,56 @@ class Database:
 
     @contextmanager
     def write_transaction(self) -> Iterator[sqlite3.Connection]:
-        """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises."""
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=DATABASE_BUSY_TIMEOUT_S)
-        try:
-            db.execute("PRAGMA foreign_keys = ON")
-            db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+        """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises.
+
+        subtle: on one connection kept open, in WAL mode, so that a commit costs one fsync
+        (of the log it appends to). A connection opened per transaction paid four with a
+        rollback journal, and two with WAL (SQLite syncs the directory of a file it opens
+        to create). Durable all the same: synchronous=FULL syncs the WAL at every commit."""
+        with self._writing:
+            db = self._writer or self._open_writer()
             try:
+                db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
                 yield db
+                db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                self._roll_back(db)
                 raise
-            db.execute("COMMIT")
-        finally:
+
+    def close(self) -> None:
+        """Close the kept write connection; a later write opens another."""
+        with self._writing:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    def __del__(self) -> None:  # let go unclosed: closed all the same, without a warning
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.close()
+
+    def _open_writer(self) -> sqlite3.Connection:
+        db = sqlite3.connect(
+            self.path,
+            isolation_level=None,
+            timeout=DATABASE_BUSY_TIMEOUT_S,
+            check_same_thread=False,
+        )
+        db.execute("PRAGMA journal_mode = WAL")  # kept in the file: every process uses it
+        db.execute("PRAGMA synchronous = FULL")
+        db.execute("PRAGMA foreign_keys = ON")
+        self._writer = db
+        return db
+
+    def _roll_back(self, db: sqlite3.Connection) -> None:
+        """Undo what the failed transaction did; a connection that cannot is let go (its
+        close undoes it) and the next transaction opens another."""
+        try:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+        except sqlite3.Error:
             db.close()
+            self._writer = None
 
 
 _SCHEMA_VERSIONS = """
@@ -3317,6 +3356,53 @@ CREATE TABLE IF NOT EXISTS conversation_turns (
 """
 
 
+# Which approvals each conversation's tool results announced, and the turn that told it their
+# decision: an index of its turns' messages (the truth), kept in each turn's own transaction,
+# so a turn asks one indexed question instead of reading every message saved before it. Its
+# own part: a database made before it gets it built from the turns the first time it is opened.
+_CONVERSATION_ACTIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversation_actions (
+    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
+    action_id       TEXT NOT NULL,
+    filed_turn      INTEGER NOT NULL,  -- the turn whose tool result announced it
+    told_turn       INTEGER,           -- the turn that told the model its decision; NULL: not yet
+    PRIMARY KEY (conversation_id, action_id)
+);
+"""
+
+
+def _index_saved_turns(db: sqlite3.Connection) -> None:
+    """Build conversation_actions from the turns saved before it existed (once)."""
+    rows = db.execute(
+        "SELECT conversation_id, turn, messages_json, told_json FROM conversation_turns"
+        " ORDER BY conversation_id, turn"
+    ).fetchall()
+    for conversation_id, turn, messages_json, told_json in rows:
+        try:
+            messages, told = json.loads(messages_json), json.loads(told_json)
+            _index_turn(db, conversation_id, turn, messages, told)
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            continue  # a damaged row: load says so when it is read
+
+
+def _index_turn(
+    db: sqlite3.Connection, conversation_id: str, turn: int, messages: Any, told: Any
+) -> None:
+    """What one turn filed and told, into conversation_actions (the turn's transaction)."""
+    for raw in messages:
+        for action_id in _announced_approval(raw):
+            db.execute(
+                "INSERT OR IGNORE INTO conversation_actions (conversation_id, action_id,"
+                " filed_turn) VALUES (?, ?, ?)",
+                (conversation_id, action_id, turn),
+            )
+    db.executemany(
+        "UPDATE conversation_actions SET told_turn = ? WHERE conversation_id = ?"
+        " AND action_id = ? AND told_turn IS NULL",
+        [(turn, conversation_id, action_id) for action_id in told],
+    )
+
+
 # What each decision produced, written in the decision's own transaction: what a conversation
 # that filed the action is told on its next turn (Conversations). Its own part: databases made
 # before it get the table the first time they are opened.
@@ -3372,35 +3458,37 @@ class Conversation:
     customer_id: str
     created_at: str
     system: str
+    # the newest turns, as many as the next turn sends (MAX_HISTORY_BYTES), oldest first: a
+    # conversation of 3,000 turns costs a turn what the turns it sends cost, no more
     turns: tuple[SavedTurn, ...] = ()
+    turn_count: int = 0  # turns saved, all of them
 
     def history(self, max_bytes: int = MAX_HISTORY_BYTES) -> tuple[str, ...]:
         """What the next turn sends before its own messages: the system message, then as many
         of the newest turns as fit in `max_bytes`, each whole (a tool call is never sent
         without its result), oldest of them first."""
-        kept: list[SavedTurn] = []
-        size = 0
-        for turn in reversed(self.turns):
-            size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
-            if size > max_bytes:
-                break
-            kept.insert(0, turn)
+        kept = _newest_within(self.turns, max_bytes)
         return (self.system, *(message for turn in kept for message in turn.messages))
 
     @property
     def origin(self) -> tuple[str, str] | None:
         return self.turns[-1].origin if self.turns else None
 
-    def told(self) -> set[str]:
-        return {action_id for turn in self.turns for action_id in turn.told}
 
-    def filed(self) -> list[str]:
-        """The approval ids this conversation's tool results announced, in order."""
-        found: list[str] = []
-        for turn in self.turns:
-            for raw in turn.messages:
-                found += [i for i in _announced_approval(raw) if i not in found]
-        return found
+def _newest_within(turns: Sequence[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
+    """As many of the newest turns as fit in `max_bytes`, each whole, oldest of them first."""
+    kept: list[SavedTurn] = []
+    size = 0
+    for turn in reversed(turns):
+        size += _turn_bytes(turn)
+        if size > max_bytes:
+            break
+        kept.append(turn)
+    return tuple(reversed(kept))
+
+
+def _turn_bytes(turn: SavedTurn) -> int:
+    return sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
 
 
 def _announced_approval(raw: str) -> list[str]:
@@ -3465,6 +3553,9 @@ class Conversations:
 
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("conversations", 1, _CONVERSATIONS_SCHEMA)
+        database.install(
+            "conversation_actions", 1, _CONVERSATION_ACTIONS_SCHEMA, seed=_index_saved_turns
+        )
         self.database = database
         self.clock = clock
 
@@ -3488,32 +3579,33 @@ class Conversations:
             )
         return conversation
 
-    def load(self, conversation_id: str, customer_id: str) -> Conversation:
+    def load(
+        self, conversation_id: str, customer_id: str, max_history_bytes: int = MAX_HISTORY_BYTES
+    ) -> Conversation:
         """The conversation, if it is this customer's; ConversationError otherwise (another
-        customer's reads exactly like a missing one)."""
+        customer's reads exactly like a missing one). Of its turns, the newest that its next
+        turn sends are read (Conversation.turns), newest first, and no further."""
         with closing(self.database.connect_read_only()) as db:
+            db.execute(
+                "BEGIN"
+            )  # one snapshot: a turn another process saves meanwhile is not half seen
             row = db.execute(
                 "SELECT created_at, system_json FROM conversations"
                 " WHERE conversation_id = ? AND customer_id = ?",
                 (conversation_id, customer_id),
             ).fetchone()
-            turns = db.execute(
-                "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
-                " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn",
-                (conversation_id,),
-            ).fetchall()
-        if row is None:
-            known = _CONVERSATION_ID.fullmatch(conversation_id)
-            shown = conversation_id if known else "with that id"
-            raise ConversationError(f"no conversation {shown} for customer {customer_id}")
-        try:  # a row edited, cut or lost: said as such, never as an exception of json's
-            system = _saved_message(row[1], "system")
-            saved = tuple(_saved_turn(number, *turn) for number, turn in enumerate(turns, 1))
-        except (ValueError, TypeError, RecursionError):
-            raise ConversationError(
-                f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
-            ) from None
-        return Conversation(conversation_id, customer_id, row[0], system, saved)
+            if row is None:
+                known = _CONVERSATION_ID.fullmatch(conversation_id)
+                shown = conversation_id if known else "with that id"
+                raise ConversationError(f"no conversation {shown} for customer {customer_id}")
+            try:  # a row edited, cut or lost: said as such, never as an exception of json's
+                system = _saved_message(row[1], "system")
+                count, saved = _newest_turns(db, conversation_id, max_history_bytes)
+            except (ValueError, TypeError, RecursionError):
+                raise ConversationError(
+                    f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
+                ) from None
+        return Conversation(conversation_id, customer_id, row[0], system, saved, count)
 
     def list(self) -> list[dict[str, Any]]:
         """Every saved conversation, newest activity first: id, customer, turns, last turn."""
@@ -3555,7 +3647,7 @@ class Conversations:
             history_origin=conversation.origin,
         )
         new = result.messages[len(history) :]
-        return result, self._save(conversation, new, result, told)
+        return result, self._save(conversation, new, result, told, max_history_bytes)
 
     def _notice(
         self,
@@ -3565,8 +3657,7 @@ class Conversations:
         context: ToolContext,
     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The application's call and its result telling the decisions, or nothing."""
-        told_before = conversation.told()
-        waiting = [i for i in conversation.filed() if i not in told_before]
+        waiting = self._waiting(conversation.conversation_id) if approvals else ()
         decisions = _decisions(approvals, waiting, conversation.customer_id) if approvals else []
         if not decisions:
             return (), ()
@@ -3595,12 +3686,24 @@ class Conversations:
         asked = _compact({"role": "assistant", "content": None, "tool_calls": [call]})
         return (asked, _tool_message(call_id, content)), told
 
+    def _waiting(self, conversation_id: str) -> tuple[str, ...]:
+        """The approvals the conversation filed whose decision it has not been told, in the
+        order they were filed."""
+        with closing(self.database.connect_read_only()) as db:
+            rows = db.execute(
+                "SELECT action_id FROM conversation_actions WHERE conversation_id = ?"
+                " AND told_turn IS NULL ORDER BY filed_turn, rowid",
+                (conversation_id,),
+            ).fetchall()
+        return tuple(action_id for (action_id,) in rows)
+
     def _save(
         self,
         conversation: Conversation,
         messages: Sequence[str],
         result: TurnResult,
         told: tuple[str, ...],
+        max_history_bytes: int = MAX_HISTORY_BYTES,
     ) -> Conversation:
         """The turn, whole, in one transaction: a crash before the commit leaves none of it."""
         turn = SavedTurn(
@@ -3615,16 +3718,18 @@ class Conversations:
                 result,
                 self.load(conversation.conversation_id, conversation.customer_id),
             ) from None
-        return replace(conversation, turns=(*conversation.turns, turn))
+        turns = _newest_within((*conversation.turns, turn), max_history_bytes)
+        return replace(conversation, turns=turns, turn_count=conversation.turn_count + 1)
 
     def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
+        number = conversation.turn_count + 1
         with self.database.write_transaction() as db:
             db.execute(
                 "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
                 " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation.conversation_id,
-                    len(conversation.turns) + 1,
+                    number,
                     json.dumps(list(turn.messages)),
                     *turn.origin,
                     turn.stop_reason,
@@ -3632,9 +3737,37 @@ class Conversations:
                     turn.ended_at,
                 ),
             )
+            _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
 
 
 _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
+def _newest_turns(
+    db: sqlite3.Connection, conversation_id: str, max_bytes: int
+) -> tuple[int, tuple[SavedTurn, ...]]:
+    """How many turns are saved, and the newest of them that fit in `max_bytes` (read newest
+    first, one row at a time, and no further); ValueError if a turn is missing or damaged."""
+    count, last = db.execute(
+        "SELECT COUNT(*), COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
+        (conversation_id,),
+    ).fetchone()
+    if count != last:  # a gap: turn 3 after turn 1 would make every later save collide
+        raise ValueError(conversation_id)
+    rows = db.execute(
+        "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
+        " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
+        (conversation_id,),
+    )
+    kept: list[SavedTurn] = []
+    size = 0
+    for expected, row in zip(range(count, 0, -1), rows, strict=False):  # stops where we do
+        turn = _saved_turn(expected, *row)
+        size += _turn_bytes(turn)
+        if size > max_bytes:
+            break
+        kept.append(turn)
+    return count, tuple(reversed(kept))
 
 
 def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
@@ -4033,8 +4166,8 @@ def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: st
         again = _resume_command(args, workspace, shown)
         print(f"conversation {shown} (continue it: {again})", file=sys.stderr)
     else:
-        conversation = store.load(chosen, args.customer)
-        turns = len(conversation.turns)
+        conversation = store.load(chosen, args.customer, args.max_history)
+        turns = conversation.turn_count
         print(f"conversation {chosen}, {turns} turn{'s' * (turns != 1)} so far", file=sys.stderr)
     return _Saved(store, conversation, workspace.approvals)
 

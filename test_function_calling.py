@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import collections
 import concurrent.futures
+import dataclasses
 import email.utils
 import functools
 import hashlib
@@ -102,6 +103,16 @@ class LoopTestCase(unittest.TestCase):
         self.approvals = Approvals(self.database, self.audit)
         self.tools: list[Tool] = fc.shop_tools(self.database)
         self.sleeps: list[float] = []  # the waits a client was asked to make between retries
+
+    def await_late_line(self, tool: str) -> None:
+        """Wait (5 s at most) for the audit line a tool let go after its timeout writes when
+        it finishes, so that it is not written while the data directory is being removed."""
+        for _ in range(500):
+            if any(
+                r.get("tool") == tool and r["outcome"] != "timeout" for r in self.audit_records()
+            ):
+                return
+            time.sleep(0.01)
 
     def run_turn(
         self,
@@ -1843,6 +1854,7 @@ class ConcurrencyTest(LoopTestCase):
 
     def test_a_hung_tool_times_out_while_the_others_results_are_used_in_call_order(self) -> None:
         hanging = HangingTool()
+        self.addCleanup(self.await_late_line, "hang")  # before the data directory goes
         self.addCleanup(hanging.release.set)
         calls = [
             ("getOrderStatus", '{"orderId":"ORD-1001"}'),
@@ -5476,6 +5488,63 @@ class ConversationTest(ApprovalCase):
         """The shop's loop against `server`, filing writes with `approvals` (the API's way)."""
         client = ChatClient(Settings(base_url=server.base_url, model="m"))
         return ToolLoop(client, self.tools, self.audit, approvals=approvals)
+
+    def test_a_turn_reads_no_more_after_400_saved_turns_than_after_40(self) -> None:
+        # Flat, proven without a clock: the same number of JSON texts decoded (load, the
+        # notice, the turn, its save) once the saved turns pass what the history sends.
+        conversations, approvals = fc.Conversations(self.database), self.approvals
+        decoded = {}
+        for saved_turns in (40, 400):
+            saved = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+            filler = fc.SavedTurn(
+                (fc._message("user", "x" * 8000), fc._message("assistant", "y")),
+                ("http://127.0.0.1:1/v1", "m"),
+                "answered",
+                (),
+                "2026-01-01T00:00:00Z",
+            )
+            for _ in range(saved_turns):
+                conversations._insert(saved, filler)
+                saved = dataclasses.replace(saved, turn_count=saved.turn_count + 1)
+            with ScriptedChatServer([text_reply("ok")]) as server:
+                loop = self.loop_on(server, approvals)
+                with mock.patch.object(json, "loads", wraps=json.loads) as loads:
+                    loaded = conversations.load(saved.conversation_id, DEMO_CUSTOMER)
+                    _, after = conversations.turn(
+                        loop, loaded, "and?", ToolContext(DEMO_CUSTOMER), approvals
+                    )
+            decoded[saved_turns] = loads.call_count
+            self.assertEqual(after.turn_count, saved_turns + 1)
+            sent = json.loads(server.requests[0].body)["messages"]
+            self.assertLess(len(json.dumps(sent)), fc.MAX_HISTORY_BYTES + 8192)  # the cap
+        self.assertEqual(decoded[40], decoded[400])
+        self.assertEqual(self.saved(loaded.conversation_id).turn_count, 401)
+
+    def test_a_database_from_before_the_index_tells_a_decision_once(self) -> None:
+        conversations = fc.Conversations(self.database)
+        saved = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        with ScriptedChatServer([*REFUND_1003, text_reply("Noted."), text_reply("ok")]) as server:
+            loop = self.loop_on(server, self.approvals)
+            _, saved = conversations.turn(
+                loop, saved, "refund ORD-1003", ToolContext(DEMO_CUSTOMER), self.approvals
+            )
+            action_id = tool_results(server.requests[1])[0]["approvalId"]
+            with self.database.write_transaction() as db:  # as a database made before it
+                db.execute("DROP TABLE conversation_actions")
+                db.execute("DELETE FROM schema_versions WHERE component = 'conversation_actions'")
+            self.approvals.reject(action_id, "bob", reason="no")
+            conversations = fc.Conversations(self.database)  # opened again: the index is built
+            loaded = conversations.load(saved.conversation_id, DEMO_CUSTOMER)
+            for _ in range(2):
+                _, loaded = conversations.turn(
+                    loop, loaded, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
+                )
+            notices = [
+                m for r in server.requests[2:] for m in r.json()["messages"] if m["role"] == "tool"
+            ]
+        told = [json.loads(n["content"]).get("decisions") for n in notices]
+        self.assertEqual([d[0]["approvalId"] for d in told if d], [action_id, action_id])
+        self.assertEqual(len(self.audit_records("decision_notice")), 1)  # told once, then sent
 
     def saved(self, conversation_id: str) -> fc.Conversation:
         return fc.Conversations(self.database).load(conversation_id, DEMO_CUSTOMER)
