@@ -6947,6 +6947,60 @@ class Benchmarks(LoopTestCase):
         report(ratio_line("a reply asking for four 300 ms tools / one asking for one", pairs))
         self.assertLess(statistics.median(s / b for s, b in pairs), 4)  # they ran at once
 
+    def test_a_saved_turn_after_3000_turns(self) -> None:
+        conversations = fc.Conversations(self.database)
+        filler = fc.SavedTurn(
+            (fc._message("user", "x" * 10_000), fc._message("assistant", "y" * 100)),
+            ("http://127.0.0.1:1/v1", "bench"),
+            "answered",
+            (),
+            "2026-01-01T00:00:00Z",
+        )
+        saved = {}
+        for count in (30, 3_000):  # both past the history cap of 256 KiB: the same is sent
+            conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+            for _ in range(count):
+                conversations._insert(conversation, filler)
+                conversation = dataclasses.replace(
+                    conversation, turn_count=conversation.turn_count + 1
+                )
+            saved[count] = conversation.conversation_id
+        runs = 41
+        servers = [ScriptedChatServer([text_reply("ok")] * (2 * runs)) for _ in range(3)]
+        with servers[0], servers[1], servers[2]:
+            loops = [
+                ToolLoop(
+                    ChatClient(Settings(base_url=server.base_url, model="bench")),
+                    self.tools,
+                    self.audit,
+                    approvals=self.approvals,
+                )
+                for server in servers
+            ]
+
+            def turn_of(count: int, loop: ToolLoop) -> None:
+                loaded = conversations.load(saved[count], DEMO_CUSTOMER)
+                conversations.turn(loop, loaded, "and?", ToolContext(DEMO_CUSTOMER), self.approvals)
+
+            history = conversations.load(saved[3_000], DEMO_CUSTOMER).history()
+            plain = functools.partial(loops[2].run, "and?", ToolContext(DEMO_CUSTOMER), history)
+            flat = interleaved(
+                functools.partial(turn_of, 3_000, loops[0]),
+                functools.partial(turn_of, 30, loops[1]),
+                runs,
+            )
+            overhead = interleaved(functools.partial(turn_of, 3_000, loops[0]), plain, runs)
+        report(
+            ratio_line("a saved turn (load, turn, save) after 3,000 saved turns / after 30", flat)
+        )
+        report(
+            ratio_line(
+                "a saved turn after 3,000 saved turns / the same turn, the same history sent,"
+                " without a conversation",
+                overhead,
+            )
+        )
+
     def test_audit_appends_against_the_bare_disk(self) -> None:
         for fsync in (False, True):
             log = AuditLog(self.data_dir / f"bench-{fsync}.log", fsync=fsync)
