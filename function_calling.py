@@ -29,12 +29,12 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,495 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,492 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,700 lines), makes each of its promises hold against real servers and
+hardening (about 1,780 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · server quirks · start-up checks · the
-audit chain · the approvals' journal · the database. Part III, operating it (about 1,450
+audit chain · the approvals' journal · the database. Part III, operating it (about 1,550
 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 two parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
@@ -50,6 +50,7 @@ import collections
 import concurrent.futures
 import email.utils
 import errno
+import functools
 import getpass
 import hashlib
 import hmac
@@ -574,7 +575,7 @@ def parse_reply(body: bytes) -> Reply:
     except (ValueError, RecursionError):
         snippet = _cut(_printable(body), 120)
         raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
-    document = _members(text, (_after_space(text, 0), len(text)))
+    document = _members(text, (_gap(text, 0), len(text)))
     if document is None:
         raise ApiError("the model API sent JSON that is not an object")
     error = _value(text, document.get("error"))
@@ -655,7 +656,7 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
 
 # Where a value sits in a JSON text, as (start, end): the echo and the parse read the same.
 Span: TypeAlias = tuple[int, int]
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_GAP = re.compile(r"[ \t\n\r]*[:,]?[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 _SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and keeps no object
 
@@ -674,12 +675,13 @@ def _members(text: str, span: Span | None) -> dict[str, Span] | None:
     if span is None or not text.startswith("{", span[0]):
         return None
     members: dict[str, Span] = {}
-    pos = _after_space(text, span[0] + 1)
+    pos = _gap(text, span[0] + 1)
     while text[pos] != "}":
         key, pos = _DECODER.raw_decode(text, pos)
-        start = _after_space(text, _after_space(text, pos) + 1)  # past the ':'
-        members[key] = (start, _SKIMMER.raw_decode(text, start)[1])
-        pos = _next_item(text, members[key][1])
+        start = _gap(text, pos)  # past the ':'
+        pos = _SKIMMER.raw_decode(text, start)[1]
+        members[key] = (start, pos)
+        pos = _gap(text, pos)  # past the ',', or at the '}'
     return members
 
 
@@ -687,21 +689,16 @@ def _items(text: str, span: Span | None) -> Iterator[Span]:
     """Where each item of the array at `span` sits, one at a time; none if it is no array."""
     if span is None or not text.startswith("[", span[0]):
         return
-    pos = _after_space(text, span[0] + 1)
+    pos = _gap(text, span[0] + 1)
     while text[pos] != "]":
         end = _SKIMMER.raw_decode(text, pos)[1]
         yield pos, end
-        pos = _next_item(text, end)
+        pos = _gap(text, end)
 
 
-def _after_space(text: str, pos: int) -> int:
-    return _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
-
-
-def _next_item(text: str, end: int) -> int:
-    """Past the ',' after a value, or at the closing bracket."""
-    pos = _after_space(text, end)
-    return _after_space(text, pos + 1) if text[pos] == "," else pos
+def _gap(text: str, pos: int) -> int:
+    """Past the whitespace at `pos`, and the one ':' or ',' in it (the text is JSON)."""
+    return _GAP.match(text, pos).end()  # type: ignore[union-attr]  # it matches anywhere
 
 
 def _value(text: str, span: Span | None) -> Any:
@@ -2429,8 +2426,41 @@ def _start_calls(
     for item in zip(calls, futures, strict=True):
         queue.put(item)
     for _ in range(min(workers, len(calls))):
-        threading.Thread(target=_call_worker, args=(queue, run_one), daemon=True).start()
+        _on_a_thread(functools.partial(_call_worker, queue, run_one))
     return futures
+
+
+IDLE_THREAD_S = 60.0  # a thread with no call to run for this long ends
+_parked: list[SimpleQueue[Callable[[], None]]] = []  # the inboxes of threads waiting for work
+_parking = threading.Lock()
+
+
+def _on_a_thread(task: Callable[[], None]) -> None:
+    """Run `task` on a daemon thread that waits for work, or on a new one if none does.
+
+    Why: starting a thread costs more than a small tool's whole call. A thread that a hung
+    tool holds is simply not waiting; the next reply's calls start another."""
+    with _parking:
+        inbox = _parked.pop() if _parked else None
+    if inbox is None:
+        inbox = SimpleQueue()
+        threading.Thread(target=_waiting_thread, args=(inbox,), daemon=True).start()
+    inbox.put(task)
+
+
+def _waiting_thread(inbox: SimpleQueue[Callable[[], None]]) -> None:
+    while True:
+        try:
+            task = inbox.get(timeout=IDLE_THREAD_S)
+        except Empty:
+            with _parking:
+                if inbox in _parked:  # else it was just taken: its task is on the way
+                    _parked.remove(inbox)
+                    return
+            continue
+        task()
+        with _parking:
+            _parked.append(inbox)
 
 
 def _call_worker(

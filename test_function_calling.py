@@ -1874,6 +1874,53 @@ class ConcurrencyTest(LoopTestCase):
         self.assertEqual(outcomes, ["ok", "ok", "timeout"])
 
 
+class ThreadNamingTool(Tool):
+    """Says which thread ran it."""
+
+    name = "whichThread"
+    description = "Returns the name of the thread it ran on. Use it in tests. Returns {thread}."
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        return {"thread": threading.current_thread().name}
+
+
+class WorkerThreadTest(LoopTestCase):
+    def test_the_threads_that_ran_one_reply_run_the_next(self) -> None:
+        naming = ThreadNamingTool()
+        script = [tool_call_reply([("whichThread", "{}")]), text_reply("ok")] * 10
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, [naming], self.audit)
+            for _ in range(10):
+                self.assertEqual(
+                    loop.run("which?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered"
+                )
+        names = {tool_results(r)[0]["thread"] for r in server.requests[1::2]}
+        self.assertLess(len(names), 3, names)  # a thread started per reply: ten names
+
+    def test_a_thread_a_hung_tool_holds_is_not_given_the_next_calls(self) -> None:
+        hanging = HangingTool()
+        self.addCleanup(self.await_late_line, "hang")
+        self.addCleanup(hanging.release.set)
+        fast = [("whichThread", "{}")] * 4
+        script = [
+            tool_call_reply([("hang", "{}")]),
+            text_reply("late"),
+            tool_call_reply(fast),
+            text_reply("ok"),
+        ]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, [hanging, ThreadNamingTool()], self.audit, tool_timeout=0.3)
+            loop.run("hang", ToolContext(DEMO_CUSTOMER))
+            loop.tool_timeout = 30  # the next calls have all the time they need
+            self.assertEqual(loop.run("fast", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
+        results = tool_results(server.requests[3])
+        self.assertEqual(len(results), 4)
+        self.assertTrue(all("thread" in r for r in results), results)  # none waited on the hung one
+
+
 MEMORY_PROBE = r"""
 import json, sys, tempfile, tracemalloc
 from pathlib import Path
