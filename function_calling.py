@@ -47,7 +47,6 @@ import argparse
 import base64
 import codecs
 import collections
-import concurrent.futures
 import email.utils
 import errno
 import functools
@@ -55,7 +54,7 @@ import getpass
 import hashlib
 import hmac
 import http.client
-import http.server
+import importlib
 import io
 import json
 import logging
@@ -67,14 +66,12 @@ import secrets
 import select
 import shlex
 import socket
-import sqlite3
 import ssl
 import sys
 import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -82,10 +79,29 @@ from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
+
+class _OnFirstUse:
+    """A module imported when first used rather than with this file, so that importing it
+    costs only what every use needs (README: "Import"); the type checker sees the module."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+
 if TYPE_CHECKING:  # 3.10's typing; imported for the checker only, so older Pythons get here
+    import concurrent.futures
+    import http.server
+    import sqlite3
     from typing import TypeAlias
+else:
+    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
+    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
 
 if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
     fcntl = None
@@ -1683,6 +1699,8 @@ def _connection(
     (HTTP_PROXY / HTTPS_PROXY, NO_PROXY honoured), and what the request line names: plain
     http asks the proxy for the absolute URL; https goes through a CONNECT tunnel, so the
     proxy sees neither key nor body."""
+    import urllib.request  # noqa: PLC0415 -- here only: 9 ms to import, for the proxy settings
+
     url = settings.base_url + "/chat/completions"
     target = urllib.parse.urlsplit(url)
     host, port = target.hostname or "", target.port
@@ -4667,7 +4685,7 @@ class ScriptedChatServer:
         self.requests: list[RecordedRequest] = []
         self.connections = 0  # connections accepted: HTTP/1.1, so one may carry many requests
         self._lock = threading.Lock()
-        self._server = _ScriptedHTTPServer(self)
+        self._server: Any = _scripted_http_server()(self)
         # a short poll interval: shutdown() waits up to one interval for the serving thread
         serve = self._server.serve_forever
         self._thread = threading.Thread(target=serve, args=(0.02,), daemon=True)
@@ -4699,58 +4717,67 @@ class ScriptedChatServer:
         return item if isinstance(item, ScriptedReply) else ScriptedReply(item)
 
 
-class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+@functools.cache
+def _scripted_http_server() -> Callable[[ScriptedChatServer], http.server.ThreadingHTTPServer]:
+    """The scripted server's HTTP classes, defined when first needed: http.server takes 10 ms
+    to import, and only the demo and tests use it."""
+    import http.server  # noqa: PLC0415
 
-    def __init__(self, owner: ScriptedChatServer) -> None:
-        super().__init__(("127.0.0.1", 0), _ScriptedHandler)
-        self.owner = owner
+    class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
+        daemon_threads = True
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up on a kept-alive connection is no error of the server's."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
+        def __init__(self, owner: ScriptedChatServer) -> None:
+            super().__init__(("127.0.0.1", 0), _ScriptedHandler)
+            self.owner = owner
 
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """A client that hangs up on a kept-alive connection is no error of the server's."""
+            if not isinstance(sys.exc_info()[1], ConnectionError):
+                super().handle_error(request, client_address)
 
-class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
-    server: _ScriptedHTTPServer
-    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-    disable_nagle_algorithm = True  # subtle: else each body waits ~40 ms for a delayed ACK
+    class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+        server: _ScriptedHTTPServer
+        protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+        disable_nagle_algorithm = True  # subtle: else each body waits ~40 ms for a delayed ACK
 
-    def setup(self) -> None:
-        super().setup()
-        with self.server.owner._lock:
-            self.server.owner.connections += 1
+        def setup(self) -> None:
+            super().setup()
+            with self.server.owner._lock:
+                self.server.owner.connections += 1
 
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        headers = {name.lower(): value for name, value in self.headers.items()}
-        reply = self.server.owner.answer(RecordedRequest(self.command, self.path, headers, body))
-        self.send_response(reply.status)
-        for name, value in reply.headers:
-            self.send_header(name, value)
-        if isinstance(reply.body, bytes):
-            self.send_header("Content-Length", str(len(reply.body)))
-        else:  # a body in pieces goes chunked, as a streaming server sends it
-            self.send_header("Transfer-Encoding", "chunked")
-        self.close_connection = self.close_connection or reply.hang_up
-        self.end_headers()
-        with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
-            self._write_body(reply.body)
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {name.lower(): value for name, value in self.headers.items()}
+            reply = self.server.owner.answer(
+                RecordedRequest(self.command, self.path, headers, body)
+            )
+            self.send_response(reply.status)
+            for name, value in reply.headers:
+                self.send_header(name, value)
+            if isinstance(reply.body, bytes):
+                self.send_header("Content-Length", str(len(reply.body)))
+            else:  # a body in pieces goes chunked, as a streaming server sends it
+                self.send_header("Transfer-Encoding", "chunked")
+            self.close_connection = self.close_connection or reply.hang_up
+            self.end_headers()
+            with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
+                self._write_body(reply.body)
 
-    def _write_body(self, body: bytes | Iterable[bytes]) -> None:
-        if isinstance(body, bytes):
-            self.wfile.write(body)
-            return
-        for piece in filter(None, body):  # an empty chunk would end the body
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
+        def _write_body(self, body: bytes | Iterable[bytes]) -> None:
+            if isinstance(body, bytes):
+                self.wfile.write(body)
+                return
+            for piece in filter(None, body):  # an empty chunk would end the body
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
-    do_GET = do_POST  # noqa: N815 (http.server's naming)
+        do_GET = do_POST  # noqa: N815 (http.server's naming)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # the tests and the demo read requests from .requests, not from stderr
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the tests and the demo read requests from .requests, not from stderr
+
+    return _ScriptedHTTPServer
 
 
 def tool_call_reply(calls: Sequence[tuple[str, str]], content: str | None = None) -> bytes:
@@ -4831,8 +4858,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "mcp_wire_name",
 ]
 
-import importlib  # noqa: E402 -- the MCP section's own imports: the cut takes them
-from fractions import Fraction  # noqa: E402
+from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 

@@ -4518,6 +4518,35 @@ HARDENING_PIECES = {
 }
 
 
+class ImportTest(unittest.TestCase):
+    def test_importing_the_module_leaves_what_a_command_may_not_need_unimported(self) -> None:
+        heavy = ["sqlite3", "_sqlite3", "concurrent.futures", "http.server", "socketserver"]
+        heavy += ["urllib.request"]
+        probe = "import function_calling, sys; print(sorted(set(sys.argv[1:]) & set(sys.modules)))"
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *heavy],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        self.assertEqual((done.returncode, done.stdout.strip()), (0, "[]"), done.stderr)
+
+    def test_what_is_imported_on_first_use_works_there(self) -> None:
+        database = fc.Database(Path(tempfile.mkdtemp()) / "data.db")
+        with database.write_transaction() as db:  # sqlite3, on first use
+            db.execute("CREATE TABLE t (x)")
+        with closing(database.connect_read_only()) as db:
+            self.assertEqual(db.execute("SELECT COUNT(*) FROM t").fetchone(), (0,))
+        database.close()
+        with ScriptedChatServer([text_reply("ok")]) as server:  # http.server, on first use
+            reply = ChatClient(Settings(base_url=server.base_url, model="m")).complete(
+                [fc._message("user", "hi")]
+            )
+        self.assertEqual(reply.content, "ok")
+
+
 class ShapeTest(unittest.TestCase):
     """The file reads as a reference: Part I, the mechanism, first, whole and at most 1,500
     lines; the hardening and the operating after it."""
