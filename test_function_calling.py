@@ -7077,6 +7077,45 @@ class Benchmarks(LoopTestCase):
             )
         )
 
+    def test_four_processes_appending_to_one_audit_log_against_the_bare_disk(self) -> None:
+        ours, bare = self.data_dir / "ours.log", self.data_dir / "bare.log"
+        pairs = []
+        for n in range(7):  # timed from "go": the children's start-up is not counted
+            first, second = (AUDIT_APPENDER, ours), (BARE_APPENDER, bare)
+            if n % 2:
+                base = four_appending(*second)
+                pairs.append((four_appending(*first), base))
+            else:
+                pairs.append((four_appending(*first), four_appending(*second)))
+        report(
+            ratio_line(
+                "4 processes appending 500 lines each to one audit log, fsync on / the same"
+                " with bare O_APPEND writes and fsync (time from go to the last line)",
+                pairs,
+            )
+        )
+
+    def test_importing_the_module(self) -> None:
+        # as a user's Python imports it: from its cached bytecode, written by a first run
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+        def started(code: str) -> Callable[[], object]:
+            command = [sys.executable, "-c", code]
+            return functools.partial(subprocess.run, command, cwd=HERE, env=env, check=True)
+
+        started("import function_calling")()
+
+        pairs = interleaved(
+            started("import function_calling"), started("import json, logging, http.client"), 21
+        )
+        report(
+            ratio_line(
+                "a Python that imports function_calling / one that imports json, logging and"
+                " http.client (what any client of an HTTP API imports)",
+                pairs,
+            )
+        )
+
     def test_audit_appends_against_the_bare_disk(self) -> None:
         for fsync in (False, True):
             log = AuditLog(self.data_dir / f"bench-{fsync}.log", fsync=fsync)
@@ -7117,6 +7156,56 @@ def bare_append(fd: int, line: bytes, fsync: bool) -> None:
     os.write(fd, line)
     if fsync:
         os.fsync(fd)
+
+
+# Children that append 500 lines once told to go (started and imported before the clock).
+AUDIT_APPENDER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import function_calling as fc
+from pathlib import Path
+log = fc.AuditLog(Path(sys.argv[1]), fsync=True)
+print("ready", flush=True)
+sys.stdin.readline()
+for i in range(500):
+    log.record("bench", i=i, pad="x" * 150)
+"""
+BARE_APPENDER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+line = b'{"seq":1,"prev":"' + b"0" * 64 + b'","event":"bench","pad":"' + b"x" * 150 + b'"}\\n'
+print("ready", flush=True)
+sys.stdin.readline()
+for i in range(500):
+    os.write(fd, line)
+    os.fsync(fd)
+"""
+
+
+def four_appending(code: str, path: Path) -> float:
+    """Milliseconds from telling four ready children to go until the last one is done."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(HERE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    started = time.perf_counter()
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    for child in children:
+        child.wait(timeout=120)
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.close()
+        child.stdout.close()
+    return (time.perf_counter() - started) * 1000
 
 
 def interleaved(
