@@ -2742,24 +2742,28 @@ class AuditFileHandler(logging.Handler):
                 os.close(fd)
 
     def _append(self, fd: int, fields: Mapping[str, Any]) -> tuple[int, str]:
-        """Write one chained line under the flock; returns its (seq, hash)."""
+        """Write one chained line under the flock; returns its (seq, hash).
+
+        The record is encoded before the flock is taken, so that processes sharing a log
+        wait on each other only for the chain's tail, the write and its hash."""
+        # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
+        rest = json.dumps(
+            {k: v for k, v in fields.items() if k not in ("seq", "prev")},
+            ensure_ascii=True,
+            separators=(",", ":"),
+        ).encode("ascii")
         with _exclusive_lock(fd):
             seq, prev = self._chain_tail(fd)
-            # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
-            line = json.dumps(
-                {"seq": seq + 1, "prev": prev, **fields},
-                ensure_ascii=True,
-                separators=(",", ":"),
-            ).encode("ascii")
+            line = b'{"seq":%d,"prev":"%s",' % (seq + 1, prev.encode()) + rest[1:]
             size = os.fstat(fd).st_size
             if os.write(fd, line + b"\n") != len(line) + 1:
                 os.ftruncate(fd, size)  # a full disk must not leave half a line behind
                 raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
             head = hashlib.sha256(line).hexdigest()
-            self._tail = (os.fstat(fd).st_size, seq + 1, head)
+            self._tail = (size + len(line) + 1, seq + 1, head)
             if self.head_file:  # under the flock: two processes' heads land in the log's order
                 self._anchor(self.head_file, seq + 1, head)
-            return seq + 1, head
+        return seq + 1, head
 
     def _anchor(self, head_file: Path, seq: int, head: str) -> None:
         """The head, to the head file. The line is in the log already: a head file that cannot
@@ -2849,9 +2853,10 @@ def _last_line(fd: int, size: int) -> bytes:
             "the audit log ends with a partial line, so nothing more is appended; see"
             ' README "When the audit log ends with a cut line"'
         )
-    start = size - 1
+    start, back = size - 1, 4096  # a line is short: read back a little, then more
     while start > 0:
-        block_start = max(start - 65536, 0)
+        block_start = max(start - back, 0)
+        back = min(back * 4, 1 << 20)
         block = os.pread(fd, start - block_start, block_start)
         newline = block.rfind(b"\n")
         if newline >= 0:
