@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,492 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,489 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,780 lines), makes each of its promises hold against real servers and
@@ -82,26 +82,11 @@ from queue import Empty, SimpleQueue
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
-
-class _OnFirstUse:
-    """A module imported when first used rather than with this file, so that importing it
-    costs only what every use needs (README: "Import"); the type checker sees the module."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self._name), attribute)
-
-
-if TYPE_CHECKING:  # 3.10's typing; imported for the checker only, so older Pythons get here
+if TYPE_CHECKING:  # for the checker only: 3.10's typing, and what Part II imports at first use
     import concurrent.futures
     import http.server
     import sqlite3
     from typing import TypeAlias
-else:
-    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
-    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
 
 if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
     fcntl = None
@@ -680,14 +665,11 @@ _SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and 
 def _members(text: str, span: Span | None) -> dict[str, Span] | None:
     """Where each member's value of the object at `span` sits; None if it is not an object.
 
-    Why: the assistant message that carries tool_calls must go back exactly as it came. Some
-    providers attach fields (reasoning signatures, vendor extras) that they verify on the next
-    request; a re-serialization that reorders keys, re-escapes "\\u00e9" or rewrites 1.0e2 as
-    100.0 can break them. json.loads gives values but no positions, so the stdlib's own
-    scanner (JSONDecoder.raw_decode) steps over each key and value, in a text known to be
-    JSON: a value is read from the very span that is echoed. Of a key given twice the last
-    counts, as json.loads keeps it (subtle: "ch\\u006fices" is "choices" too).
-    """
+    Why: the assistant message must go back exactly as it came (providers verify fields such
+    as reasoning signatures; a re-serialization that reorders keys or re-escapes "\\u00e9"
+    breaks them), and json.loads gives no positions. So the stdlib's scanner steps over each
+    key and value of a text known to be JSON, and a value is read from the span echoed. Of a
+    key given twice the last counts, as in json.loads ("ch\\u006fices" is "choices" too)."""
     if span is None or not text.startswith("{", span[0]):
         return None
     members: dict[str, Span] = {}
@@ -960,8 +942,7 @@ class ToolLoop:
     def _round(  # noqa: PLR0911 -- one return per way a round ends
         self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
     ) -> TurnResult | None:
-        """Ask once, run what the reply asks for; the TurnResult if that ends the turn. (A
-        function of its own so that a reply's calls are let go before the next request.)"""
+        """One round; the TurnResult if it ends the turn (a function, so a reply is let go)."""
         choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
         try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
@@ -1508,6 +1489,21 @@ def _iso(timestamp: float) -> str:
 # ============================================================== end of Part I: the mechanism
 
 # ======================================================================== Part II: hardening
+
+
+class _OnFirstUse:
+    """A module imported at its first use, not with this file (README: "Import")."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+if not TYPE_CHECKING:  # the checker sees the modules themselves (the imports at the top)
+    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
+    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
 
 # ----------------------------------------------------------------------------- the transport
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per

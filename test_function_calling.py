@@ -7095,6 +7095,73 @@ class Benchmarks(LoopTestCase):
             )
         )
 
+    def test_a_tool_round_against_the_openai_sdk(self) -> None:
+        sdk = os.environ.get("FUNCTION_CALLING_SDK_PYTHON")
+        if not sdk:
+            self.skipTest("no Python with the openai SDK given (make bench installs one)")
+        tls = tls_server_context(self.data_dir)
+        for label, tools, fsync, secure in (
+            ("http, a trivial tool, audit fsync off", [TrivialTool()], False, False),
+            ("https, the shipped SQLite tool, audit fsync on", self.tools, True, True),
+        ):
+            if secure and tls is None:
+                report(f"a tool round against the openai SDK ({label}): no openssl, not measured")
+                continue
+            pairs = self.round_against_sdk(sdk, tools, fsync, tls if secure else None, runs=101)
+            report(ratio_line(f"a tool round ({label}) / the openai SDK's same round", pairs))
+
+    def round_against_sdk(
+        self,
+        sdk: str,
+        tools: Sequence[Tool],
+        fsync: bool,
+        tls: tuple[ssl.SSLContext, Path] | None,
+        runs: int,
+    ) -> list[tuple[float, float]]:
+        audit = AuditLog(self.data_dir / f"sdk-{fsync}.log", fsync=fsync)
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        ours = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
+        theirs = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
+        with ours, theirs:
+            urls = [ours.base_url, theirs.base_url]
+            if tls:
+                for server in (ours, theirs):
+                    server._server.socket = tls[0].wrap_socket(
+                        server._server.socket, server_side=True
+                    )
+                urls = [url.replace("http:", "https:") for url in urls]
+            client = ChatClient(Settings(base_url=urls[0], model="bench", api_key=FAKE_KEY))
+            if tls:
+                client._tls = ssl.create_default_context(cafile=str(tls[1]))
+            loop = ToolLoop(client, tools, audit, approvals=Approvals(self.database, audit))
+            loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+            child = subprocess.Popen(
+                [sdk, "-c", SDK_ROUND, urls[1], str(tls[1] if tls else "")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert child.stdin is not None and child.stdout is not None
+
+            def sdk_round() -> float:
+                child.stdin.write("go\n")  # type: ignore[union-attr]
+                child.stdin.flush()  # type: ignore[union-attr]
+                return float(child.stdout.readline())  # type: ignore[union-attr]
+
+            sdk_round()  # its warm-up
+            pairs = []
+            for n in range(runs):
+                turn = functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
+                if n % 2:
+                    base = sdk_round()
+                    pairs.append((timed(turn), base))
+                else:
+                    pairs.append((timed(turn), sdk_round()))
+            child.stdin.close()
+            child.wait(timeout=60)
+            child.stdout.close()
+        return pairs
+
     def test_importing_the_module(self) -> None:
         # as a user's Python imports it: from its cached bytecode, written by a first run
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -7104,6 +7171,17 @@ class Benchmarks(LoopTestCase):
             return functools.partial(subprocess.run, command, cwd=HERE, env=env, check=True)
 
         started("import function_calling")()
+        sdk = os.environ.get("FUNCTION_CALLING_SDK_PYTHON")
+        if sdk:
+            importing_openai = [sdk, "-c", "import openai"]
+            sdk_started = functools.partial(subprocess.run, importing_openai, env=env, check=True)
+            sdk_started()  # its bytecode, too
+            against_sdk = interleaved(started("import function_calling"), sdk_started, 21)
+            report(
+                ratio_line(
+                    "a Python that imports function_calling / one that imports openai", against_sdk
+                )
+            )
 
         pairs = interleaved(
             started("import function_calling"), started("import json, logging, http.client"), 21
@@ -7179,6 +7257,31 @@ sys.stdin.readline()
 for i in range(500):
     os.write(fd, line)
     os.fsync(fd)
+"""
+
+
+# The same round with the openai SDK (the baseline of `make bench`'s SDK figures): two model
+# calls and one call of a trivial tool, each round timed by the child when told to go.
+SDK_ROUND = """
+import json, sys, time
+import httpx2 as httpx, openai
+url, cafile = sys.argv[1], sys.argv[2]
+http_client = httpx.Client(verify=cafile) if cafile else None
+client = openai.OpenAI(base_url=url, api_key="sk-bench", max_retries=0, http_client=http_client)
+tools = [{"type": "function", "function": {"name": "getOrderStatus", "parameters": {
+    "type": "object", "properties": {"orderId": {"type": "string"}}}}}]
+for _ in sys.stdin:
+    started = time.perf_counter()
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "where?"}]
+    reply = client.chat.completions.create(model="bench", messages=messages, tools=tools)
+    message = reply.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        json.loads(call.function.arguments)
+        result = json.dumps({"ok": True})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    client.chat.completions.create(model="bench", messages=messages, tools=tools)
+    print((time.perf_counter() - started) * 1000, flush=True)
 """
 
 
