@@ -7118,10 +7118,11 @@ class Benchmarks(LoopTestCase):
         tls: tuple[ssl.SSLContext, Path] | None,
         runs: int,
     ) -> list[tuple[float, float]]:
-        audit = AuditLog(self.data_dir / f"sdk-{fsync}.log", fsync=fsync)
+        """Each round run in a process of its own, ours as the SDK's, against a server of its
+        own in this process (so neither shares an interpreter with its server)."""
         lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
-        ours = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
-        theirs = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
+        ours = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 2))
+        theirs = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 2))
         with ours, theirs:
             urls = [ours.base_url, theirs.base_url]
             if tls:
@@ -7130,36 +7131,21 @@ class Benchmarks(LoopTestCase):
                         server._server.socket, server_side=True
                     )
                 urls = [url.replace("http:", "https:") for url in urls]
-            client = ChatClient(Settings(base_url=urls[0], model="bench", api_key=FAKE_KEY))
-            if tls:
-                client._tls = ssl.create_default_context(cafile=str(tls[1]))
-            loop = ToolLoop(client, tools, audit, approvals=Approvals(self.database, audit))
-            loop.run("warm up", ToolContext(DEMO_CUSTOMER))
-            child = subprocess.Popen(
-                [sdk, "-c", SDK_ROUND, urls[1], str(tls[1] if tls else "")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
+            cafile = str(tls[1]) if tls else ""
+            stack = "shipped" if tools is self.tools else "trivial"
+            our_round = RoundInAChild(
+                [sys.executable, "-c", OUR_ROUND, str(HERE), urls[0], cafile, stack, str(fsync)]
             )
-            assert child.stdin is not None and child.stdout is not None
-
-            def sdk_round() -> float:
-                child.stdin.write("go\n")  # type: ignore[union-attr]
-                child.stdin.flush()  # type: ignore[union-attr]
-                return float(child.stdout.readline())  # type: ignore[union-attr]
-
-            sdk_round()  # its warm-up
-            pairs = []
-            for n in range(runs):
-                turn = functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
-                if n % 2:
-                    base = sdk_round()
-                    pairs.append((timed(turn), base))
-                else:
-                    pairs.append((timed(turn), sdk_round()))
-            child.stdin.close()
-            child.wait(timeout=60)
-            child.stdout.close()
+            sdk_round = RoundInAChild([sdk, "-c", SDK_ROUND, urls[1], cafile])
+            with our_round, sdk_round:
+                our_round.step(), sdk_round.step()  # their warm-ups
+                pairs = []
+                for n in range(runs):
+                    if n % 2:
+                        base = sdk_round.step()
+                        pairs.append((our_round.step(), base))
+                    else:
+                        pairs.append((our_round.step(), sdk_round.step()))
         return pairs
 
     def test_importing_the_module(self) -> None:
@@ -7258,6 +7244,60 @@ for i in range(500):
     os.write(fd, line)
     os.fsync(fd)
 """
+
+
+# The round of this file in a process of its own, timed by the child when told to go.
+OUR_ROUND = """
+import ssl, sys, tempfile, time
+sys.path.insert(0, sys.argv[1])
+import function_calling as fc
+from pathlib import Path
+url, cafile, stack, fsync = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "True"
+
+class Trivial(fc.Tool):
+    name, description, parameters = "getOrderStatus", "A lookup.", fc.GetOrderStatus.parameters
+    def execute(self, args, context):
+        return {"ok": True}
+
+data = Path(tempfile.mkdtemp())
+database = fc.Database(data / "data.db")
+audit = fc.AuditLog(data / "audit.log", fsync=fsync)
+tools = fc.shop_tools(database) if stack == "shipped" else [Trivial()]
+client = fc.ChatClient(fc.Settings(base_url=url, model="bench", api_key="sk-bench"))
+if cafile:
+    client._tls = ssl.create_default_context(cafile=cafile)
+loop = fc.ToolLoop(client, tools, audit, approvals=fc.Approvals(database, audit))
+for _ in sys.stdin:
+    started = time.perf_counter()
+    loop.run("where?", fc.ToolContext("CUST-0001"))
+    print((time.perf_counter() - started) * 1000, flush=True)
+"""
+
+
+class RoundInAChild:
+    """A child process that runs one round each time it is told to, and says how long it
+    took (so its start-up and its pipe are not counted)."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+
+    def __enter__(self) -> RoundInAChild:
+        self.child = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        return self
+
+    def step(self) -> float:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write("go\n")
+        self.child.stdin.flush()
+        return float(self.child.stdout.readline())
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.close()
+        self.child.wait(timeout=60)
+        self.child.stdout.close()
 
 
 # The same round with the openai SDK (the baseline of `make bench`'s SDK figures): two model
