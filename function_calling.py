@@ -29,13 +29,13 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,489 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,780 lines), makes each of its promises hold against real servers and
-faults: the transport · the stream · the workers · server quirks · start-up checks · the
-audit chain · the approvals' journal · the database. Part III, operating it (about 1,550
-lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
+hardening (about 1,870 lines), makes each of its promises hold against real servers and
+faults: the transport · the stream · the workers · budgets · server quirks · start-up checks
+· the audit chain · the approvals' journal · the database. Part III, operating it (about
+1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 two parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
 policy) and a worked example.
@@ -99,7 +99,7 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "ChatClient", "ConfigError", "Conversation",
+    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Conversation",
     "ConversationConflictError", "ConversationError", "Conversations", "Database",
     "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer", "ScriptedReply",
     "Settings", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
@@ -156,6 +156,7 @@ ROUND_CAP_ANSWER = (
 REPEATED_CALLS_ANSWER = (
     "Sorry, I kept asking for the same information without progress. Please rephrase."
 )
+BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -846,17 +847,16 @@ class TurnResult:
     """How one turn ended, and every message of the conversation, as sent on the wire.
 
     stop_reason: "answered", "returned_direct" (a return-direct tool's output is the answer)
-    or "refused" (the model's refusal is the answer); "incomplete" (cut at the token limit)
-    or "filtered" (stopped by the provider's content filter), with whatever text came; a
-    guard: "round_cap" or "repeated_calls" (`answer` holds a fallback); or a failure:
-    "api_error", "tool_failed", "audit_failed", "invalid_tool_call" (the server refused the
-    model's calls) or "unparsed_tool_call" (a call written as text; never run) — `error`
-    says what, safe to show. A turn that Ctrl-C ends is audited as "interrupted" before
-    run() lets KeyboardInterrupt go on.
-    messages: raw JSON texts, system prompt first; pass them as `history` (and `origin` as
-    `history_origin`) to go on talking. Every assistant message with tool_calls is followed
-    by one tool message per call, in order, whatever happened to the call, so the history is
-    always valid to send again.
+    or "refused" (the model's refusal is); "incomplete" (cut at the token limit) or
+    "filtered" (by the provider's content filter), with whatever text came; a guard:
+    "round_cap", "repeated_calls" or "budget" (`answer` holds a fallback; for "budget",
+    `error` names the limit); or a failure: "api_error", "tool_failed", "audit_failed",
+    "invalid_tool_call" (the server refused the model's calls) or "unparsed_tool_call" (a
+    call written as text; never run), `error` saying what, safe to show. Ctrl-C: audited as
+    "interrupted", then KeyboardInterrupt goes on. messages: raw JSON texts, system prompt
+    first; pass them as `history` (and `origin` as `history_origin`) to go on talking. Every
+    assistant message with tool_calls is followed by one tool message per call, in order,
+    whatever happened to it, so the history is always valid to send again.
     """
 
     stop_reason: str
@@ -883,6 +883,8 @@ class ToolLoop:
         system_prompt: str = SYSTEM_PROMPT,
         round_cap_answer: str = ROUND_CAP_ANSWER,
         repeated_calls_answer: str = REPEATED_CALLS_ANSWER,
+        budget_answer: str = BUDGET_ANSWER,
+        budget: Budget | None = None,  # None: nothing spent is limited (a Budget of Nones)
         max_rounds: int = MAX_ROUNDS,
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
         turn_timeout: float = TURN_TIMEOUT_S,
@@ -902,6 +904,7 @@ class ToolLoop:
         self.approvals = approvals
         self.system_prompt = system_prompt
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
+        self.fallbacks["budget"], self.budget = budget_answer, budget or Budget()
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
@@ -930,7 +933,6 @@ class ToolLoop:
         turn.messages.append(_message("user", user_message))
         try:  # round after round, until a reply asks for no tool or a guard or failure ends it
             while True:
-                turn.rounds += 1
                 ended = self._round(turn, context, on_text)
                 if ended:
                     return ended
@@ -943,7 +945,11 @@ class ToolLoop:
         self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
     ) -> TurnResult | None:
         """One round; the TurnResult if it ends the turn (a function, so a reply is let go)."""
+        turn.rounds += 1
         choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
+        over = self.budget.before_request(turn.messages, self._tools_json, turn.spend)
+        if over:  # never sent: as estimated, it would pass a limit
+            return self._finish(turn, context, "budget", self.fallbacks["budget"], over)
         try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
                 turn.messages,
@@ -968,9 +974,9 @@ class ToolLoop:
         except AuditError as exc:  # fail closed: no unaudited result goes back
             turn.close_open_calls("audit_failed")
             return self._finish(turn, context, "audit_failed", error=str(exc))
-        if guard:  # cut short: the text that came and a note; a guard: its fallback
-            cut = guard == "incomplete"
-            answer, note = (reply.content, _CUT_CALLS) if cut else (self.fallbacks[guard], None)
+        if guard:  # cut short: the text that came and a note; a guard: its fallback (and why)
+            answer = reply.content if guard == "incomplete" else self.fallbacks[guard]
+            note = _CUT_CALLS if guard == "incomplete" else turn.over
             return self._finish(turn, context, guard, answer, note)
         if turn.failed_tool:
             error = f"the tool {turn.failed_tool} failed; details are in the audit log"
@@ -995,6 +1001,9 @@ class ToolLoop:
 
     def _guard(self, turn: _Turn) -> str | None:
         """The guard that stops this turn before the reply's calls run, if one does."""
+        turn.over = self.budget.after_reply(turn.spend, len(turn.calls_now))  # those that can run
+        if turn.over:  # what the reply reported, or asks for, passes a limit
+            return "budget"
         if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
             return "repeated_calls"
         if turn.rounds == self.max_rounds:  # a result now could never reach the model
@@ -1062,6 +1071,7 @@ class ToolLoop:
                 retries=turn.retries,
                 duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
                 usage=result.usage,
+                **({"budget": error} if stop_reason == "budget" else {}),
             )
         except AuditError as exc:
             return replace(result, stop_reason="audit_failed", error=str(exc))
@@ -1085,6 +1095,8 @@ class _Turn:
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
     calls_before: tuple[tuple[str, str], ...] = ()
+    spend: Spend = field(default_factory=lambda: Spend())  # noqa: PLW0108 -- Spend: Part II
+    over: str | None = None  # the limit a reply passed (Budget.after_reply)
 
     def add_reply(self, reply: Reply, can_run: int) -> None:
         self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
@@ -1093,10 +1105,10 @@ class _Turn:
         runnable = reply.tool_calls[:can_run]
         self.calls_before, self.calls_now = self.calls_now, _call_signature(runnable)
         self.retries += reply.retries
+        self.spend.add(reply)
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            count = reply.usage.get(key)
-            # informational only: a count that is not one (negative, 4,300 digits) is ignored
-            if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 10**15:
+            count = _token_count(reply.usage.get(key))
+            if count is not None:
                 self.usage[key] = self.usage.get(key, 0) + count
 
     @property
@@ -1151,7 +1163,6 @@ def canonical_json(value: Any) -> str:
 
 class ApprovalError(Exception):
     """A human's decision could not be carried out; the message says why. The CLI exits 1.
-
     `detail`, when set, is an infrastructure failure's own text: for the audit log only."""
 
     def __init__(self, message: str, detail: str | None = None) -> None:
@@ -2365,6 +2376,7 @@ _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
     "repeated_calls": "the same calls as the previous reply; the turn was stopped",
     "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
+    "budget": "the turn reached a spending limit, so none of them ran",
     "audit_failed": "the audit log could not be written",
     "interrupted": "the user interrupted the turn",
     "incomplete": "the reply was cut at the token limit, so none of its calls ran",
@@ -2491,6 +2503,92 @@ def _call_worker(
                 future.set_result(run_one(call))
             except BaseException as exc:  # noqa: BLE001 -- handed to the loop's thread
                 future.set_exception(exc)
+
+
+# ----------------------------------------------------------------------------------- budgets
+# What one turn may spend: input, output and total tokens, and tool calls. A request that
+# would pass a limit is not sent; a reply whose usage passes one runs none of its calls. There
+# is no tokenizer here: a request's input is estimated from its bytes (BYTES_PER_TOKEN) until
+# the server counts it, and a server that reports no usage is counted by the estimate.
+
+BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits on what one turn spends; None: no limit (the default, so nothing is limited)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
+
+    def before_request(self, messages: Sequence[str], tools_json: str, spend: Spend) -> str | None:
+        """Why the next request may not be sent, if it would pass a limit (and its estimate
+        is kept, for a reply that reports no usage)."""
+        size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
+        spend.sent, spend.estimate = size, spend.input_of(size)
+        for name, limit, spent in (
+            ("input-token", self.input_tokens, spend.input),
+            ("total-token", self.total_tokens, spend.input + spend.output),
+        ):
+            if limit is not None and spent + spend.estimate > limit:
+                return (
+                    f"the turn's {name} limit ({limit:,}) would be passed by the next request:"
+                    f" {spent:,} spent, about {spend.estimate:,} more"
+                )
+        return None
+
+    def after_reply(self, spend: Spend, calls: int) -> str | None:
+        """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
+        the calls would."""
+        for name, limit, spent in (
+            ("input-token", self.input_tokens, spend.input),
+            ("output-token", self.output_tokens, spend.output),
+            ("total-token", self.total_tokens, spend.input + spend.output),
+            ("tool-call", self.tool_calls, spend.calls + calls),
+        ):
+            if limit is not None and spent > limit:
+                return f"the turn's {name} limit ({limit:,}) was passed: {spent:,}"
+        spend.calls += calls
+        return None
+
+
+def _token_count(value: Any) -> int | None:
+    """A count of tokens a server reported, or None: one that is not one (negative, a string,
+    4,300 digits) is no count."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15:
+        return value
+    return None
+
+
+@dataclass
+class Spend:
+    """What a turn has spent so far: the server's counts, or the estimates where it gave none."""
+
+    input: int = 0
+    output: int = 0
+    calls: int = 0
+    sent: int = 0  # the bytes of the request just sent
+    estimate: int = 0  # its input tokens, as estimated
+    counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
+
+    def input_of(self, size: int) -> int:
+        """A request's input tokens, estimated: the server's count of the last one and the bytes
+        added since, or all its bytes while there is no count."""
+        if self.counted is None:
+            return math.ceil(size / BYTES_PER_TOKEN)
+        before, tokens = self.counted
+        return tokens + math.ceil(max(size - before, 0) / BYTES_PER_TOKEN)
+
+    def add(self, reply: Reply) -> None:
+        prompt = _token_count(reply.usage.get("prompt_tokens"))
+        completion = _token_count(reply.usage.get("completion_tokens"))
+        self.input += self.estimate if prompt is None else prompt
+        written = math.ceil(len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN)
+        self.output += written if completion is None else completion
+        if prompt is not None:
+            self.counted = (self.sent, prompt)
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -3849,7 +3947,7 @@ def _saved_message(raw: Any, role: str | None = None) -> str:
 # Exit codes: 0 answered · 1 failed (the API or network, a tool's infrastructure, the audit
 # log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_GUARD = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_GUARD, EXIT_BUDGET = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # as a shell reports SIGINT and SIGPIPE
 MAX_QUESTION_CHARS = 32 * 1024  # a question is sent in every later round: --max-question
 
@@ -3907,6 +4005,8 @@ class App:
     system_prompt: str = SYSTEM_PROMPT
     round_cap_answer: str = ROUND_CAP_ANSWER
     repeated_calls_answer: str = REPEATED_CALLS_ANSWER
+    budget_answer: str = BUDGET_ANSWER
+    budget: Budget = Budget()  # what a turn may spend; the --max-turn-… flags override it
     customer: str | None = None
     database: str = DATABASE_FILE
     demo: Sequence[DemoTurn] = ()
@@ -3986,6 +4086,15 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
     talk.add_argument(
         "--max-rounds", type=_whole(1, 1000), default=MAX_ROUNDS, help="model calls per turn (8)"
     )
+    for flag, what in (
+        ("--max-turn-tokens", "input and output tokens"),
+        ("--max-turn-input-tokens", "input tokens"),
+        ("--max-turn-output-tokens", "output tokens"),
+        ("--max-turn-calls", "tool calls that run"),
+    ):
+        talk.add_argument(
+            flag, type=_whole(1, 10**9 - 1), help=f"{what} per turn, at most (no limit)"
+        )
     talk.add_argument(
         "--timeout",
         type=_seconds(3600),
@@ -4177,6 +4286,7 @@ def _tool_loop(
         system_prompt=app.system_prompt,
         round_cap_answer=app.round_cap_answer,
         repeated_calls_answer=app.repeated_calls_answer,
+        budget_answer=app.budget_answer,
         **limits,
     )
 
@@ -4202,8 +4312,20 @@ def _conversation(
         ChatClient(settings),
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
+        budget=_budget(args, app.budget),
     )
     return loop, workspace
+
+
+def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
+    """The App's budget, with what the --max-turn-… flags set instead."""
+    flags = {
+        "input_tokens": args.max_turn_input_tokens,
+        "output_tokens": args.max_turn_output_tokens,
+        "total_tokens": args.max_turn_tokens,
+        "tool_calls": args.max_turn_calls,
+    }
+    return replace(budget, **{name: limit for name, limit in flags.items() if limit is not None})
 
 
 def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: str | None) -> _Saved:
@@ -4269,7 +4391,7 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
     return worst
 
 
-_EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_FAILED: 2, EXIT_USAGE: 3}
+_EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_BUDGET: 2, EXIT_FAILED: 3, EXIT_USAGE: 4}
 
 
 def _question(text: str, most: int) -> str:
@@ -4399,6 +4521,10 @@ def _report(result: TurnResult, printer: _Printer | None = None) -> int:
         print(result.answer, flush=True)
         print(f"stopped: {_GUARD_NOTES[result.stop_reason]}", file=sys.stderr)
         return EXIT_GUARD
+    if result.stop_reason == "budget":
+        print(result.answer, flush=True)
+        print(f"stopped: {result.error}", file=sys.stderr)
+        return EXIT_BUDGET
     print(f"error: {result.error}", file=sys.stderr)
     return EXIT_FAILED
 

@@ -1874,6 +1874,88 @@ class ConcurrencyTest(LoopTestCase):
         self.assertEqual(outcomes, ["ok", "ok", "timeout"])
 
 
+def without_usage(body: bytes) -> bytes:
+    """A scripted reply as a server that reports no usage sends it."""
+    document = json.loads(body)
+    del document["usage"]
+    return json.dumps(document).encode()
+
+
+class BudgetTest(LoopTestCase):
+    """What a turn may spend, checked before each request and after each reply."""
+
+    def assert_budget_stop(self, result: TurnResult, limit: str) -> None:
+        self.assertEqual((result.stop_reason, result.answer), ("budget", fc.BUDGET_ANSWER))
+        self.assertIn(limit, result.error or "")
+        (turn,) = self.audit_records("turn")
+        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
+        assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_a_request_that_would_pass_a_limit_is_never_sent(self) -> None:
+        result, requests = self.run_turn(
+            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=50)}
+        )
+        self.assertEqual(requests, [])  # the server never saw it
+        self.assert_budget_stop(result, "the turn's total-token limit (50) would be passed")
+
+    def test_a_reply_whose_usage_passes_a_limit_runs_none_of_its_calls(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # reports 5 completion tokens
+        result, requests = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=4)}
+        )
+        self.assertEqual(len(requests), 1)  # no next round
+        self.assert_budget_stop(result, "the turn's output-token limit (4) was passed: 5")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
+        (answered,) = [json.loads(m) for m in result.messages if json.loads(m)["role"] == "tool"]
+        self.assertEqual(json.loads(answered["content"])["error"], "not_run")
+
+    def test_calls_that_would_pass_the_call_limit_do_not_run(self) -> None:
+        lookups = tool_call_reply([("getOrderStatus", LOOKUP)] * 3)
+        result, _ = self.run_turn(
+            [lookups, text_reply("ok")], loop={"budget": fc.Budget(tool_calls=2)}
+        )
+        self.assert_budget_stop(result, "the turn's tool-call limit (2) was passed: 3")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"] * 3)
+
+    def test_a_server_that_reports_no_usage_is_counted_by_the_estimate(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        budget = {"budget": fc.Budget(output_tokens=10)}  # the reply reports 5: it runs
+        result, _ = self.run_turn([lookup, text_reply("ok")], loop=budget)
+        self.assertEqual(result.stop_reason, "answered")
+        self.audit_path.unlink()
+        silent, requests = self.run_turn([without_usage(lookup), text_reply("ok")], loop=budget)
+        self.assertEqual(len(requests), 1)  # its bytes, estimated, pass 10 tokens
+        self.assert_budget_stop(silent, "the turn's output-token limit (10) was passed")
+
+    def test_the_servers_count_replaces_the_estimate(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        _, requests = self.run_turn([lookup, text_reply("ok")])
+        self.audit_path.unlink()
+        # room for the first request as estimated from its bytes, not for both: the second
+        # goes only because the server counted the first as 10 tokens (_completion's usage)
+        limit = len(requests[0].body) // fc.BYTES_PER_TOKEN + 60
+        self.assertGreater(len(requests[1].body) // fc.BYTES_PER_TOKEN, limit)
+        result, sent = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(total_tokens=limit)}
+        )
+        self.assertEqual((result.stop_reason, len(sent)), ("answered", 2))
+        silent, sent = self.run_turn(
+            [without_usage(lookup), text_reply("ok")],
+            loop={"budget": fc.Budget(total_tokens=limit)},
+        )
+        self.assertEqual((silent.stop_reason, len(sent)), ("budget", 1))  # estimated: no room
+
+    def test_the_command_line_stops_at_a_limit_with_an_exit_code_of_its_own(self) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as server:
+            done = self.cli(
+                "ask", "Where is ORD-1001?", "--max-turn-tokens", "5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual((done.returncode, done.stdout), (4, fc.BUDGET_ANSWER + "\n"))
+        self.assertIn("stopped: the turn's total-token limit (5) would be passed", done.stderr)
+        self.assertEqual(server.requests, [])
+
+
 class ThreadNamingTool(Tool):
     """Says which thread ran it."""
 
