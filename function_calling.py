@@ -2522,6 +2522,17 @@ class Budget:
     output_tokens: int | None = None
     total_tokens: int | None = None
     tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
+    # money, optional: no price is built in; a cost limit needs both prices
+    cost: float | None = None  # in the prices' currency
+    input_price: float | None = None  # per million input tokens
+    output_price: float | None = None  # per million output tokens
+
+    def __post_init__(self) -> None:
+        prices = (self.input_price, self.output_price)
+        if self.cost is not None and None in prices:
+            raise ConfigError("a cost limit needs the price of input and of output tokens")
+        if any(not (p is None or (math.isfinite(p) and p >= 0)) for p in (self.cost, *prices)):
+            raise ConfigError("a cost and a price are numbers of 0 or more")
 
     def before_request(self, messages: Sequence[str], tools_json: str, spend: Spend) -> str | None:
         """Why the next request may not be sent, if it would pass a limit (and its estimate
@@ -2537,7 +2548,18 @@ class Budget:
                     f"the turn's {name} limit ({limit:,}) would be passed by the next request:"
                     f" {spent:,} spent, about {spend.estimate:,} more"
                 )
+        paid, more = self.cost_of(spend.input, spend.output), self.cost_of(spend.estimate, 0)
+        if self.cost is not None and paid + more > self.cost:
+            return (
+                f"the turn's cost limit ({self.cost:g}) would be passed by the next request:"
+                f" {paid:.6g} spent, about {more:.6g} more"
+            )
         return None
+
+    def cost_of(self, input_tokens: int, output_tokens: int) -> float:
+        """What tokens cost at the prices (0 without them)."""
+        input_price, output_price = self.input_price or 0.0, self.output_price or 0.0
+        return (input_tokens * input_price + output_tokens * output_price) / 1_000_000
 
     def after_reply(self, spend: Spend, calls: int) -> str | None:
         """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
@@ -2550,6 +2572,9 @@ class Budget:
         ):
             if limit is not None and spent > limit:
                 return f"the turn's {name} limit ({limit:,}) was passed: {spent:,}"
+        cost = self.cost_of(spend.input, spend.output)
+        if self.cost is not None and cost > self.cost:
+            return f"the turn's cost limit ({self.cost:g}) was passed: {cost:.6g}"
         spend.calls += calls
         return None
 
@@ -4095,6 +4120,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         talk.add_argument(
             flag, type=_whole(1, 10**9 - 1), help=f"{what} per turn, at most (no limit)"
         )
+    for flag, what in (
+        ("--max-turn-cost", "what a turn may cost, in the prices' currency (no limit)"),
+        ("--input-price", "the price of a million input tokens (none)"),
+        ("--output-price", "the price of a million output tokens (none)"),
+    ):
+        talk.add_argument(flag, type=_amount, help=what)
     talk.add_argument(
         "--timeout",
         type=_seconds(3600),
@@ -4195,6 +4226,17 @@ def _printable_id(text: str) -> str:
     if not text or len(text) > 64 or not text.isprintable():
         raise argparse.ArgumentTypeError("expected 1 to 64 printable characters")
     return text
+
+
+def _amount(text: str) -> float:
+    """A flag's type: a sum of money or a price, a number of 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value < 1e12):
+        raise argparse.ArgumentTypeError(f"expected a number of 0 or more; got {text!r}")
+    return value
 
 
 def _seconds(most: float) -> Callable[[str], float]:
@@ -4303,6 +4345,7 @@ def _conversation(
         retry_timeouts=args.retry_timeouts,
         max_retries=args.retries,
     )
+    budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
     workspace = _open(args, app, create=True)
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
@@ -4312,7 +4355,7 @@ def _conversation(
         ChatClient(settings),
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
-        budget=_budget(args, app.budget),
+        budget=budget,
     )
     return loop, workspace
 
@@ -4324,6 +4367,9 @@ def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
         "output_tokens": args.max_turn_output_tokens,
         "total_tokens": args.max_turn_tokens,
         "tool_calls": args.max_turn_calls,
+        "cost": args.max_turn_cost,
+        "input_price": args.input_price,
+        "output_price": args.output_price,
     }
     return replace(budget, **{name: limit for name, limit in flags.items() if limit is not None})
 

@@ -1945,6 +1945,34 @@ class BudgetTest(LoopTestCase):
         )
         self.assertEqual((silent.stop_reason, len(sent)), ("budget", 1))  # estimated: no room
 
+    def test_a_cost_limit_works_as_a_token_limit_at_the_prices_given(self) -> None:
+        per_token = 1_000_000.0  # a price per million tokens: 1 a token
+        before = fc.Budget(cost=50, input_price=per_token, output_price=0)
+        result, requests = self.run_turn([text_reply("ok")], loop={"budget": before})
+        self.assertEqual(requests, [])
+        self.assert_budget_stop(result, "the turn's cost limit (50) would be passed")
+        self.audit_path.unlink()
+        after = fc.Budget(cost=4, input_price=0, output_price=per_token)  # 5 output tokens
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        result, requests = self.run_turn([lookup, text_reply("ok")], loop={"budget": after})
+        self.assertEqual(len(requests), 1)
+        self.assert_budget_stop(result, "the turn's cost limit (4) was passed: 5")
+
+    def test_a_cost_limit_without_prices_is_refused_before_anything_is_sent(self) -> None:
+        with self.assertRaises(fc.ConfigError):
+            fc.Budget(cost=1, input_price=2.5)
+        with self.assertRaises(fc.ConfigError):
+            fc.Budget(input_price=-1)
+        before = sorted(self.data_dir.iterdir())
+        done = self.cli(
+            "ask", "hi", "--max-turn-cost", "1", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+        )
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("a cost limit needs the price of input and of output tokens", done.stderr)
+        self.assertEqual(
+            sorted(self.data_dir.iterdir()), before
+        )  # refused before anything was made
+
     def test_the_command_line_stops_at_a_limit_with_an_exit_code_of_its_own(self) -> None:
         with ScriptedChatServer([text_reply("ok")]) as server:
             done = self.cli(
