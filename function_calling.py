@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,498 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,870 lines), makes each of its promises hold against real servers and
@@ -100,7 +100,7 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Conversation",
-    "ConversationConflictError", "ConversationError", "Conversations", "Database",
+    "ConversationConflictError", "ConversationError", "Conversations", "Database", "Ledger",
     "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer", "ScriptedReply",
     "Settings", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
     "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
@@ -156,7 +156,6 @@ ROUND_CAP_ANSWER = (
 REPEATED_CALLS_ANSWER = (
     "Sorry, I kept asking for the same information without progress. Please rephrase."
 )
-BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -225,6 +224,7 @@ class ToolContext:
     customer_id: str
     turn_id: str = field(default_factory=_new_turn_id)
     approval_id: str | None = None
+    conversation_id: str | None = None  # set by Conversations.turn: a Budget's ledger keeps it
 
 
 class Tool:
@@ -301,12 +301,9 @@ class Tool:
 
 
 def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> dict[str, Any]:
-    """Parse the model's arguments text strictly into a JSON object, or raise ArgumentError.
-
-    Strict means: no NaN/Infinity (not JSON), no duplicate keys (which one would win?), and a
-    size cap checked before parsing. Deep nesting and absurd integers end as a rejection, not
-    as a RecursionError or ValueError escaping the loop.
-    """
+    """Parse the model's arguments text strictly into a JSON object, or raise ArgumentError:
+    no NaN/Infinity (not JSON), no duplicate keys (which one would win?), a size cap checked
+    before parsing; deep nesting and absurd integers are a rejection, not an exception."""
     # the length in characters first: it bounds the bytes from below without encoding anything
     if len(arguments_json) > limit or len(arguments_json.encode("utf-8", "replace")) > limit:
         raise ArgumentError(f"arguments: expected at most {limit} bytes of JSON; got more")
@@ -883,7 +880,6 @@ class ToolLoop:
         system_prompt: str = SYSTEM_PROMPT,
         round_cap_answer: str = ROUND_CAP_ANSWER,
         repeated_calls_answer: str = REPEATED_CALLS_ANSWER,
-        budget_answer: str = BUDGET_ANSWER,
         budget: Budget | None = None,  # None: nothing spent is limited (a Budget of Nones)
         max_rounds: int = MAX_ROUNDS,
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
@@ -904,7 +900,8 @@ class ToolLoop:
         self.approvals = approvals
         self.system_prompt = system_prompt
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
-        self.fallbacks["budget"], self.budget = budget_answer, budget or Budget()
+        self.budget = (budget or Budget()).checked()
+        self.fallbacks["budget"] = self.budget.answer
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
@@ -947,9 +944,9 @@ class ToolLoop:
         """One round; the TurnResult if it ends the turn (a function, so a reply is let go)."""
         turn.rounds += 1
         choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
-        over = self.budget.before_request(turn.messages, self._tools_json, turn.spend)
+        over = self.budget.before_request(turn.messages, self._tools_json, turn.spend, context)
         if over:  # never sent: as estimated, it would pass a limit
-            return self._finish(turn, context, "budget", self.fallbacks["budget"], over)
+            return self._finish(turn, context, "budget", self.budget.answer, over)
         try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
                 turn.messages,
@@ -1072,6 +1069,7 @@ class ToolLoop:
                 duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
                 usage=result.usage,
                 **({"budget": error} if stop_reason == "budget" else {}),
+                **({"conversation_id": context.conversation_id} if context.conversation_id else {}),
             )
         except AuditError as exc:
             return replace(result, stop_reason="audit_failed", error=str(exc))
@@ -2512,11 +2510,14 @@ def _call_worker(
 # the server counts it, and a server that reports no usage is counted by the estimate.
 
 BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
+OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
+BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Limits on what one turn spends; None: no limit (the default, so nothing is limited)."""
+    """Limits on what one turn spends, and (kept in a Ledger) what a customer may spend in a
+    UTC day and a conversation in all its turns; None: no limit (the default)."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None
@@ -2526,6 +2527,10 @@ class Budget:
     cost: float | None = None  # in the prices' currency
     input_price: float | None = None  # per million input tokens
     output_price: float | None = None  # per million output tokens
+    daily_tokens: int | None = None  # per customer and UTC day, in all processes (the ledger)
+    conversation_tokens: int | None = None  # per conversation, in all its turns (the ledger)
+    ledger: Ledger | None = field(default=None, compare=False)
+    answer: str = BUDGET_ANSWER  # what the user reads when a limit stops a turn
 
     def __post_init__(self) -> None:
         prices = (self.input_price, self.output_price)
@@ -2534,9 +2539,11 @@ class Budget:
         if any(not (p is None or (math.isfinite(p) and p >= 0)) for p in (self.cost, *prices)):
             raise ConfigError("a cost and a price are numbers of 0 or more")
 
-    def before_request(self, messages: Sequence[str], tools_json: str, spend: Spend) -> str | None:
+    def before_request(
+        self, messages: Sequence[str], tools_json: str, spend: Spend, context: ToolContext
+    ) -> str | None:
         """Why the next request may not be sent, if it would pass a limit (and its estimate
-        is kept, for a reply that reports no usage)."""
+        is kept, for a reply that reports no usage, and charged to the ledger's scopes)."""
         size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
         spend.sent, spend.estimate = size, spend.input_of(size)
         for name, limit, spent in (
@@ -2554,7 +2561,20 @@ class Budget:
                 f"the turn's cost limit ({self.cost:g}) would be passed by the next request:"
                 f" {paid:.6g} spent, about {more:.6g} more"
             )
-        return None
+        if self.ledger is None:
+            return None
+        scopes = self.ledger.scopes(context, self.daily_tokens, self.conversation_tokens)
+        over = self.ledger.charge(scopes, spend.estimate + OUTPUT_RESERVE)
+        if not over:
+            spend.ledger, spend.charged = self.ledger, (scopes, spend.estimate + OUTPUT_RESERVE)
+        return over
+
+    def checked(self) -> Budget:
+        """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
+        limit needs a ledger to keep it in."""
+        if (self.daily_tokens or self.conversation_tokens) and self.ledger is None:
+            raise ConfigError("a daily or a conversation limit needs a ledger (Ledger(database))")
+        return self
 
     def cost_of(self, input_tokens: int, output_tokens: int) -> float:
         """What tokens cost at the prices (0 without them)."""
@@ -2575,6 +2595,9 @@ class Budget:
         cost = self.cost_of(spend.input, spend.output)
         if self.cost is not None and cost > self.cost:
             return f"the turn's cost limit ({self.cost:g}) was passed: {cost:.6g}"
+        over = self.ledger.passed(spend.scopes) if self.ledger else None
+        if over:
+            return over
         spend.calls += calls
         return None
 
@@ -2597,6 +2620,9 @@ class Spend:
     sent: int = 0  # the bytes of the request just sent
     estimate: int = 0  # its input tokens, as estimated
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
+    ledger: Ledger | None = None
+    charged: tuple[Sequence[Scope], int] | None = None  # what the ledger holds for the request
+    scopes: Sequence[Scope] = ()  # the ledger's, for this turn
 
     def input_of(self, size: int) -> int:
         """A request's input tokens, estimated: the server's count of the last one and the bytes
@@ -2607,13 +2633,103 @@ class Spend:
         return tokens + math.ceil(max(size - before, 0) / BYTES_PER_TOKEN)
 
     def add(self, reply: Reply) -> None:
+        """A reply's tokens: the server's counts, else estimates; and the ledger's charge for
+        its request replaced by them (the second of the request's two transactions)."""
         prompt = _token_count(reply.usage.get("prompt_tokens"))
         completion = _token_count(reply.usage.get("completion_tokens"))
-        self.input += self.estimate if prompt is None else prompt
+        read = self.estimate if prompt is None else prompt
         written = math.ceil(len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN)
-        self.output += written if completion is None else completion
+        written = written if completion is None else completion
+        self.input, self.output = self.input + read, self.output + written
         if prompt is not None:
             self.counted = (self.sent, prompt)
+        if self.ledger and self.charged:
+            self.scopes, held = self.charged
+            self.ledger.correct(self.scopes, read + written - held)
+            self.charged = None
+
+
+# A ledger's scope: its key in the table, its limit (None: none), and how a message names it.
+Scope: TypeAlias = tuple[str, "int | None", str]
+
+_LEDGER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spending (
+    scope  TEXT PRIMARY KEY,  -- "customer ID 2026-12-01" (a UTC day), "conversation conv-…"
+    tokens INTEGER NOT NULL   -- input and output tokens counted, and charged for requests in flight
+);
+"""
+
+
+class Ledger:
+    """What each customer has spent in a UTC day, and each conversation in all its turns, in
+    the data directory's database, for every process that shares it.
+
+    Each request is two transactions. Before it is sent: every limit checked and, if none
+    would be passed, its estimate and OUTPUT_RESERVE charged to each scope, at once (under
+    the database's write lock: two processes cannot both take the last of a limit). After its
+    reply: the charge replaced by the reply's count. A crash between the two leaves the
+    charge standing, so what is kept is more than was spent, never less (unless a reply wrote
+    more than OUTPUT_RESERVE tokens); nothing needs recovering."""
+
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
+        database.install("ledger", 1, _LEDGER_SCHEMA)
+        self.database, self.clock = database, clock
+
+    def scopes(
+        self, context: ToolContext, daily: int | None, per_conversation: int | None
+    ) -> list[Scope]:
+        day = datetime.fromtimestamp(self.clock(), timezone.utc).date().isoformat()
+        found: list[Scope] = [
+            (f"customer {context.customer_id} {day}", daily, f"daily token limit of {day}")
+        ]
+        if context.conversation_id:
+            key = f"conversation {context.conversation_id}"
+            found.append((key, per_conversation, "conversation's token limit"))
+        return found
+
+    def charge(self, scopes: Sequence[Scope], tokens: int) -> str | None:
+        """Charge `tokens` to every scope, or, if that would pass a limit, nothing: why not."""
+        with self.database.write_transaction() as db:
+            for key, limit, name in scopes:
+                spent = self._spent(db, key)
+                if limit is not None and spent + tokens > limit:
+                    return (
+                        f"the {name} ({limit:,}) would be passed by the next request:"
+                        f" {spent:,} spent, about {tokens:,} more"
+                    )
+            db.executemany(
+                "INSERT INTO spending (scope, tokens) VALUES (?, ?)"
+                " ON CONFLICT (scope) DO UPDATE SET tokens = tokens + excluded.tokens",
+                [(key, tokens) for key, _, _ in scopes],
+            )
+        return None
+
+    def correct(self, scopes: Sequence[Scope], tokens: int) -> None:
+        """Add `tokens` (less than 0: give back) to every scope, in one transaction."""
+        with self.database.write_transaction() as db:
+            db.executemany(
+                "UPDATE spending SET tokens = MAX(tokens + ?, 0) WHERE scope = ?",
+                [(tokens, key) for key, _, _ in scopes],
+            )
+
+    def passed(self, scopes: Sequence[Scope]) -> str | None:
+        """The limit a scope has passed, if one has."""
+        with closing(self.database.connect_read_only()) as db:
+            for key, limit, name in scopes:
+                spent = self._spent(db, key)
+                if limit is not None and spent > limit:
+                    return f"the {name} ({limit:,}) was passed: {spent:,}"
+        return None
+
+    def spent(self) -> dict[str, int]:
+        """Every scope's tokens, by key."""
+        with closing(self.database.connect_read_only()) as db:
+            return dict(db.execute("SELECT scope, tokens FROM spending ORDER BY scope"))
+
+    @staticmethod
+    def _spent(db: sqlite3.Connection, key: str) -> int:
+        row = db.execute("SELECT tokens FROM spending WHERE scope = ?", (key,)).fetchone()
+        return int(row[0]) if row else 0
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -3425,6 +3541,9 @@ def audit_stats(path: Path) -> dict[str, Any]:
     calls: collections.Counter[str] = collections.Counter()
     stops: collections.Counter[str] = collections.Counter()
     tokens: collections.Counter[str] = collections.Counter()
+    # spend: total tokens by customer and UTC day, and by conversation
+    days: collections.Counter[str] = collections.Counter()
+    talks: collections.Counter[str] = collections.Counter()
     failed = retries = skipped = 0
     with open(path, "rb") as log:
         for record in map(_record_or_none, log):
@@ -3438,6 +3557,11 @@ def audit_stats(path: Path) -> dict[str, Any]:
                 usage = record.get("usage")
                 for key, count in usage.items() if isinstance(usage, dict) else ():
                     tokens[str(key)] += _count_in(count)
+                spent = _count_in(usage.get("total_tokens")) if isinstance(usage, dict) else 0
+                day = f"{record.get('customer_id')} {str(record.get('time'))[:10]}"
+                _tally(days, day, spent)
+                if isinstance(record.get("conversation_id"), str):
+                    _tally(talks, record["conversation_id"], spent)
             elif record.get("event") == "tool_call":
                 outcome = str(record.get("outcome"))
                 if outcome.startswith("skipped:"):
@@ -3456,15 +3580,24 @@ def audit_stats(path: Path) -> dict[str, Any]:
         "stop_reasons": dict(stops),
         "guards": {guard: stops[guard] for guard in GUARD_STOPS},
         "tokens": dict(tokens),
+        "spend": {"customer_days": dict(sorted(days.items())), "conversations": dict(talks)},
         "retries": retries,
         "skipped_lines": skipped,
     }
 
 
+MAX_SPEND_KEYS = 10_000  # customer-days and conversations counted one by one in `stats`
+
 _FIELD_TYPES: dict[str, dict[str, type]] = {
     "turn": {"rounds": int, "retries": int, "stop_reason": str, "usage": dict},
     "tool_call": {"tool": str, "outcome": str},
 }
+
+
+def _tally(counter: collections.Counter[str], key: str, count: int) -> None:
+    """Add to `key`, or past MAX_SPEND_KEYS of them to "(other)": the figures' memory is
+    bounded whatever the log holds."""
+    counter[key if key in counter or len(counter) < MAX_SPEND_KEYS else "(other)"] += count
 
 
 def _well_formed(record: Mapping[str, Any]) -> bool:
@@ -3810,6 +3943,7 @@ class Conversations:
                 f"no conversation {conversation.conversation_id} for customer {context.customer_id}"
             )
         history = conversation.history(max_history_bytes)
+        context = replace(context, conversation_id=conversation.conversation_id)  # its ledger's
         notice, told = self._notice(conversation, approvals, loop.audit, context)
         result = loop.run(
             question,
@@ -4030,8 +4164,7 @@ class App:
     system_prompt: str = SYSTEM_PROMPT
     round_cap_answer: str = ROUND_CAP_ANSWER
     repeated_calls_answer: str = REPEATED_CALLS_ANSWER
-    budget_answer: str = BUDGET_ANSWER
-    budget: Budget = Budget()  # what a turn may spend; the --max-turn-… flags override it
+    budget: Budget = Budget()  # what may be spent; the --max-…-tokens flags override it
     customer: str | None = None
     database: str = DATABASE_FILE
     demo: Sequence[DemoTurn] = ()
@@ -4120,6 +4253,11 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
         talk.add_argument(
             flag, type=_whole(1, 10**9 - 1), help=f"{what} per turn, at most (no limit)"
         )
+    for flag, what in (
+        ("--max-daily-tokens", "input and output tokens per customer and UTC day"),
+        ("--max-conversation-tokens", "input and output tokens per conversation"),
+    ):
+        talk.add_argument(flag, type=_whole(1, 10**9 - 1), help=f"{what}, at most (no limit)")
     for flag, what in (
         ("--max-turn-cost", "what a turn may cost, in the prices' currency (no limit)"),
         ("--input-price", "the price of a million input tokens (none)"),
@@ -4328,7 +4466,6 @@ def _tool_loop(
         system_prompt=app.system_prompt,
         round_cap_answer=app.round_cap_answer,
         repeated_calls_answer=app.repeated_calls_answer,
-        budget_answer=app.budget_answer,
         **limits,
     )
 
@@ -4347,6 +4484,8 @@ def _conversation(
     )
     budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
     workspace = _open(args, app, create=True)
+    if budget.daily_tokens or budget.conversation_tokens:  # kept in the data directory's database
+        budget = replace(budget, ledger=Ledger(workspace.database))
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
         app,
@@ -4368,6 +4507,8 @@ def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
         "total_tokens": args.max_turn_tokens,
         "tool_calls": args.max_turn_calls,
         "cost": args.max_turn_cost,
+        "daily_tokens": args.max_daily_tokens,
+        "conversation_tokens": args.max_conversation_tokens,
         "input_price": args.input_price,
         "output_price": args.output_price,
     }
@@ -4631,9 +4772,13 @@ def _cmd_reject(args: argparse.Namespace, app: App) -> int:
 
 def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
     listed = Conversations(_open(args, app, create=False).database).list()
+    log = _data_dir(args) / "audit.log"
+    spent = audit_stats(log)["spend"]["conversations"] if log.is_file() else {}
     for item in listed:
         last = item["lastTurn"] or "no turn yet"
-        print(f"{item['conversationId']}  {item['customer']}  {item['turns']} turns  {last}")
+        tokens = spent.get(item["conversationId"], 0)  # the audited usage of its turns
+        shown = f"{item['turns']} turns  {tokens} tokens  {last}"
+        print(f"{item['conversationId']}  {item['customer']}  {shown}")
     if not listed:
         print("no saved conversations")
     return EXIT_OK
@@ -4693,6 +4838,9 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
+    for title, spend in (("spend by day", "customer_days"), ("spend by conv.", "conversations")):
+        shown = ", ".join(f"{key} {n}" for key, n in figures["spend"][spend].items())
+        print(f"{title:<17}{shown or 'none'}")  # total tokens: a customer's UTC day, a conversation
     print(f"retries          {figures['retries']}")
     if figures["skipped_lines"]:
         print(f"skipped lines    {figures['skipped_lines']} (not records; see verify-audit)")

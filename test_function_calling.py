@@ -12,6 +12,7 @@ import ast
 import collections
 import concurrent.futures
 import dataclasses
+import datetime
 import email.utils
 import functools
 import hashlib
@@ -861,9 +862,31 @@ class AuditChainTest(LoopTestCase):
                 "guards fired     round_cap 0, repeated_calls 1",
                 "stop reasons     answered 2, repeated_calls 1",
                 "tokens           prompt_tokens 50, completion_tokens 25, total_tokens 75",
+                f"spend by day     {DEMO_CUSTOMER} {utc_day()} 75",
+                "spend by conv.   none",
                 "retries          0",
             ],
         )
+
+    def test_the_spend_stats_shows_is_the_sum_of_the_audited_usage(self) -> None:
+        self.audit_path.unlink()
+        conversations = fc.Conversations(self.database)
+        talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        with ScriptedChatServer([with_usage(text_reply("a"), 7, 3)] * 3) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            _, talk = conversations.turn(loop, talk, "one", ToolContext(DEMO_CUSTOMER))
+            _, talk = conversations.turn(loop, talk, "two", ToolContext(DEMO_CUSTOMER))
+            loop.run("elsewhere", ToolContext("C-2"))
+        turns = self.audit_records("turn")
+        by_day: collections.Counter[str] = collections.Counter()
+        for line in turns:
+            by_day[f"{line['customer_id']} {line['time'][:10]}"] += line["usage"]["total_tokens"]
+        spend = fc.audit_stats(self.audit_path)["spend"]
+        self.assertEqual(spend["customer_days"], dict(by_day))
+        self.assertEqual(spend["conversations"], {talk.conversation_id: 20})
+        listed = self.cli("conversations").stdout
+        self.assertIn(f"{talk.conversation_id}  {DEMO_CUSTOMER}  2 turns  20 tokens", listed)
 
     def test_no_secret_ever_reaches_the_log(self) -> None:
         def echo(request: RecordedRequest) -> ScriptedReply:
@@ -1982,6 +2005,165 @@ class BudgetTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stdout), (4, fc.BUDGET_ANSWER + "\n"))
         self.assertIn("stopped: the turn's total-token limit (5) would be passed", done.stderr)
         self.assertEqual(server.requests, [])
+
+
+def with_usage(body: bytes, prompt: int, completion: int) -> bytes:
+    """A scripted reply reporting the usage given."""
+    document = json.loads(body)
+    document["usage"] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    return json.dumps(document).encode()
+
+
+def utc_day() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+class LedgerTest(LoopTestCase):
+    """What a customer spends in a day and a conversation in all its turns, in the database."""
+
+    def test_a_daily_limit_holds_across_turns(self) -> None:
+        budget = fc.Budget(daily_tokens=100_500, ledger=fc.Ledger(self.database))
+        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
+        result, requests = self.run_turn([heavy], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, len(requests)), ("answered", 1))
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        self.assertEqual(budget.ledger.spent(), {key: 100_000})  # type: ignore[union-attr]
+        self.audit_path.unlink()
+        again, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(requests, [])  # its estimate and output reserve do not fit
+        self.assertEqual(again.stop_reason, "budget")
+        self.assertIn(
+            f"the daily token limit of {utc_day()} (100,500) would be passed", again.error or ""
+        )
+        other, requests = self.run_turn([text_reply("ok")], customer="C-2", loop={"budget": budget})
+        self.assertEqual((other.stop_reason, len(requests)), ("answered", 1))  # per customer
+
+    def test_a_conversation_limit_holds_across_its_turns(self) -> None:
+        conversations = fc.Conversations(self.database)
+        budget = fc.Budget(conversation_tokens=100_500, ledger=fc.Ledger(self.database))
+        first = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        second = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
+        with ScriptedChatServer([heavy, text_reply("ok")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals, budget=budget)
+            context = ToolContext(DEMO_CUSTOMER)
+            result, first = conversations.turn(loop, first, "one", context, self.approvals)
+            self.assertEqual(result.stop_reason, "answered")
+            result, first = conversations.turn(loop, first, "two", context, self.approvals)
+            self.assertEqual(result.stop_reason, "budget")  # its own turns spent it
+            result, second = conversations.turn(loop, second, "one", context, self.approvals)
+            self.assertEqual(result.stop_reason, "answered")  # another conversation's is its own
+        self.assertEqual(len(server.requests), 2)
+        lines = self.audit_records("turn")
+        self.assertEqual(
+            [line["conversation_id"] for line in lines],
+            [first.conversation_id, first.conversation_id, second.conversation_id],
+        )
+
+    def test_a_daily_limit_without_a_ledger_is_refused(self) -> None:
+        with self.assertRaisesRegex(fc.ConfigError, "needs a ledger"):
+            ToolLoop(
+                ChatClient(Settings(api_key=FAKE_KEY)),
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=fc.Budget(daily_tokens=5),
+            )
+
+    def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as server:  # the size of one ask's request
+            self.assertEqual(
+                self.cli(
+                    "ask", "Where is ORD-1001?", env={"OPENAI_BASE_URL": server.base_url}
+                ).returncode,
+                0,
+            )
+        one_charge = len(server.requests[0].body) // fc.BYTES_PER_TOKEN + fc.OUTPUT_RESERVE
+        limit = str(one_charge + 1_000)  # room for one request in flight, not for two
+        gate = threading.Event()
+
+        def held(request: RecordedRequest) -> bytes:
+            gate.wait(30)  # the first request is answered only once the second has tried
+            return text_reply("ok")
+
+        base = {
+            "PATH": os.environ.get("PATH", ""),
+            "NO_PROXY": "127.0.0.1",
+            "FUNCTION_CALLING_DATA": str(self.data_dir),
+        }
+        with ScriptedChatServer([held, text_reply("second")]) as server:
+            env = {**base, "OPENAI_BASE_URL": server.base_url}
+            ask = [
+                sys.executable,
+                str(MODULE),
+                "ask",
+                "Where is ORD-1001?",
+                "--max-daily-tokens",
+                limit,
+            ]
+            first = subprocess.Popen(
+                ask, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(3000):
+                if server.requests:
+                    break
+                time.sleep(0.01)
+            second = self.cli(
+                "ask",
+                "And ORD-1002?",
+                "--max-daily-tokens",
+                limit,
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+            gate.set()
+            out, err = first.communicate(timeout=60)
+        self.assertEqual((first.returncode, out), (0, "ok\n"), err)
+        self.assertEqual(second.returncode, 4, second.stderr)
+        self.assertIn("daily token limit", second.stderr)
+        self.assertEqual(len(server.requests), 1)  # the second never sent its request
+
+    def test_a_kill_between_a_reply_and_its_write_leaves_more_charged_than_spent(self) -> None:
+        script = self.data_dir / "crashing_child.py"
+        script.write_text(CRASHING_APPROVER)
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        outcomes: collections.Counter[str] = collections.Counter()
+        points = [f"commit:{n}:{when}" for n in range(1, 12) for when in ("before", "after")]
+        for point in points:
+            heavy = with_usage(text_reply("ok"), 900, 100)
+            with self.subTest(point=point), ScriptedChatServer([heavy]) as server:
+                before = fc.Ledger(self.database).spent().get(key, 0)
+                ask = [
+                    "ask",
+                    "hi",
+                    "--max-daily-tokens",
+                    "10000000",
+                    "--data-dir",
+                    str(self.data_dir),
+                ]
+                child = subprocess.run(
+                    [sys.executable, str(script), "kill", point, *ask],
+                    env={
+                        "PATH": os.environ.get("PATH", ""),
+                        "PYTHONPATH": str(HERE),
+                        "OPENAI_BASE_URL": server.base_url,
+                    },
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                charged = fc.Ledger(self.database).spent().get(key, 0) - before
+                # what the server was asked for is in the ledger: counted, or charged higher
+                self.assertGreaterEqual(charged, 1_000 * len(server.requests))
+                if child.returncode == -signal.SIGKILL and server.requests:
+                    outcomes["counted" if charged == 1_000 else "charged"] += 1
+        self.assertGreater(outcomes["charged"], 0)  # killed between the reply and its write
+        self.assertGreater(outcomes["counted"], 0)  # killed after it
 
 
 class ThreadNamingTool(Tool):
