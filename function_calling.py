@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,498 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 1,870 lines), makes each of its promises hold against real servers and
@@ -101,12 +101,12 @@ __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Conversation",
     "ConversationConflictError", "ConversationError", "Conversations", "Database", "Ledger",
-    "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer", "ScriptedReply",
-    "Settings", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
-    "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
-    "check_argument_names", "delta_chunk", "main", "parse_arguments", "portable_history",
-    "require_choice", "require_integer", "require_pattern", "stream_reply", "text_reply",
-    "tool_call_reply", "tool_table", "verify_audit",
+    "Limits", "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer",
+    "ScriptedReply", "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop",
+    "ToolSource", "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats",
+    "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
+    "portable_history", "require_choice", "require_integer", "require_pattern", "stream_reply",
+    "text_reply", "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
 
@@ -998,14 +998,13 @@ class ToolLoop:
 
     def _guard(self, turn: _Turn) -> str | None:
         """The guard that stops this turn before the reply's calls run, if one does."""
-        turn.over = self.budget.after_reply(turn.spend, len(turn.calls_now))  # those that can run
-        if turn.over:  # what the reply reported, or asks for, passes a limit
-            return "budget"
         if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
             return "repeated_calls"
         if turn.rounds == self.max_rounds:  # a result now could never reach the model
             return "round_cap"
-        return None
+        # last: the calls that can run are counted (and charged) only if they will run
+        turn.over = self.budget.after_reply(turn.spend, len(turn.calls_now))
+        return "budget" if turn.over else None  # what the reply reported, or asks for, passes
 
     def _run_calls(
         self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
@@ -2504,10 +2503,11 @@ def _call_worker(
 
 
 # ----------------------------------------------------------------------------------- budgets
-# What one turn may spend: input, output and total tokens, and tool calls. A request that
-# would pass a limit is not sent; a reply whose usage passes one runs none of its calls. There
-# is no tokenizer here: a request's input is estimated from its bytes (BYTES_PER_TOKEN) until
-# the server counts it, and a server that reports no usage is counted by the estimate.
+# What may be spent: in one turn, in a customer's UTC day, in a conversation (the last two kept
+# in a Ledger, for every process). A request that would pass a limit is not sent; a reply whose
+# usage passes one runs none of its calls. There is no tokenizer here: a request's input is
+# estimated from its bytes (BYTES_PER_TOKEN) until the server counts it, and a server that
+# reports no usage is counted by the estimate.
 
 BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
 OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
@@ -2515,89 +2515,124 @@ BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask f
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What may be spent in one scope (a turn, a customer's UTC day, a conversation); None:
+    no limit. A cost limit is at the Budget's prices."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
+    cost: float | None = None  # in the prices' currency
+
+    def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
+        """The limit `spent` (and what it costs) passes, and the figure that passes it."""
+        for name, limit, figure in (
+            ("input-token", self.input_tokens, spent.input),
+            ("output-token", self.output_tokens, spent.output),
+            ("total-token", self.total_tokens, spent.input + spent.output),
+            ("tool-call", self.tool_calls, spent.calls),
+        ):
+            if limit is not None and figure > limit:
+                return f"{name} limit ({limit:,})", f"{figure:,}"
+        if self.cost is not None and cost > self.cost:
+            return f"cost limit ({self.cost:g})", f"{cost:.6g}"
+        return None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in vars(self).values())
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Tokens read and written, and calls run."""
+
+    input: int = 0
+    output: int = 0
+    calls: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.input + other.input, self.output + other.output, self.calls + other.calls)
+
+
+@dataclass(frozen=True)
 class Budget:
-    """Limits on what one turn spends, and (kept in a Ledger) what a customer may spend in a
+    """What one turn may spend (these fields), and, kept in a Ledger, what a customer may in a
     UTC day and a conversation in all its turns; None: no limit (the default)."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None
     total_tokens: int | None = None
     tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
-    # money, optional: no price is built in; a cost limit needs both prices
     cost: float | None = None  # in the prices' currency
+    # money, optional: no price is built in; a cost limit needs both prices
     input_price: float | None = None  # per million input tokens
     output_price: float | None = None  # per million output tokens
-    daily_tokens: int | None = None  # per customer and UTC day, in all processes (the ledger)
-    conversation_tokens: int | None = None  # per conversation, in all its turns (the ledger)
+    daily: Limits = Limits()  # per customer and UTC day, in every process (the ledger)
+    conversation: Limits = Limits()  # per conversation, in all its turns (the ledger)
     ledger: Ledger | None = field(default=None, compare=False)
     answer: str = BUDGET_ANSWER  # what the user reads when a limit stops a turn
 
     def __post_init__(self) -> None:
         prices = (self.input_price, self.output_price)
-        if self.cost is not None and None in prices:
+        costs = (self.cost, self.daily.cost, self.conversation.cost)
+        if any(cost is not None for cost in costs) and None in prices:
             raise ConfigError("a cost limit needs the price of input and of output tokens")
-        if any(not (p is None or (math.isfinite(p) and p >= 0)) for p in (self.cost, *prices)):
+        if any(not (p is None or (math.isfinite(p) and p >= 0)) for p in (*costs, *prices)):
             raise ConfigError("a cost and a price are numbers of 0 or more")
 
-    def before_request(
-        self, messages: Sequence[str], tools_json: str, spend: Spend, context: ToolContext
-    ) -> str | None:
-        """Why the next request may not be sent, if it would pass a limit (and its estimate
-        is kept, for a reply that reports no usage, and charged to the ledger's scopes)."""
-        size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
-        spend.sent, spend.estimate = size, spend.input_of(size)
-        for name, limit, spent in (
-            ("input-token", self.input_tokens, spend.input),
-            ("total-token", self.total_tokens, spend.input + spend.output),
-        ):
-            if limit is not None and spent + spend.estimate > limit:
-                return (
-                    f"the turn's {name} limit ({limit:,}) would be passed by the next request:"
-                    f" {spent:,} spent, about {spend.estimate:,} more"
-                )
-        paid, more = self.cost_of(spend.input, spend.output), self.cost_of(spend.estimate, 0)
-        if self.cost is not None and paid + more > self.cost:
-            return (
-                f"the turn's cost limit ({self.cost:g}) would be passed by the next request:"
-                f" {paid:.6g} spent, about {more:.6g} more"
-            )
-        if self.ledger is None:
-            return None
-        scopes = self.ledger.scopes(context, self.daily_tokens, self.conversation_tokens)
-        over = self.ledger.charge(scopes, spend.estimate + OUTPUT_RESERVE)
-        if not over:
-            spend.ledger, spend.charged = self.ledger, (scopes, spend.estimate + OUTPUT_RESERVE)
-        return over
+    @property
+    def turn(self) -> Limits:
+        return Limits(
+            self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls, self.cost
+        )
 
     def checked(self) -> Budget:
         """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
         limit needs a ledger to keep it in."""
-        if (self.daily_tokens or self.conversation_tokens) and self.ledger is None:
+        if (self.daily.any or self.conversation.any) and self.ledger is None:
             raise ConfigError("a daily or a conversation limit needs a ledger (Ledger(database))")
         return self
 
-    def cost_of(self, input_tokens: int, output_tokens: int) -> float:
+    def cost_of(self, spent: Tally) -> float:
         """What tokens cost at the prices (0 without them)."""
         input_price, output_price = self.input_price or 0.0, self.output_price or 0.0
-        return (input_tokens * input_price + output_tokens * output_price) / 1_000_000
+        return (spent.input * input_price + spent.output * output_price) / 1_000_000
+
+    def before_request(
+        self, messages: Sequence[str], tools_json: str, spend: Spend, context: ToolContext
+    ) -> str | None:
+        """Why the next request may not be sent, if it would pass a limit (its estimate is kept
+        for a reply that reports no usage, and charged to the ledger's scopes)."""
+        size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
+        spend.sent, spend.estimate = size, spend.input_of(size)
+        would = spend.spent + Tally(input=spend.estimate)
+        over = self.turn.passed(would, self.cost_of(would))
+        if over:
+            return f"the turn's {over[0]} would be passed by the next request ({over[1]} with it)"
+        if self.ledger is None:
+            return None
+        scopes = self.ledger.scopes(context, self.daily, self.conversation)
+        charge = Tally(input=spend.estimate, output=OUTPUT_RESERVE)
+        refused = self.ledger.charge(scopes, charge, Tally(input=spend.estimate), self.cost_of)
+        if refused:
+            return f"{refused}; the request was not sent"
+        spend.ledger, spend.charged = self.ledger, (scopes, charge)
+        return None
 
     def after_reply(self, spend: Spend, calls: int) -> str | None:
         """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
         the calls would."""
-        for name, limit, spent in (
-            ("input-token", self.input_tokens, spend.input),
-            ("output-token", self.output_tokens, spend.output),
-            ("total-token", self.total_tokens, spend.input + spend.output),
-            ("tool-call", self.tool_calls, spend.calls + calls),
-        ):
-            if limit is not None and spent > limit:
-                return f"the turn's {name} limit ({limit:,}) was passed: {spent:,}"
-        cost = self.cost_of(spend.input, spend.output)
-        if self.cost is not None and cost > self.cost:
-            return f"the turn's cost limit ({self.cost:g}) was passed: {cost:.6g}"
-        over = self.ledger.passed(spend.scopes) if self.ledger else None
+        would = spend.spent + Tally(calls=calls)
+        over = self.turn.passed(would, self.cost_of(would))
         if over:
-            return over
+            return f"the turn's {over[0]} was passed: {over[1]}"
+        if self.ledger:
+            charge = Tally(calls=calls)
+            refused = self.ledger.charge(spend.scopes, charge, charge, self.cost_of)
+            if refused:
+                return f"{refused}; none of the calls ran"
         spend.calls += calls
         return None
 
@@ -2621,8 +2656,12 @@ class Spend:
     estimate: int = 0  # its input tokens, as estimated
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
     ledger: Ledger | None = None
-    charged: tuple[Sequence[Scope], int] | None = None  # what the ledger holds for the request
+    charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
     scopes: Sequence[Scope] = ()  # the ledger's, for this turn
+
+    @property
+    def spent(self) -> Tally:
+        return Tally(self.input, self.output, self.calls)
 
     def input_of(self, size: int) -> int:
         """A request's input tokens, estimated: the server's count of the last one and the bytes
@@ -2645,17 +2684,19 @@ class Spend:
             self.counted = (self.sent, prompt)
         if self.ledger and self.charged:
             self.scopes, held = self.charged
-            self.ledger.correct(self.scopes, read + written - held)
+            self.ledger.correct(self.scopes, Tally(read - held.input, written - held.output))
             self.charged = None
 
 
-# A ledger's scope: its key in the table, its limit (None: none), and how a message names it.
-Scope: TypeAlias = tuple[str, "int | None", str]
+# A ledger's scope: its key in the table, its limits, and how a message names it.
+Scope: TypeAlias = tuple[str, Limits, str]
 
 _LEDGER_SCHEMA = """
 CREATE TABLE IF NOT EXISTS spending (
-    scope  TEXT PRIMARY KEY,  -- "customer ID 2026-12-01" (a UTC day), "conversation conv-…"
-    tokens INTEGER NOT NULL   -- input and output tokens counted, and charged for requests in flight
+    scope         TEXT PRIMARY KEY,  -- "customer ID 2026-12-01" (a UTC day), "conversation conv-…"
+    input_tokens  INTEGER NOT NULL,  -- counted, and charged for requests in flight
+    output_tokens INTEGER NOT NULL,
+    tool_calls    INTEGER NOT NULL
 );
 """
 
@@ -2669,67 +2710,65 @@ class Ledger:
     the database's write lock: two processes cannot both take the last of a limit). After its
     reply: the charge replaced by the reply's count. A crash between the two leaves the
     charge standing, so what is kept is more than was spent, never less (unless a reply wrote
-    more than OUTPUT_RESERVE tokens); nothing needs recovering."""
+    more than OUTPUT_RESERVE tokens); nothing needs recovering. A reply's calls are charged,
+    checked the same way, before they run."""
 
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("ledger", 1, _LEDGER_SCHEMA)
         self.database, self.clock = database, clock
 
-    def scopes(
-        self, context: ToolContext, daily: int | None, per_conversation: int | None
-    ) -> list[Scope]:
+    def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
         day = datetime.fromtimestamp(self.clock(), timezone.utc).date().isoformat()
-        found: list[Scope] = [
-            (f"customer {context.customer_id} {day}", daily, f"daily token limit of {day}")
-        ]
+        found: list[Scope] = [(f"customer {context.customer_id} {day}", daily, f"daily ({day})")]
         if context.conversation_id:
             key = f"conversation {context.conversation_id}"
-            found.append((key, per_conversation, "conversation's token limit"))
+            found.append((key, per_conversation, "conversation's"))
         return found
 
-    def charge(self, scopes: Sequence[Scope], tokens: int) -> str | None:
-        """Charge `tokens` to every scope, or, if that would pass a limit, nothing: why not."""
+    def charge(
+        self,
+        scopes: Sequence[Scope],
+        charge: Tally,
+        checked: Tally,
+        cost_of: Callable[[Tally], float],
+    ) -> str | None:
+        """Charge every scope, or, if `checked` would take one past a limit, none: why not."""
         with self.database.write_transaction() as db:
-            for key, limit, name in scopes:
-                spent = self._spent(db, key)
-                if limit is not None and spent + tokens > limit:
-                    return (
-                        f"the {name} ({limit:,}) would be passed by the next request:"
-                        f" {spent:,} spent, about {tokens:,} more"
-                    )
+            for key, limits, name in scopes:
+                would = self._spent(db, key) + checked
+                over = limits.passed(would, cost_of(would))
+                if over:
+                    return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
             db.executemany(
-                "INSERT INTO spending (scope, tokens) VALUES (?, ?)"
-                " ON CONFLICT (scope) DO UPDATE SET tokens = tokens + excluded.tokens",
-                [(key, tokens) for key, _, _ in scopes],
+                "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
+                " input_tokens = input_tokens + excluded.input_tokens,"
+                " output_tokens = output_tokens + excluded.output_tokens,"
+                " tool_calls = tool_calls + excluded.tool_calls",
+                [(key, charge.input, charge.output, charge.calls) for key, _, _ in scopes],
             )
         return None
 
-    def correct(self, scopes: Sequence[Scope], tokens: int) -> None:
-        """Add `tokens` (less than 0: give back) to every scope, in one transaction."""
+    def correct(self, scopes: Sequence[Scope], change: Tally) -> None:
+        """Add `change` (less than 0: give back) to every scope, in one transaction."""
         with self.database.write_transaction() as db:
             db.executemany(
-                "UPDATE spending SET tokens = MAX(tokens + ?, 0) WHERE scope = ?",
-                [(tokens, key) for key, _, _ in scopes],
+                "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
+                " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
+                [(change.input, change.output, key) for key, _, _ in scopes],
             )
 
-    def passed(self, scopes: Sequence[Scope]) -> str | None:
-        """The limit a scope has passed, if one has."""
+    def spent(self) -> dict[str, Tally]:
+        """Every scope's figures, by key."""
         with closing(self.database.connect_read_only()) as db:
-            for key, limit, name in scopes:
-                spent = self._spent(db, key)
-                if limit is not None and spent > limit:
-                    return f"the {name} ({limit:,}) was passed: {spent:,}"
-        return None
-
-    def spent(self) -> dict[str, int]:
-        """Every scope's tokens, by key."""
-        with closing(self.database.connect_read_only()) as db:
-            return dict(db.execute("SELECT scope, tokens FROM spending ORDER BY scope"))
+            rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
+        return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
 
     @staticmethod
-    def _spent(db: sqlite3.Connection, key: str) -> int:
-        row = db.execute("SELECT tokens FROM spending WHERE scope = ?", (key,)).fetchone()
-        return int(row[0]) if row else 0
+    def _spent(db: sqlite3.Connection, key: str) -> Tally:
+        row = db.execute(
+            "SELECT input_tokens, output_tokens, tool_calls FROM spending WHERE scope = ?", (key,)
+        ).fetchone()
+        return Tally(*map(int, row)) if row else Tally()
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -4484,7 +4523,7 @@ def _conversation(
     )
     budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
     workspace = _open(args, app, create=True)
-    if budget.daily_tokens or budget.conversation_tokens:  # kept in the data directory's database
+    if budget.daily.any or budget.conversation.any:  # kept in the data directory's database
         budget = replace(budget, ledger=Ledger(workspace.database))
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
@@ -4507,12 +4546,17 @@ def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
         "total_tokens": args.max_turn_tokens,
         "tool_calls": args.max_turn_calls,
         "cost": args.max_turn_cost,
-        "daily_tokens": args.max_daily_tokens,
-        "conversation_tokens": args.max_conversation_tokens,
         "input_price": args.input_price,
         "output_price": args.output_price,
     }
-    return replace(budget, **{name: limit for name, limit in flags.items() if limit is not None})
+    chosen = {name: limit for name, limit in flags.items() if limit is not None}
+    if args.max_daily_tokens is not None:
+        chosen["daily"] = replace(budget.daily, total_tokens=args.max_daily_tokens)
+    if args.max_conversation_tokens is not None:
+        chosen["conversation"] = replace(
+            budget.conversation, total_tokens=args.max_conversation_tokens
+        )
+    return replace(budget, **chosen)
 
 
 def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: str | None) -> _Saved:

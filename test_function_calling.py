@@ -2018,6 +2018,11 @@ def with_usage(body: bytes, prompt: int, completion: int) -> bytes:
     return json.dumps(document).encode()
 
 
+def tokens_in(ledger: fc.Ledger, key: str) -> int:
+    tally = ledger.spent().get(key, fc.Tally())
+    return tally.input + tally.output
+
+
 def utc_day() -> str:
     return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
@@ -2026,25 +2031,41 @@ class LedgerTest(LoopTestCase):
     """What a customer spends in a day and a conversation in all its turns, in the database."""
 
     def test_a_daily_limit_holds_across_turns(self) -> None:
-        budget = fc.Budget(daily_tokens=100_500, ledger=fc.Ledger(self.database))
+        budget = fc.Budget(daily=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database))
         heavy = with_usage(text_reply("ok"), 90_000, 10_000)
         result, requests = self.run_turn([heavy], loop={"budget": budget})
         self.assertEqual((result.stop_reason, len(requests)), ("answered", 1))
         key = f"customer {DEMO_CUSTOMER} {utc_day()}"
-        self.assertEqual(budget.ledger.spent(), {key: 100_000})  # type: ignore[union-attr]
+        spent = budget.ledger.spent()  # type: ignore[union-attr]
+        self.assertEqual(spent, {key: fc.Tally(90_000, 10_000, 0)})
         self.audit_path.unlink()
         again, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
         self.assertEqual(requests, [])  # its estimate and output reserve do not fit
         self.assertEqual(again.stop_reason, "budget")
         self.assertIn(
-            f"the daily token limit of {utc_day()} (100,500) would be passed", again.error or ""
+            f"the daily ({utc_day()}) total-token limit (100,500) would be passed",
+            again.error or "",
         )
         other, requests = self.run_turn([text_reply("ok")], customer="C-2", loop={"budget": budget})
         self.assertEqual((other.stop_reason, len(requests)), ("answered", 1))  # per customer
 
+    def test_a_daily_call_limit_counts_the_calls_that_ran_in_every_turn(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(tool_calls=2), ledger=fc.Ledger(self.database))
+        two = tool_call_reply([("getOrderStatus", LOOKUP)] * 2)
+        result, _ = self.run_turn([two, text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        self.audit_path.unlink()
+        one = tool_call_reply([("getOrderStatus", LOOKUP)])
+        result, requests = self.run_turn([one, text_reply("ok")], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, len(requests)), ("budget", 1))
+        self.assertIn("tool-call limit (2) would be passed", result.error or "")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
+
     def test_a_conversation_limit_holds_across_its_turns(self) -> None:
         conversations = fc.Conversations(self.database)
-        budget = fc.Budget(conversation_tokens=100_500, ledger=fc.Ledger(self.database))
+        budget = fc.Budget(
+            conversation=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database)
+        )
         first = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         second = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         heavy = with_usage(text_reply("ok"), 90_000, 10_000)
@@ -2072,7 +2093,7 @@ class LedgerTest(LoopTestCase):
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                budget=fc.Budget(daily_tokens=5),
+                budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
             )
 
     def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
@@ -2124,7 +2145,7 @@ class LedgerTest(LoopTestCase):
             out, err = first.communicate(timeout=60)
         self.assertEqual((first.returncode, out), (0, "ok\n"), err)
         self.assertEqual(second.returncode, 4, second.stderr)
-        self.assertIn("daily token limit", second.stderr)
+        self.assertIn(f"the daily ({utc_day()}) total-token limit", second.stderr)
         self.assertEqual(len(server.requests), 1)  # the second never sent its request
 
     def test_a_kill_between_a_reply_and_its_write_leaves_more_charged_than_spent(self) -> None:
@@ -2136,7 +2157,7 @@ class LedgerTest(LoopTestCase):
         for point in points:
             heavy = with_usage(text_reply("ok"), 900, 100)
             with self.subTest(point=point), ScriptedChatServer([heavy]) as server:
-                before = fc.Ledger(self.database).spent().get(key, 0)
+                before = tokens_in(fc.Ledger(self.database), key)
                 ask = [
                     "ask",
                     "hi",
@@ -2157,7 +2178,7 @@ class LedgerTest(LoopTestCase):
                     timeout=60,
                     check=False,
                 )
-                charged = fc.Ledger(self.database).spent().get(key, 0) - before
+                charged = tokens_in(fc.Ledger(self.database), key) - before
                 # what the server was asked for is in the ledger: counted, or charged higher
                 self.assertGreaterEqual(charged, 1_000 * len(server.requests))
                 if child.returncode == -signal.SIGKILL and server.requests:
