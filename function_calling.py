@@ -636,7 +636,7 @@ def _parse_tool_calls(message_json: str, span: Span | None) -> tuple[ToolCall, .
 
 
 def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> ToolCall:
-    """One call, decoded on its own: a reply's 100,000 calls are never all objects at once."""
+    """One call, decoded on its own: a reply's 100,000 calls are never all dicts at once."""
     item = _value(message_json, span)
     function = item.get("function") if isinstance(item, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
