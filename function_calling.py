@@ -32,7 +32,7 @@ Yours: write Tool subclasses, put them in an App, and call main(app=…) (README
 First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 1,870 lines), makes each of its promises hold against real servers and
+hardening (about 2,090 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · budgets · server quirks · start-up checks
 · the audit chain · the approvals' journal · the database. Part III, operating it (about
 1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
@@ -2688,6 +2688,12 @@ class Spend:
             self.charged = None
 
 
+def _sqlite_error(exc: Exception) -> str:
+    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
+    quote SQL."""
+    return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
+
+
 # A ledger's scope: its key in the table, its limits, and how a message names it.
 Scope: TypeAlias = tuple[str, Limits, str]
 
@@ -2732,30 +2738,41 @@ class Ledger:
         checked: Tally,
         cost_of: Callable[[Tally], float],
     ) -> str | None:
-        """Charge every scope, or, if `checked` would take one past a limit, none: why not."""
-        with self.database.write_transaction() as db:
-            for key, limits, name in scopes:
-                would = self._spent(db, key) + checked
-                over = limits.passed(would, cost_of(would))
-                if over:
-                    return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
-            db.executemany(
-                "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
-                " input_tokens = input_tokens + excluded.input_tokens,"
-                " output_tokens = output_tokens + excluded.output_tokens,"
-                " tool_calls = tool_calls + excluded.tool_calls",
-                [(key, charge.input, charge.output, charge.calls) for key, _, _ in scopes],
-            )
+        """Charge every scope, or, if `checked` would take one past a limit, none: why not. A
+        ledger that cannot be written is a limit too (fail closed: what cannot be counted is
+        not spent); its error goes to the log, not to the model or the user."""
+        try:
+            with self.database.write_transaction() as db:
+                for key, limits, name in scopes:
+                    would = self._spent(db, key) + checked
+                    over = limits.passed(would, cost_of(would))
+                    if over:
+                        return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
+                db.executemany(
+                    "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
+                    " input_tokens = input_tokens + excluded.input_tokens,"
+                    " output_tokens = output_tokens + excluded.output_tokens,"
+                    " tool_calls = tool_calls + excluded.tool_calls",
+                    [(key, charge.input, charge.output, charge.calls) for key, _, _ in scopes],
+                )
+        except sqlite3.Error as exc:
+            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
+            return "the spending ledger could not be written, so nothing more may be spent"
         return None
 
     def correct(self, scopes: Sequence[Scope], change: Tally) -> None:
-        """Add `change` (less than 0: give back) to every scope, in one transaction."""
-        with self.database.write_transaction() as db:
-            db.executemany(
-                "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
-                " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
-                [(change.input, change.output, key) for key, _, _ in scopes],
-            )
+        """Add `change` (less than 0: give back) to every scope, in one transaction; if that
+        cannot be written, the charge stands (more than was spent, as after a crash)."""
+        try:
+            with self.database.write_transaction() as db:
+                db.executemany(
+                    "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
+                    " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
+                    [(change.input, change.output, key) for key, _, _ in scopes],
+                )
+        except sqlite3.Error as exc:
+            why = _sqlite_error(exc)
+            _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
 
     def spent(self) -> dict[str, Tally]:
         """Every scope's figures, by key."""

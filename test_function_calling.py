@@ -2049,6 +2049,19 @@ class LedgerTest(LoopTestCase):
         other, requests = self.run_turn([text_reply("ok")], customer="C-2", loop={"budget": budget})
         self.assertEqual((other.stop_reason, len(requests)), ("answered", 1))  # per customer
 
+    def test_a_ledger_that_cannot_be_written_lets_nothing_be_sent(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        with closing(sqlite3.connect(self.db_path)) as db, db:
+            db.execute("DROP TABLE spending")  # as a broken or foreign database would be
+        with self.assertLogs("function_calling", "WARNING") as logged:
+            result, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(requests, [])  # fail closed: what cannot be counted is not spent
+        self.assertEqual(result.stop_reason, "budget")
+        self.assertIn("the spending ledger could not be written", result.error or "")
+        self.assertNotIn("no such table", " ".join(logged.output))  # SQLite's name, not its text
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["stop_reason"], "budget")
+
     def test_a_daily_call_limit_counts_the_calls_that_ran_in_every_turn(self) -> None:
         budget = fc.Budget(daily=fc.Limits(tool_calls=2), ledger=fc.Ledger(self.database))
         two = tool_call_reply([("getOrderStatus", LOOKUP)] * 2)
