@@ -2605,6 +2605,8 @@ class Budget:
     ) -> str | None:
         """Why the next request may not be sent, if it would pass a limit (its estimate is kept
         for a reply that reports no usage, and charged to the ledger's scopes)."""
+        if self.ledger is None and not self.turn.any:  # nothing to keep: nothing to count
+            return None
         size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
         spend.sent, spend.estimate = size, spend.input_of(size)
         would = spend.spent + Tally(input=spend.estimate)
@@ -2633,7 +2635,7 @@ class Budget:
             refused = self.ledger.charge(spend.scopes, charge, charge, self.cost_of)
             if refused:
                 return f"{refused}; none of the calls ran"
-        spend.calls += calls
+        spend.spent += Tally(calls=calls)
         return None
 
 
@@ -2649,19 +2651,13 @@ def _token_count(value: Any) -> int | None:
 class Spend:
     """What a turn has spent so far: the server's counts, or the estimates where it gave none."""
 
-    input: int = 0
-    output: int = 0
-    calls: int = 0
+    spent: Tally = field(default_factory=Tally)
     sent: int = 0  # the bytes of the request just sent
     estimate: int = 0  # its input tokens, as estimated
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
     ledger: Ledger | None = None
     charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
     scopes: Sequence[Scope] = ()  # the ledger's, for this turn
-
-    @property
-    def spent(self) -> Tally:
-        return Tally(self.input, self.output, self.calls)
 
     def input_of(self, size: int) -> int:
         """A request's input tokens, estimated: the server's count of the last one and the bytes
@@ -2677,9 +2673,12 @@ class Spend:
         prompt = _token_count(reply.usage.get("prompt_tokens"))
         completion = _token_count(reply.usage.get("completion_tokens"))
         read = self.estimate if prompt is None else prompt
-        written = math.ceil(len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN)
-        written = written if completion is None else completion
-        self.input, self.output = self.input + read, self.output + written
+        written = completion
+        if written is None:  # no count: the reply's own bytes, at the estimate's rate
+            written = math.ceil(
+                len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN
+            )
+        self.spent += Tally(read, written)
         if prompt is not None:
             self.counted = (self.sent, prompt)
         if self.ledger and self.charged:
@@ -3838,18 +3837,20 @@ class Conversation:
 
 def _newest_within(turns: Sequence[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
     """As many of the newest turns as fit in `max_bytes`, each whole, oldest of them first."""
+    return _fitting(reversed(turns), max_bytes)
+
+
+def _fitting(newest_first: Iterable[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
+    """The turns, taken newest first, until the next would pass `max_bytes` (none is taken
+    after it: a generator is read no further), oldest of them first."""
     kept: list[SavedTurn] = []
     size = 0
-    for turn in reversed(turns):
-        size += _turn_bytes(turn)
+    for turn in newest_first:
+        size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
         if size > max_bytes:
             break
         kept.append(turn)
     return tuple(reversed(kept))
-
-
-def _turn_bytes(turn: SavedTurn) -> int:
-    return sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
 
 
 def _announced_approval(raw: str) -> list[str]:
@@ -4121,15 +4122,8 @@ def _newest_turns(
         " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
         (conversation_id,),
     )
-    kept: list[SavedTurn] = []
-    size = 0
-    for expected, row in zip(range(count, 0, -1), rows, strict=False):  # stops where we do
-        turn = _saved_turn(expected, *row)
-        size += _turn_bytes(turn)
-        if size > max_bytes:
-            break
-        kept.append(turn)
-    return count, tuple(reversed(kept))
+    numbered = zip(range(count, 0, -1), rows, strict=False)  # read as far as they fit
+    return count, _fitting((_saved_turn(expected, *row) for expected, row in numbered), max_bytes)
 
 
 def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
@@ -4422,12 +4416,17 @@ def _printable_id(text: str) -> str:
     return text
 
 
+def _number(text: str) -> float:
+    """A flag's text as a number, NaN if it is none (its type's check then refuses it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def _amount(text: str) -> float:
     """A flag's type: a sum of money or a price, a number of 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not (math.isfinite(value) and 0 <= value < 1e12):
         raise argparse.ArgumentTypeError(f"expected a number of 0 or more; got {text!r}")
     return value
@@ -4437,10 +4436,7 @@ def _seconds(most: float) -> Callable[[str], float]:
     """A flag's type: a number of seconds above 0 and at most `most` (no overflow later)."""
 
     def seconds(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
+        value = _number(text)
         if not (math.isfinite(value) and 0 < value <= most):
             raise argparse.ArgumentTypeError(
                 f"expected a number of seconds above 0 and at most {most:g}; got {text!r}"
