@@ -7405,14 +7405,11 @@ class Benchmarks(LoopTestCase):
 
     def test_four_processes_appending_to_one_audit_log_against_the_bare_disk(self) -> None:
         ours, bare = self.data_dir / "ours.log", self.data_dir / "bare.log"
-        pairs = []
-        for n in range(7):  # timed from "go": the children's start-up is not counted
-            first, second = (AUDIT_APPENDER, ours), (BARE_APPENDER, bare)
-            if n % 2:
-                base = four_appending(*second)
-                pairs.append((four_appending(*first), base))
-            else:
-                pairs.append((four_appending(*first), four_appending(*second)))
+        pairs = alternating(  # timed from "go": the children's start-up is not counted
+            functools.partial(four_appending, AUDIT_APPENDER, ours),
+            functools.partial(four_appending, BARE_APPENDER, bare),
+            7,
+        )
         report(
             ratio_line(
                 "4 processes appending 500 lines each to one audit log, fsync on / the same"
@@ -7465,14 +7462,7 @@ class Benchmarks(LoopTestCase):
             sdk_round = RoundInAChild([sdk, "-c", SDK_ROUND, urls[1], cafile])
             with our_round, sdk_round:
                 our_round.step(), sdk_round.step()  # their warm-ups
-                pairs = []
-                for n in range(runs):
-                    if n % 2:
-                        base = sdk_round.step()
-                        pairs.append((our_round.step(), base))
-                    else:
-                        pairs.append((our_round.step(), sdk_round.step()))
-        return pairs
+                return alternating(our_round.step, sdk_round.step, runs)
 
     def test_importing_the_module(self) -> None:
         # as a user's Python imports it: from its cached bytecode, written by a first run
@@ -7682,13 +7672,20 @@ def interleaved(
 ) -> list[tuple[float, float]]:
     """(subject ms, baseline ms) measured back to back `runs` times, which one goes first
     alternating, so drift and a warm cache favour neither."""
+    return alternating(functools.partial(timed, subject), functools.partial(timed, baseline), runs)
+
+
+def alternating(
+    subject: Callable[[], float], baseline: Callable[[], float], runs: int
+) -> list[tuple[float, float]]:
+    """interleaved, for callables that say how many ms they took (a child timing itself)."""
     pairs = []
     for n in range(runs):
         if n % 2:
-            base = timed(baseline)
-            pairs.append((timed(subject), base))
+            base = baseline()
+            pairs.append((subject(), base))
         else:
-            pairs.append((timed(subject), timed(baseline)))
+            pairs.append((subject(), baseline()))
     return pairs
 
 
