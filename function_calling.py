@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,492 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 2,090 lines), makes each of its promises hold against real servers and
@@ -43,14 +43,12 @@ policy) and a worked example.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import codecs
 import collections
 import email.utils
 import errno
 import functools
-import getpass
 import hashlib
 import hmac
 import http.client
@@ -64,11 +62,9 @@ import random
 import re
 import secrets
 import select
-import shlex
 import socket
 import ssl
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -83,9 +79,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 if TYPE_CHECKING:  # for the checker only: 3.10's typing, and what Part II imports at first use
+    import argparse
     import concurrent.futures
+    import getpass
     import http.server
+    import shlex
     import sqlite3
+    import tempfile
     from typing import TypeAlias
 
 if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
@@ -441,9 +441,11 @@ AUDIT_LOGGER = "function_calling.audit"
 
 
 class AuditLog:
-    """The audit trail of one file, written through a child of the named logger AUDIT_LOGGER.
+    """The audit trail of one file: each record appended to its hash chain (Part II's
+    AuditFile), then handed to the named logger AUDIT_LOGGER.
 
     Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
+    The file is written whatever logging is set to do: logging.disable() cannot drop a line.
     The records never reach the root logger: they may hold exception text meant for operators.
     fsync=False trades durability for speed (see `make bench`); head_file, if given, receives
     the chain's head after every append, to anchor it where the log's writer cannot reach.
@@ -452,15 +454,9 @@ class AuditLog:
     def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
         self.path = path.resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        logging.getLogger(AUDIT_LOGGER).propagate = False
-        digest = hashlib.sha256(str(self.path).encode("utf-8", "replace")).hexdigest()[:16]
-        self._logger = logging.getLogger(AUDIT_LOGGER).getChild(digest)
-        self._logger.setLevel(logging.INFO)
-        handlers = [h for h in self._logger.handlers if isinstance(h, AuditFileHandler)]
-        if not handlers:  # one handler per file in a process, so one lock and one cached tail
-            self._logger.addHandler(AuditFileHandler(self.path, fsync, head_file))
-        elif (handlers[0].fsync, handlers[0].head_file) != (fsync, head_file):
-            raise ConfigError("this audit log is already open with other fsync/head_file options")
+        self._file = AuditFile.of(self.path, fsync, head_file)
+        self._logger = logging.getLogger(AUDIT_LOGGER)
+        self._logger.propagate = False
 
     def record(self, event: str, **fields: Any) -> None:
         """Append one record now, on disk when this returns, or raise AuditError (which names
@@ -474,18 +470,17 @@ class AuditLog:
     def batch(self) -> AbstractContextManager[None]:
         """The lines written with record_in_batch inside are on disk when the block ends, with
         one fsync for them all: the calls of a reply cost no more fsyncs than one call."""
-        return _one_fsync(self._handler())
+        return _one_fsync(self._file)
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
-        fields = {k: _scrubbed(v) if k in _FREE_TEXT else v for k, v in fields.items()}
-        extra = {"audit": {"time": _utc_now(), "event": event, **fields}, "audit_sync": sync}
+        record = {"time": _utc_now(), "event": event}
+        record.update((k, _scrubbed(v) if k in _FREE_TEXT else v) for k, v in fields.items())
         try:
-            self._logger.info(event, extra=extra)
+            self._file.append(record, sync)
         except OSError as exc:
             raise _audit_error(exc) from None
-
-    def _handler(self) -> AuditFileHandler:
-        return next(h for h in self._logger.handlers if isinstance(h, AuditFileHandler))
+        if self._logger.hasHandlers():  # yours, if any: a copy, once the line is written
+            self._logger.info(event, extra={"audit": record})
 
 
 def _audit_error(exc: OSError) -> AuditError:
@@ -1512,6 +1507,8 @@ class _OnFirstUse:
 if not TYPE_CHECKING:  # the checker sees the modules themselves (the imports at the top)
     sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
     concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
+    argparse = _OnFirstUse("argparse")  # the command line: not for a program that imports us
+    getpass, shlex, tempfile = map(_OnFirstUse, ("getpass", "shlex", "tempfile"))  # the CLI's
 
 # ----------------------------------------------------------------------------- the transport
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
@@ -2981,46 +2978,60 @@ def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
 GENESIS = "0" * 64  # the "prev" of the first record
 
 
-class AuditFileHandler(logging.Handler):
-    """Appends each audit record as one hash-chained JSON line.
+class AuditFile:
+    """Appends each audit record as one hash-chained JSON line; one per file in a process.
 
     Each line is {"seq": N, "prev": SHA-256 of line N-1's bytes, …the record}. The append is
-    one os.write through O_APPEND, under this handler's lock (threads) and an flock (other
+    one os.write through O_APPEND, under this object's lock (threads) and an flock (other
     processes: a `chat` and an `approve` share the log), then fsync'ed unless told otherwise.
     A process that opens an existing log continues its chain from the last line. A failed
-    write raises instead of being reported and dropped, as logging usually does: a tool result
-    must not reach the model unless its audit line is on disk.
+    write raises: a tool result must not reach the model unless its audit line is on disk.
     """
 
+    _open: ClassVar[dict[Path, AuditFile]] = {}
+    _opening = threading.Lock()
+
+    @classmethod
+    def of(cls, path: Path, fsync: bool, head_file: Path | None) -> AuditFile:
+        """The one AuditFile of `path` in this process (one lock, one cached tail)."""
+        with cls._opening:
+            opened = cls._open.get(path)
+            if opened is None:
+                opened = cls._open[path] = cls(path, fsync, head_file)
+        if (opened.fsync, opened.head_file) != (fsync, head_file):
+            raise ConfigError("this audit log is already open with other fsync/head_file options")
+        return opened
+
     def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
-        super().__init__(level=logging.INFO)
         self.path = path
         self.fsync = fsync
         self.head_file = head_file
+        self._lock = threading.Lock()
         self._tail = (-1, 0, GENESIS)  # (file size, seq, hash) after our last append
         self._batches, self._unsynced = 0, False  # open batches; lines waiting for their fsync
 
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "audit", {"event": record.getMessage()})
-        later = self.fsync and self._batches > 0 and not getattr(record, "audit_sync", True)
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            self._append(fd, fields)
-            # subtle: the fsync waits outside the flock; the chain is whole without it, since
-            # every line was appended under it, and other processes need not wait on our disk
-            if self.fsync and not later:
-                os.fsync(fd)
-            self._unsynced = self._unsynced or later
-        finally:
-            os.close(fd)
+    def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
+        """One line, on disk when this returns unless `sync` is False inside a batch."""
+        with self._lock:
+            later = self.fsync and self._batches > 0 and not sync
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                self._append(fd, record)
+                # subtle: the fsync waits outside the flock; the chain is whole without it,
+                # since every line was appended under it, and other processes need not wait
+                if self.fsync and not later:
+                    os.fsync(fd)
+                self._unsynced = self._unsynced or later
+            finally:
+                os.close(fd)
 
     def open_batch(self) -> None:
-        with self.lock:  # type: ignore[union-attr]  # logging.Handler's own lock
+        with self._lock:
             self._batches += 1
 
     def close_batch(self) -> None:
         """The batch's one fsync, once the last open batch closes and a line waits for it."""
-        with self.lock:  # type: ignore[union-attr]
+        with self._lock:
             self._batches -= 1
             if self._batches or not self._unsynced:
                 return
@@ -3111,14 +3122,14 @@ def _scrubbed(value: Any) -> Any:
 
 
 @contextmanager
-def _one_fsync(handler: AuditFileHandler) -> Iterator[None]:
-    """AuditLog.batch: the handler's lines inside wait for one fsync as the block ends."""
-    handler.open_batch()
+def _one_fsync(audit_file: AuditFile) -> Iterator[None]:
+    """AuditLog.batch: the file's lines inside wait for one fsync as the block ends."""
+    audit_file.open_batch()
     try:
         yield
     finally:
         try:
-            handler.close_batch()
+            audit_file.close_batch()
         except OSError as exc:
             raise _audit_error(exc) from None
 
@@ -5236,8 +5247,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "mcp_wire_name",
 ]
 
-from fractions import Fraction  # noqa: E402 -- the MCP section's own imports: the cut takes them
-from functools import lru_cache  # noqa: E402
+from functools import lru_cache  # noqa: E402 -- the MCP section's own imports: the cut takes them
 from operator import ge, gt, le, lt  # noqa: E402
 
 # ------------------------------------------------------- JSON Schema, the subset tools use
@@ -6160,6 +6170,7 @@ def _number_violation(value: Any, schema: Mapping[str, Any], where: str) -> str 
 def _is_multiple(value: float, step: float) -> bool:
     """Exact decimal arithmetic on the numbers as written: 0.0075 is a multiple of 0.0001,
     though not in binary floating point."""
+    from fractions import Fraction  # noqa: PLC0415 -- here only (it imports decimal)
 
     def exact(number: float) -> Fraction:
         return Fraction(number) if isinstance(number, int) else Fraction(repr(number))

@@ -591,6 +591,19 @@ class AuditTest(LoopTestCase):
             )
         self.assertEqual([r.getMessage() for r in captured.records], ["tool_call", "turn"])
 
+    def test_logging_turned_off_drops_no_audit_line(self) -> None:
+        logging.getLogger(fc.AUDIT_LOGGER).setLevel(logging.CRITICAL)
+        logging.disable(logging.CRITICAL)
+        try:
+            self.run_turn(
+                [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("ok")]
+            )
+        finally:
+            logging.disable(logging.NOTSET)
+            logging.getLogger(fc.AUDIT_LOGGER).setLevel(logging.NOTSET)
+        lines = self.audit_path.read_text(encoding="ascii").splitlines()
+        self.assertEqual([json.loads(line)["event"] for line in lines], ["tool_call", "turn"])
+
     def test_the_api_key_never_appears_in_the_audit_log(self) -> None:
         self.run_turn(
             [
@@ -3639,16 +3652,16 @@ else:
             hit("commit", "before")
         hit("commit", "after")
 
-    emit = fc.AuditFileHandler.emit
+    append = fc.AuditFile.append
 
-    def killing_emit(self, record):
+    def killing_append(self, record, sync=True):
         seen["append"] += 1
         hit("append", "before")
-        emit(self, record)
+        append(self, record, sync)
         hit("append", "after")
 
     fc.Database.write_transaction = killing_transaction
-    fc.AuditFileHandler.emit = killing_emit
+    fc.AuditFile.append = killing_append
 sys.exit(fc.main(command, fc.SHOP))
 """
 
@@ -4834,7 +4847,7 @@ HARDENING_MODULES = {"http", "socket", "ssl", "select", "codecs", "fcntl", "argp
 HARDENING_PIECES = {
     "ChatClient",  # the transport
     "read_stream",  # the stream
-    "AuditFileHandler",  # the audit chain
+    "AuditFile",  # the audit chain
     "verify_audit",
     "_settle",  # crash recovery
     "audit_disagreements",
@@ -4847,10 +4860,10 @@ HARDENING_PIECES = {
 class ImportTest(unittest.TestCase):
     def test_importing_the_module_leaves_what_a_command_may_not_need_unimported(self) -> None:
         heavy = ["sqlite3", "_sqlite3", "concurrent.futures", "http.server", "socketserver"]
-        heavy += ["urllib.request"]
+        heavy += ["urllib.request", "argparse", "tempfile", "getpass", "shlex", "decimal"]
         probe = "import function_calling, sys; print(sorted(set(sys.argv[1:]) & set(sys.modules)))"
-        done = subprocess.run(
-            [sys.executable, "-c", probe, *heavy],
+        done = subprocess.run(  # -S: what a site's .pth files import is not the module's doing
+            [sys.executable, "-S", "-c", probe, *heavy],
             cwd=HERE,
             capture_output=True,
             text=True,
@@ -7468,17 +7481,16 @@ class Benchmarks(LoopTestCase):
         # as a user's Python imports it: from its cached bytecode, written by a first run
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
-        def started(code: str) -> Callable[[], object]:
-            command = [sys.executable, "-c", code]
+        def started(code: str, python: str = sys.executable) -> Callable[[], object]:
+            command = [python, "-c", code]
             return functools.partial(subprocess.run, command, cwd=HERE, env=env, check=True)
 
         started("import function_calling")()
         sdk = os.environ.get("FUNCTION_CALLING_SDK_PYTHON")
-        if sdk:
-            importing_openai = [sdk, "-c", "import openai"]
-            sdk_started = functools.partial(subprocess.run, importing_openai, env=env, check=True)
+        if sdk:  # one interpreter for both: its start-up (and its site's .pth files) alike
+            sdk_started = started("import openai", sdk)
             sdk_started()  # its bytecode, too
-            against_sdk = interleaved(started("import function_calling"), sdk_started, 21)
+            against_sdk = interleaved(started("import function_calling", sdk), sdk_started, 21)
             report(
                 ratio_line(
                     "a Python that imports function_calling / one that imports openai", against_sdk
