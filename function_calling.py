@@ -4284,7 +4284,7 @@ def _discard_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def _build_parser(app: App) -> argparse.ArgumentParser:
+def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a flag a line
     parser = argparse.ArgumentParser(
         description="LLM tool calling by hand: the model proposes, this code disposes.",
     )
@@ -4412,7 +4412,18 @@ def _build_parser(app: App) -> argparse.ArgumentParser:
     verify.set_defaults(command=_cmd_verify_audit)
     stats = commands.add_parser("stats", parents=[log, data], help="turns, rounds, errors, tokens")
     stats.set_defaults(command=_cmd_stats)
+    _add_section_commands(commands, {"data": data, "sources": sources})
     return parser
+
+
+# Commands a section further down adds: each is given the subcommands to add its own to, and
+# the flags shared by name ("data": --data-dir, "sources": the tool sources' flags).
+COMMANDS: list[Callable[[Any, Mapping[str, argparse.ArgumentParser]], None]] = []
+
+
+def _add_section_commands(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
+    for add_command in COMMANDS:
+        add_command(commands, shared)
 
 
 def _reason(text: str) -> str:
@@ -7163,6 +7174,551 @@ def _mcp_env(choices: Sequence[str], environ: Mapping[str, str]) -> dict[str, st
 
 TOOL_SOURCES.append(_McpFlags())
 # <<< MCP
+
+
+# >>> INBOX: the operator's inbox, a web page. Everything from this line to the "<<< INBOX"
+# line adds the `inbox` command: the writes waiting for a person, shown in a browser and
+# approved or rejected through Approvals exactly as `approve` and `reject` do. Nothing above
+# depends on it; to do without it, delete it in one cut (README: "The inbox"):
+#     sed '/^# >>> INBOX/,/^# <<< INBOX/d' function_calling.py > cut.py
+#
+# Everything on the page that a model, a tool or a customer wrote is hostile text: escaped
+# for where it stands, its control characters shown, under a Content-Security-Policy that
+# allows no script at all; the page needs none (forms POST, and every POST redirects). Who
+# may use it: whoever opens the link printed at start (a secret token, as Jupyter prints),
+# which signs a session in with a cookie only this origin's own pages send (SameSite=Strict);
+# every form carries the session's CSRF token, and a request naming another Host is refused
+# (DNS rebinding). The operator is the one the inbox was started for, never a form field.
+
+import html  # noqa: E402 -- the inbox's own import, so that the cut takes it
+
+INBOX_MAX_BODY = 16 * 1024  # bytes in one POST: a decision is an id and a reason
+INBOX_REQUEST_S = 10.0  # every byte of one request (its line, headers and body) by this
+INBOX_DECIDED_SHOWN = 50  # decided actions listed, newest first
+INBOX_DAYS_SHOWN = 30  # days in the chart, the newest
+INBOX_SESSIONS = 64  # signed-in sessions kept; past it the oldest is signed out
+_INBOX_HEADERS = (
+    ("Cache-Control", "no-store"),
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; style-src 'self'; form-action 'self'; frame-ancestors 'none';"
+        " base-uri 'none'",
+    ),
+    ("X-Content-Type-Options", "nosniff"),
+    # same-origin, not no-referrer: under no-referrer a browser sends its forms' Origin as
+    # "null", and the POST check needs the real one; no Referer leaves for another site
+    ("Referrer-Policy", "same-origin"),
+    ("X-Frame-Options", "DENY"),
+)
+# What a browser would draw as nothing, or use to reorder text: C0 and C1 controls (but the
+# newline), zero-width characters, bidirectional overrides and isolates, the BOM.
+_INVISIBLE = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]"
+)
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _text(value: object) -> str:
+    """Hostile text for HTML, element text or a quoted attribute alike: its invisible
+    characters written out as \\uXXXX, then escaped (& < > " ')."""
+    shown = _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value))
+    return html.escape(shown, quote=True)
+
+
+@dataclass
+class _Session:
+    csrf: str
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (kind, text), shown once
+
+
+class Inbox:
+    """The page and its decisions, for one data directory and one operator. Each request is
+    served whole under one lock: Approvals, the audit log and the database see one decision
+    or one reading at a time, as on the command line."""
+
+    def __init__(
+        self, workspace: _Workspace, tools: Mapping[str, Tool], operator: str, token: str
+    ) -> None:
+        self.workspace, self.tools, self.operator = workspace, tools, operator
+        self._token = token.encode()
+        self._sessions: dict[str, _Session] = {}  # by the SHA-256 of the cookie's value
+        self._lock = threading.Lock()
+        self._log: tuple[tuple[int, int, int], str] | None = None  # (size, mtime, inode), HTML
+
+    def sign_in(self, token: str) -> str | None:
+        """A new session's cookie value, if `token` is the inbox's (compared in constant time)."""
+        if not hmac.compare_digest(token.encode(), self._token):
+            return None
+        cookie = secrets.token_urlsafe(32)
+        with self._lock:
+            if len(self._sessions) >= INBOX_SESSIONS:
+                del self._sessions[next(iter(self._sessions))]
+            self._sessions[_digest(cookie)] = _Session(secrets.token_urlsafe(32))
+        return cookie
+
+    def session(self, cookie: str | None) -> _Session | None:
+        return self._sessions.get(_digest(cookie)) if cookie else None
+
+    def decide(self, session: _Session, form: Mapping[str, str]) -> None:
+        """Approve or reject what the form names; what happened becomes the page's note. A
+        second decision of one action (two tabs, a double click, a replayed POST) is refused
+        by Approvals itself, and the note says so."""
+        action_id, decision = form.get("action_id", ""), form.get("decision")
+        reason = form.get("reason", "").strip() or None
+        with self._lock:
+            session.notes.append(self._decided(action_id, decision, reason))
+
+    def _decided(  # noqa: PLR0911 -- one return per outcome
+        self, action_id: str, decision: str | None, reason: str | None
+    ) -> tuple[str, str]:
+        approvals = self.workspace.approvals
+        if not _ACTION_ID.fullmatch(action_id):
+            return "refused", "that is not an action id; nothing was done"
+        if reason is not None and (len(reason) > 500 or not reason.isprintable()):
+            return "refused", f"{action_id}: a reason is 1 to 500 printable characters"
+        try:
+            if decision == "approve":
+                outcome = approvals.approve(action_id, self.tools, self.operator)
+                return "done", f"approved {action_id}: {canonical_json(outcome)}"
+            if decision == "reject":
+                approvals.reject(action_id, self.operator, reason)
+                return "done", f"rejected {action_id}; nothing was run"
+        except ApprovalError as exc:  # and if a tool source would have its tool, which one
+            return "refused", f"{exc}{_missing_tool_hint(self.workspace, action_id, self.tools)}"
+        except AuditError as exc:
+            return "refused", str(exc)
+        except sqlite3.OperationalError:  # "database is locked": another process holds it
+            return "refused", f"{action_id}: the database is busy; nothing was done, try again"
+        return "refused", "neither approve nor reject; nothing was done"
+
+    def page(self, session: _Session) -> str:
+        """The whole page: notes, what waits (newest first), what was decided, the chain."""
+        with self._lock:
+            notes, session.notes = session.notes, []
+            waiting = self.workspace.approvals.pending()[::-1]
+            led_to = self._what_led_to()
+            decided = self._decided_rows()
+            log = self._log_state()
+        parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
+        parts.append("</b></p></header>")
+        parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
+        parts.append(f"<section><h2>Waiting for a decision ({len(waiting)})</h2>")
+        parts += (_waiting(a, led_to.get(a.action_id), session.csrf) for a in waiting)
+        parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
+        return "".join(parts)
+
+    def _what_led_to(self) -> dict[str, tuple[str, str]]:
+        """For each waiting action filed in a saved conversation: the customer's message and
+        the model's text of the turn that filed it (one query, whatever the number)."""
+        with closing(self.workspace.database.connect_read_only()) as db:
+            if not db.execute(
+                "SELECT 1 FROM sqlite_master WHERE name = 'conversation_actions'"
+            ).fetchone():
+                return {}  # no conversation was ever saved here
+            rows = db.execute(
+                "SELECT c.action_id, t.messages_json FROM conversation_actions c"
+                " JOIN conversation_turns t"
+                " ON t.conversation_id = c.conversation_id AND t.turn = c.filed_turn"
+                " WHERE c.action_id IN (SELECT action_id FROM pending_actions"
+                " WHERE status = 'pending')"
+            ).fetchall()
+        return {action_id: _turn_text(messages, action_id) for action_id, messages in rows}
+
+    def _decided_rows(self) -> list[tuple[Any, ...]]:
+        with closing(self.workspace.database.connect_read_only()) as db:
+            return db.execute(
+                "SELECT a.action_id, a.customer_id, a.tool, a.arguments_json, a.status,"
+                " a.decided_at, a.decided_by, o.result_json, o.reason"
+                " FROM pending_actions a LEFT JOIN action_outcomes o USING (action_id)"
+                " WHERE a.status IN ('approved', 'rejected')"
+                " ORDER BY a.decided_at DESC, a.action_id DESC LIMIT ?",
+                (INBOX_DECIDED_SHOWN,),
+            ).fetchall()
+
+    def _log_state(self) -> str:
+        """What verify-audit says of the log, and the chart of what `stats` reads from it:
+        read again only when the file has changed, not on every page."""
+        path = self.workspace.audit.path
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            return "<section><h2>Audit chain</h2><p>No audit log yet.</p></section>"
+        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        if self._log is None or self._log[0] != key:
+            check = verify_audit(path)
+            state = (
+                f'<p class="ok">Intact: {check.records} records, head <code>{check.head}</code>.'
+                if check.problem is None
+                else f'<p class="broken">Broken at line {check.broken_line}:'
+                f" {_text(check.problem)} ({check.records} records verify, up to head"
+                f" <code>{check.head}</code>)."
+            )
+            chain = f"<section><h2>Audit chain</h2>{state}</p></section>"
+            self._log = key, chain + _chart(_daily_figures(path))
+        return self._log[1]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _turn_text(messages_json: str, action_id: str) -> tuple[str, str]:
+    """The customer's message and the model's text, in the turn's messages, up to the tool
+    result that announced `action_id`."""
+    user = ""
+    said: list[str] = []  # what the model wrote before it asked
+    try:
+        for raw in json.loads(messages_json):
+            if action_id in _announced_approval(raw):
+                break
+            message = json.loads(raw)
+            content = message.get("content")
+            text = content if isinstance(content, str) else canonical_json(content or "")
+            if message.get("role") == "user":
+                user, said = text, []
+            elif message.get("role") == "assistant" and content:
+                said.append(text)
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return "(the saved turn could not be read)", ""
+    return user, "\n".join(said)
+
+
+def _waiting(action: PendingAction, led_to: tuple[str, str] | None, csrf: str) -> str:
+    """One waiting action, and its two forms."""
+    summary = "\n".join(f"{key}: {canonical_json(value)}" for key, value in action.summary.items())
+    rows = [
+        ("Customer", action.customer_id),
+        ("Arguments", action.arguments_json),
+        ("The change", summary),
+        ("Filed", action.created_at),
+        ("Expires", action.expires_at),
+    ]
+    if led_to:
+        rows += [("The customer wrote", led_to[0]), ("The model wrote", led_to[1] or "(no text)")]
+    listed = "".join(f"<dt>{name}</dt><dd><pre>{_text(value)}</pre></dd>" for name, value in rows)
+    hidden = (
+        f'<input type="hidden" name="csrf" value="{_text(csrf)}">'
+        f'<input type="hidden" name="action_id" value="{_text(action.action_id)}">'
+    )
+    return (
+        f'<article id="{_text(action.action_id)}"><h3>{_text(action.tool)}'
+        f" <small>{_text(action.action_id)}</small></h3><dl>{listed}</dl>"
+        f'<form method="post" action="/decide">{hidden}'
+        '<button name="decision" value="approve">Approve</button></form>'
+        f'<form method="post" action="/decide">{hidden}'
+        '<input name="reason" maxlength="500" placeholder="why (the model is told)">'
+        '<button name="decision" value="reject">Reject</button></form></article>'
+    )
+
+
+def _decided_table(rows: Sequence[tuple[Any, ...]]) -> str:
+    head = "<tr><th>Decided</th><th>By</th><th>Outcome</th><th>Action</th><th>Result</th></tr>"
+    body = "".join(
+        f"<tr><td>{_text(at)}</td><td>{_text(by)}</td><td>{_text(status)}</td>"
+        f"<td>{_text(tool)} {_text(arguments)} for {_text(customer)} <small>{_text(aid)}</small>"
+        f"</td><td>{_text(result or reason or '')}</td></tr>"
+        for aid, customer, tool, arguments, status, at, by, result, reason in rows
+    )
+    shown = f"<table>{head}{body}</table>" if rows else "<p>None yet.</p>"
+    return f"<section><h2>Decided (the newest {INBOX_DECIDED_SHOWN})</h2>{shown}</section>"
+
+
+def _daily_figures(path: Path) -> list[tuple[str, float, float]]:
+    """(day, rounds per turn, tool error rate) for the newest INBOX_DAYS_SHOWN UTC days in the
+    log, read line by line as `stats` reads it (lines that are not records are skipped)."""
+    turns: collections.Counter[str] = collections.Counter()
+    rounds: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    errors: collections.Counter[str] = collections.Counter()
+    with suppress(FileNotFoundError), open(path, "rb") as log:
+        for record in map(_record_or_none, log):
+            day = str(record.get("time"))[:10] if record else ""
+            if not (record and _DAY.fullmatch(day) and _well_formed(record)):
+                continue
+            if day not in turns and len(turns) >= MAX_SPEND_KEYS:
+                continue  # an edited log of endless days: the chart's memory stays bounded
+            turns[day] += 0
+            if record.get("event") == "turn":
+                turns[day] += 1
+                rounds[day] += _count_in(record.get("rounds"))
+            elif record.get("event") == "tool_call":
+                outcome = str(record.get("outcome"))
+                if not outcome.startswith("skipped:"):
+                    calls[day] += 1
+                    errors[day] += _is_tool_error(outcome)
+    days = sorted(turns)[-INBOX_DAYS_SHOWN:]
+    return [
+        (
+            day,
+            rounds[day] / turns[day] if turns[day] else 0.0,
+            errors[day] / calls[day] if calls[day] else 0.0,
+        )
+        for day in days
+    ]
+
+
+def _chart(figures: Sequence[tuple[str, float, float]]) -> str:
+    """Rounds per turn and the tool error rate by day, as two rows of bars in inline SVG (the
+    seeds say to alert on both)."""
+    title = "<section><h2>Rounds per turn and tool error rate, by UTC day</h2>"
+    if not figures:
+        return title + "<p>No turns in the audit log yet.</p></section>"
+    most = max(1.0, *(per_turn for _, per_turn, _ in figures))
+    width = 24 * len(figures) + 8
+    bars = []
+    for n, (day, per_turn, error_rate) in enumerate(figures):
+        x = 8 + 24 * n
+        for top, value, scale, label in (
+            (10, per_turn, most, f"{day}: {per_turn:.2f} rounds per turn"),
+            (130, error_rate, 1.0, f"{day}: tool error rate {error_rate:.1%}"),
+        ):
+            tall = round(100 * value / scale, 1)
+            bars.append(
+                f'<rect x="{x}" y="{top + 100 - tall}" width="18" height="{tall}">'
+                f"<title>{_text(label)}</title></rect>"
+            )
+    labels = (
+        f'<text x="8" y="124">rounds per turn (top {most:.2f})</text>'
+        '<text x="8" y="244">tool error rate (top 100%)</text>'
+    )
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(width, 300)}" height="250"'
+        f' role="img" aria-label="rounds per turn and tool error rate by day">{"".join(bars)}'
+        f"{labels}</svg>"
+    )
+    return f"{title}{svg}<p>{_text(figures[0][0])} to {_text(figures[-1][0])}</p></section>"
+
+
+_PAGE_HEAD = (
+    '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Inbox</title>'
+    '<link rel="stylesheet" href="/inbox.css"></head><body>'
+)
+_INBOX_CSS = b"""body{font:15px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:60em;
+color:#222}
+article{border:1px solid #bbb;border-radius:6px;padding:.5em 1em;margin:1em 0}
+dl{display:grid;grid-template-columns:11em 1fr;gap:.2em 1em}dd{margin:0}
+pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere;font-size:13px}
+form{display:inline-block;margin:.3em 1em .3em 0}input[name=reason]{width:22em}
+.note{padding:.4em .8em;border-radius:4px}.done{background:#e3f4e3}.refused{background:#fbe3e3}
+table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.3em;
+text-align:left;vertical-align:top;font-size:13px;overflow-wrap:anywhere}
+.ok{color:#185c18}.broken{color:#a01010;font-weight:bold}rect{fill:#4a6fa5}
+svg text{font-size:11px;fill:#444}
+"""
+
+
+def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHTTPServer:
+    """The inbox's HTTP server, bound and ready (its classes defined here: http.server is
+    imported only by the commands that serve)."""
+    import http.server  # noqa: PLC0415
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        server: http.server.HTTPServer
+
+        default_request_version = "HTTP/1.0"  # a refused request line still gets headers
+
+        def version_string(self) -> str:
+            return "inbox"  # no Python version on the wire
+
+        def setup(self) -> None:
+            super().setup()
+            # subtle: a deadline on every byte of the request, not on each read: a client
+            # that trickles one byte a second cannot hold a thread for long
+            self.rfile.close()
+            reader = _DeadlineReader(self.connection, time.monotonic() + INBOX_REQUEST_S)
+            self.rfile = io.BufferedReader(reader)
+
+        def do_GET(self) -> None:
+            if not self._host_is_ours():
+                return
+            path, _, query = self.path.partition("?")
+            session = self._session()
+            if path == "/inbox.css":
+                self._send(200, _INBOX_CSS, "text/css; charset=utf-8")
+            elif path != "/":
+                self._page(404, "Not found", "There is no such page here.")
+            elif query:
+                self._sign_in(query)
+            elif session is not None:
+                self._send(200, inbox.page(session).encode())
+            else:
+                self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
+
+        def do_POST(self) -> None:
+            if not self._host_is_ours():
+                return
+            session = self._session()
+            if self.path != "/decide":
+                self._page(404, "Not found", "There is no such page here.")
+            elif session is None:
+                self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
+            elif not self._same_origin():
+                self._page(403, "Refused", "This form was not sent by the inbox's own page.")
+            else:
+                form = self._form()
+                if form is None:
+                    return
+                if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                    self._page(403, "Refused", "This form is stale; reload the page and try again.")
+                    return
+                inbox.decide(session, form)
+                self._redirect("/")
+
+        def _host_is_ours(self) -> bool:
+            """Only the names this server was reached by: a page elsewhere that rebinds its
+            own name to 127.0.0.1 sends its own name here."""
+            bound = self.server.server_port
+            allowed = {f"127.0.0.1:{bound}", f"localhost:{bound}", f"{host}:{bound}"}
+            if self.headers.get("Host") in allowed:
+                return True
+            self._page(421, "Wrong host", "This inbox answers to its own address only.")
+            return False
+
+        def _same_origin(self) -> bool:
+            """A browser names the page a form came from; it must be this server's."""
+            origin = self.headers.get("Origin")
+            site = self.headers.get("Sec-Fetch-Site")
+            return origin in (None, f"http://{self.headers.get('Host')}") and site in (
+                None,
+                "same-origin",
+            )
+
+        def _session(self) -> _Session | None:
+            cookies = self.headers.get("Cookie", "")
+            name = f"inbox-{self.server.server_port}="
+            values = [
+                c.strip()[len(name) :] for c in cookies.split(";") if c.strip().startswith(name)
+            ]
+            return inbox.session(values[0]) if len(values) == 1 else None
+
+        def _sign_in(self, query: str) -> None:
+            token = urllib.parse.parse_qs(query, max_num_fields=4).get("token", [""])[0]
+            cookie = inbox.sign_in(token)
+            if cookie is None:
+                self._page(403, "Not signed in", "That link's token is not this inbox's.")
+                return
+            name = f"inbox-{self.server.server_port}"
+            attributes = "HttpOnly; SameSite=Strict; Path=/"
+            self._redirect("/", ("Set-Cookie", f"{name}={cookie}; {attributes}"))
+
+        def _form(self) -> dict[str, str] | None:
+            """The POSTed form, or None once a 4xx page has said why not."""
+            length = self.headers.get("Content-Length", "")
+            kind = self.headers.get("Content-Type", "").split(";")[0].strip()
+            if kind != "application/x-www-form-urlencoded":
+                self._page(415, "Refused", "A decision comes from the page's own forms.")
+            elif not length:
+                self._page(411, "Refused", "A form comes with its length.")
+            elif not (length.isascii() and length.isdigit()) or int(length) > INBOX_MAX_BODY:
+                self._page(413, "Refused", f"A form is at most {INBOX_MAX_BODY} bytes.")
+            else:
+                try:
+                    body = self.rfile.read(int(length)).decode("utf-8")
+                    pairs = urllib.parse.parse_qsl(
+                        body, strict_parsing=bool(body), max_num_fields=8
+                    )
+                except (ValueError, UnicodeDecodeError):
+                    self._page(400, "Refused", "That form could not be read.")
+                    return None
+                return dict(pairs)
+            return None
+
+        def _redirect(self, where: str, *headers: tuple[str, str]) -> None:
+            self._send(303, b"", "text/plain", ("Location", where), *headers)
+
+        def _page(self, status: int, title: str, text: str) -> None:
+            body = f"{_PAGE_HEAD}<h1>{_text(title)}</h1><p>{_text(text)}</p></body></html>"
+            self._send(status, body.encode())
+
+        def _send(
+            self,
+            status: int,
+            body: bytes,
+            kind: str = "text/html; charset=utf-8",
+            *headers: tuple[str, str],
+        ) -> None:
+            self.send_response(status)
+            for name, value in (("Content-Type", kind), *_INBOX_HEADERS, *headers):
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def send_error(
+            self, code: int, message: str | None = None, explain: str | None = None
+        ) -> None:
+            """http.server's own refusals (a bad request line, headers too long, a method it
+            has no do_ for) as this page, never its default text."""
+            self.close_connection = True
+            self._page(code, f"Error {code}", message or "That request could not be read.")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Nothing: a request line carries the sign-in token."""
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """One line, no traceback: a client that hung up or ran out of time, or a bug."""
+            error = sys.exc_info()[1]
+            if not isinstance(error, (ConnectionError, TimeoutError)):
+                print(f"inbox: a request failed ({type(error).__name__})", file=sys.stderr)
+
+    return Server((host, port), Handler)
+
+
+def _add_inbox_command(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
+    inbox = commands.add_parser(
+        "inbox",
+        parents=[shared["data"], shared["sources"]],
+        help="a web page where a person approves or rejects pending writes",
+    )
+    inbox.add_argument("--port", type=_whole(0, 65535), default=0, help="(0: any free one)")
+    inbox.add_argument(
+        "--operator", type=_printable_id, default=_os_user(), help="who decides (OS user)"
+    )
+    inbox.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the IPv4 address to listen on, and the only one a request may name besides"
+        " localhost (127.0.0.1: this machine only; any other is warned of)",
+    )
+    inbox.set_defaults(command=_cmd_inbox)
+
+
+def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
+    workspace = _open(args, app, create=False)
+    with ExitStack() as stack:
+        extra = _source_tools(args, workspace.audit, stack)
+        tools = tool_table([*app.tools(workspace.database), *extra])
+        token = secrets.token_urlsafe(32)
+        try:
+            server = _inbox_server(
+                Inbox(workspace, tools, args.operator, token), args.host, args.port
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {args.host}:{args.port} ({exc.strerror})"
+            ) from None
+        stack.callback(server.server_close)
+        if args.host != "127.0.0.1":
+            print(
+                f"warning: listening on {args.host}: anyone who can reach it and has the link"
+                " can decide, over plain http",
+                file=sys.stderr,
+            )
+        port = server.server_port
+        print(f"inbox for {args.operator}: http://{args.host}:{port}/?token={token}", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            print("inbox closed", file=sys.stderr)
+    return EXIT_OK
+
+
+COMMANDS.append(_add_inbox_command)
+# <<< INBOX
 
 
 # >>> EXAMPLE: a small shop. Everything from this line to the "<<< EXAMPLE" line is the worked

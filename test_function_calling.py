@@ -9,6 +9,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 from __future__ import annotations
 
 import ast
+import base64
 import collections
 import concurrent.futures
 import dataclasses
@@ -16,6 +17,7 @@ import datetime
 import email.utils
 import functools
 import hashlib
+import html
 import http.client
 import io
 import itertools
@@ -26,6 +28,7 @@ import pwd
 import random
 import re
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -40,6 +43,7 @@ import threading
 import time
 import tracemalloc
 import unittest
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
@@ -7185,6 +7189,528 @@ class TrivialTool(Tool):
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         return {"ok": True}
+
+
+# ------------------------------------------------------------------------------------ inbox
+
+INBOX_APP = """
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+import function_calling as fc
+from test_function_calling import RefundWithNoteForTests
+
+fc.INBOX_REQUEST_S = float(sys.argv.pop(1))  # the tests' own deadline, so a stall is short
+APP = fc.App(tools=lambda database: [RefundWithNoteForTests()], database="orders.db")
+sys.exit(fc.main(app=APP))
+"""
+# What a model may write, each a way to run script in a page that shows it unescaped.
+HOSTILE = (
+    "<img src=x onerror=\"document.title='PWNED'\"> </script><script>document.title='PWNED'"
+    "</script> <a href=\"javascript:document.title='PWNED'\">x</a> \x1b[31mred\x1b[0m"
+    " \u202egnp.exe \" ' &amp;"
+)
+
+
+class InboxCase(LoopTestCase):
+    """A write filed in a saved conversation by a model writing hostile text, and an inbox
+    serving the data directory in a process of its own."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.app_file = self.data_dir / "inbox_app.py"
+        self.app_file.write_text(INBOX_APP)
+        self.action_id = self.file_through_a_conversation(HOSTILE)
+        self.csrf: dict[str, str] = {}
+
+    def file_through_a_conversation(self, note: str) -> str:
+        tool = RefundWithNoteForTests()
+        arguments = json.dumps({"orderId": "ORD-1003", "note": note})
+        script = [
+            tool_call_reply([(tool.name, arguments)], content=f"Filing: {note}"),
+            text_reply("ok"),
+        ]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            store = fc.Conversations(self.database)
+            conversation = store.start(DEMO_CUSTOMER, "be brief")
+            context = ToolContext(DEMO_CUSTOMER)
+            store.turn(loop, conversation, f"Refund it. {note}", context, self.approvals)
+        (action,) = self.approvals.pending()
+        return action.action_id
+
+    def start_inbox(self, *flags: str, deadline: float = 10.0) -> tuple[str, str]:
+        """The inbox's origin and its sign-in link; stopped when the test ends."""
+        command = [sys.executable, str(self.app_file), str(HERE), str(deadline), "inbox"]
+        env = {"PATH": os.environ.get("PATH", ""), "OPENAI_API_KEY": FAKE_KEY}
+        process = subprocess.Popen(
+            [*command, "--data-dir", str(self.data_dir), "--operator", "alice", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.addCleanup(self.stop, process)
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        link = re.search(r"http://[0-9.]+:[0-9]+/\?token=[A-Za-z0-9_-]+", line)
+        self.assertIsNotNone(link, line)
+        assert link is not None
+        self.process = process
+        return link.group().split("/?")[0], link.group()
+
+    def stop(self, process: subprocess.Popen[str]) -> None:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, self.inbox_stderr = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+
+    def request(
+        self,
+        origin: str,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], str]:
+        host, port = origin.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            connection.request(method, path, body, headers or {})
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), response.read().decode()
+        finally:
+            connection.close()
+
+    def signed_in(self, origin: str, link: str) -> str:
+        """A session cookie, "name=value", from the printed link."""
+        status, headers, _ = self.request(origin, "GET", link.removeprefix(origin))
+        self.assertEqual((status, headers["Location"]), (303, "/"))
+        return headers["Set-Cookie"].split(";")[0]
+
+    def page(self, origin: str, cookie: str) -> str:
+        status, _, body = self.request(origin, "GET", "/", headers={"Cookie": cookie})
+        self.assertEqual(status, 200, body)
+        return body
+
+    def decide(self, origin: str, cookie: str, **form: str) -> tuple[int, str]:
+        """POST a decision with the session's CSRF token, as its page's form would (the
+        token read once: sending again is a replayed POST)."""
+        fields = {"csrf": self.csrf_of(origin, cookie), "action_id": self.action_id, **form}
+        status, headers, _ = self.request(
+            origin,
+            "POST",
+            "/decide",
+            urllib.parse.urlencode(fields).encode(),
+            {"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"},
+        )
+        return status, headers.get("Location", "")
+
+    def csrf_of(self, origin: str, cookie: str) -> str:
+        """The session's CSRF token, read from its page the first time (as a tab holds it)."""
+        if cookie not in self.csrf:
+            found = re.search(r'name="csrf" value="([^"]+)"', self.page(origin, cookie))
+            assert found is not None
+            self.csrf[cookie] = found.group(1)
+        return self.csrf[cookie]
+
+    def decision_lines(self) -> list[dict[str, Any]]:
+        return [
+            r for r in self.audit_records("approval_decision") if r["action_id"] == self.action_id
+        ]
+
+
+class RefundWithNoteForTests(Tool):
+    """A write whose arguments carry free text from the model (the inbox's tests' tool)."""
+
+    name, writes, description = "refundWithNote", True, "A refund, with a note for the customer."
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"orderId": {"type": "string"}, "note": {"type": "string"}},
+        "required": ["orderId", "note"],
+        "additionalProperties": False,
+    }
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        return {"orderId": args["orderId"], "note": args["note"]}
+
+    def apply(
+        self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
+    ) -> dict[str, Any]:
+        return {"refunded": args["orderId"], "note": args["note"]}
+
+
+class InboxTest(InboxCase):
+    def test_the_link_signs_in_once_and_nothing_else_does(self) -> None:
+        origin, link = self.start_inbox()
+        self.assertEqual(self.request(origin, "GET", "/")[0], 403)
+        status, _, body = self.request(origin, "GET", "/?token=" + "A" * 43)
+        self.assertEqual(status, 403)
+        self.assertIn("not this inbox", body)
+        status, headers, _ = self.request(origin, "GET", link.removeprefix(origin))
+        self.assertEqual(status, 303)
+        cookie = headers["Set-Cookie"]
+        for attribute in ("HttpOnly", "SameSite=Strict", "Path=/"):
+            self.assertIn(attribute, cookie)
+        self.assertNotIn(link.split("token=")[1], cookie)
+        self.page(origin, cookie.split(";")[0])
+        self.assertEqual(self.request(origin, "GET", "/", headers={"Cookie": "x=1"})[0], 403)
+
+    def test_the_page_shows_what_waits_and_what_led_to_it_all_as_text(self) -> None:
+        origin, link = self.start_inbox()
+        status, headers, body = self.request(
+            origin, "GET", "/", headers={"Cookie": self.signed_in(origin, link)}
+        )
+        self.assertEqual(status, 200)
+        self.assertEqual(headers["Cache-Control"], "no-store")
+        self.assertEqual(headers["X-Content-Type-Options"], "nosniff")
+        policy = headers["Content-Security-Policy"]
+        self.assertIn("default-src 'none'", policy)
+        self.assertNotIn("script-src", policy)  # none: default-src 'none' forbids every script
+        self.assertNotIn("unsafe-inline", policy)
+        self.assertIn(self.action_id, body)
+        self.assertIn("refundWithNote", body)
+        self.assertIn(DEMO_CUSTOMER, body)
+        shown = html_text(body)
+        self.assertIn("Refund it. <img src=x onerror=", shown)  # the customer's message
+        self.assertIn("Filing: <img src=x onerror=", shown)  # the model's text
+        self.assertIn('"note": "<img src=x onerror=', shown.replace('":"', '": "'))
+        self.assertIn("\\u001b[31mred", shown)  # an ANSI escape, shown
+        self.assertIn("\\u202egnp.exe", shown)  # a bidi override, shown, not obeyed
+        for raw in ("<img", "<script", "</script>", "<a ", "\x1b", "\u202e"):  # as markup
+            self.assertNotIn(raw, body)
+        self.assertIn("Intact:", shown)
+        self.assertIn("<svg", body)
+        self.assertNotIn(FAKE_KEY, body)
+        self.assertNotIn(str(self.data_dir), body)
+        self.assertNotIn("SELECT", body)
+
+    def test_a_decision_goes_through_approvals_once_whatever_is_sent_again(self) -> None:
+        origin, link = self.start_inbox()
+        cookie, other = self.signed_in(origin, link), self.signed_in(origin, link)  # two tabs
+        self.csrf_of(origin, other)  # the second tab shows the action too
+        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, "/"))
+        first = html_text(self.page(origin, cookie))
+        self.assertIn(f"approved {self.action_id}", first)
+        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, "/"))  # again
+        again = html_text(self.page(origin, cookie))
+        self.assertIn(f"{self.action_id}: already approved; nothing was run", again)
+        self.assertEqual(self.decide(origin, other, decision="reject")[0], 303)
+        self.assertIn("already approved", html_text(self.page(origin, other)))
+        outcomes = [(line["outcome"], line["operator"]) for line in self.decision_lines()]
+        self.assertEqual(
+            outcomes, [("approved", "alice"), ("refused", "alice"), ("refused", "alice")]
+        )
+        self.assertNotIn(f"approved {self.action_id}", html_text(self.page(origin, cookie)))
+        decided = html_text(self.page(origin, cookie)).split("Decided (the newest 50)")[1]
+        self.assertIn("alice approved refundWithNote", " ".join(decided.split()))
+        self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
+
+    def test_the_operator_is_the_one_the_inbox_was_started_for(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        reason = "<img src=x onerror=\"document.title='PWNED'\">"  # printable, as reasons are
+        self.decide(origin, cookie, decision="reject", operator="mallory", reason=reason)
+        (line,) = self.decision_lines()
+        self.assertEqual((line["outcome"], line["operator"]), ("rejected", "alice"))
+        with closing(sqlite3.connect(self.db_path)) as db:
+            row = db.execute(
+                "SELECT decided_by FROM pending_actions WHERE action_id = ?", (self.action_id,)
+            ).fetchone()
+        self.assertEqual(row, ("alice",))
+        page = self.page(origin, cookie)
+        self.assertIn("<img src=x onerror=", html_text(page))  # the reason, in the table
+        self.assertNotIn("<img", page)
+
+    def test_every_post_needs_the_session_its_csrf_token_and_its_own_origin(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        form = {"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}
+        fields = {"action_id": self.action_id, "decision": "approve"}
+        body = urllib.parse.urlencode(fields).encode()
+        for headers, status in (
+            ({**form}, 403),  # no csrf token
+            ({"Content-Type": form["Content-Type"]}, 403),  # no session
+            ({**form, "Origin": "http://evil.example"}, 403),
+            ({**form, "Sec-Fetch-Site": "cross-site"}, 403),
+        ):
+            self.assertEqual(self.request(origin, "POST", "/decide", body, headers)[0], status)
+        csrf = re.search(r'name="csrf" value="([^"]+)"', self.page(origin, cookie))
+        assert csrf is not None
+        signed = urllib.parse.urlencode({**fields, "csrf": csrf.group(1)}).encode()
+        other = self.signed_in(origin, link)  # another session's token is not this one's
+        crossed = {**form, "Cookie": other}
+        self.assertEqual(self.request(origin, "POST", "/decide", signed, crossed)[0], 403)
+        self.assertEqual(self.decision_lines(), [])
+
+    def test_another_host_name_is_refused_before_anything_else(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        port = origin.rsplit(":", 1)[1]
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{int(port) + 1}", ""):
+            status, _, body = self.request(
+                origin, "GET", "/", headers={"Host": host, "Cookie": cookie}
+            )
+            self.assertEqual(status, 421, host)
+            self.assertNotIn(self.action_id, body)
+        self.assertEqual(
+            self.request(
+                origin, "GET", "/", headers={"Host": f"localhost:{port}", "Cookie": cookie}
+            )[0],
+            200,
+        )
+
+    def test_bad_requests_get_a_short_page_never_a_traceback(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        form = {"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}
+        cases = [
+            ("POST", "/decide", b"x" * 20000, form, 413),
+            ("POST", "/decide", b"{}", {**form, "Content-Type": "application/json"}, 415),
+            ("POST", "/decide", b"\xff\xfe=\xff", form, 400),
+            ("POST", "/elsewhere", b"", form, 404),
+            ("GET", "/../../etc/passwd", None, {"Cookie": cookie}, 404),
+            ("PUT", "/", b"", form, 501),
+        ]
+        for method, path, body, headers, status in cases:
+            got, got_headers, text = self.request(origin, method, path, body, headers)
+            self.assertEqual(got, status, (method, path))
+            self.assertEqual(got_headers["Cache-Control"], "no-store")
+            self.assertNotIn("Traceback", text)
+            self.assertNotIn("Python", got_headers.get("Server", ""))
+        for request_line, code in ((b"GET / HTTP/1.1 more", b"400"), (b"GET / HTTP/9.9", b"505")):
+            with socket.create_connection(("127.0.0.1", int(origin.rsplit(":", 1)[1]))) as raw:
+                raw.sendall(request_line + b"\r\n\r\n")
+                answer = raw.makefile("rb").read()
+            self.assertRegex(answer, rb"^HTTP/1\.[01] " + code + b" ")
+            self.assertIn(b"Cache-Control: no-store", answer)
+            self.assertNotIn(b"Traceback", answer)
+        self.page(origin, cookie)  # still serving
+        self.stop(self.process)
+        self.assertNotIn("Traceback", self.inbox_stderr)
+
+    def test_a_request_trickled_past_its_deadline_is_cut_off(self) -> None:
+        origin, _ = self.start_inbox(deadline=1.0)
+        request = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 300
+        sent = 0
+        with socket.create_connection(("127.0.0.1", int(origin.rsplit(":", 1)[1]))) as raw:
+            for byte in request:  # a byte every 0.05 s: no single read waits long
+                try:
+                    raw.sendall(bytes([byte]))
+                except OSError:  # reset: the server has hung up
+                    break
+                sent += 1
+                time.sleep(0.05)
+                if hung_up(raw):
+                    break
+        self.assertLess(sent, len(request))  # cut off by the deadline of the whole request
+
+    def test_it_listens_on_loopback_unless_told_and_then_warns(self) -> None:
+        origin, _ = self.start_inbox()
+        self.assertTrue(origin.startswith("http://127.0.0.1:"))
+        self.stop(self.process)
+        self.assertNotIn("warning", self.inbox_stderr)
+        origin, link = self.start_inbox("--host", "127.0.0.2")
+        port = origin.rsplit(":", 1)[1]
+        with self.assertRaises(OSError):  # not on 127.0.0.1 now
+            socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+        self.assertEqual(origin, f"http://127.0.0.2:{port}")  # the link names where it listens
+        self.page(origin, self.signed_in(origin, link))  # a request naming it is served
+        self.stop(self.process)
+        self.assertIn("warning: listening on 127.0.0.2", self.inbox_stderr)
+
+    def test_a_data_directory_without_a_database_is_refused(self) -> None:
+        empty = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, empty)
+        done = self.cli("inbox", "--data-dir", str(empty))
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("no database", done.stderr)
+
+
+def chromium() -> str | None:
+    """The browser for InboxBrowserTest: $FUNCTION_CALLING_CHROMIUM, else one on PATH."""
+    named = os.environ.get("FUNCTION_CALLING_CHROMIUM")
+    found = [shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")]
+    return named or next(filter(None, found), None)
+
+
+class DevTools:
+    """Chromium headless, driven over its DevTools pipe (--remote-debugging-pipe: JSON
+    messages ended by NUL on the child's fds 3 and 4), so the suite needs no driver."""
+
+    def __init__(self, browser: str, profile: Path) -> None:
+        commands_read, self._commands = os.pipe()
+        self._events, events_write = os.pipe()
+        flags = [
+            "--headless",
+            "--no-sandbox",  # as root in a container; the page is our own
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",  # no calls home: this machine's net is closed
+            "--disable-component-update",
+            "--disable-sync",
+            "--remote-debugging-pipe",
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ]
+
+        def onto_fds_3_and_4() -> None:
+            os.dup2(commands_read, 3)
+            os.dup2(events_write, 4)
+
+        self.process = subprocess.Popen(
+            [browser, *flags],
+            pass_fds=(3, 4),
+            preexec_fn=onto_fds_3_and_4,  # noqa: PLW1509 -- two dup2s, nothing that locks
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(commands_read)
+        os.close(events_write)
+        self._buffer = b""
+        self._next_id = 0
+        self.seen: list[dict[str, Any]] = []  # events, in order
+
+    def send(self, method: str, session: str | None = None, **params: Any) -> dict[str, Any]:
+        """One command and its result (events read meanwhile are kept in `seen`)."""
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        while True:
+            answer = self._read()
+            if answer.get("id") == self._next_id:
+                if "error" in answer:
+                    raise AssertionError(f"{method}: {answer['error']}")
+                return dict(answer.get("result", {}))
+            self.seen.append(answer)
+
+    def wait_for(self, method: str, session: str) -> None:
+        """Until the event `method` comes for `session` (one already seen counts, once)."""
+        while True:
+            for n, event in enumerate(self.seen):
+                if event.get("method") == method and event.get("sessionId") == session:
+                    del self.seen[: n + 1]
+                    return
+            self.seen.append(self._read())
+
+    def _read(self) -> dict[str, Any]:
+        while b"\0" not in self._buffer:
+            ready = select.select([self._events], [], [], 30)[0]
+            chunk = os.read(self._events, 1 << 16) if ready else b""
+            if not chunk:
+                raise AssertionError("the browser said nothing for 30 s, or ended")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return dict(json.loads(message))
+
+    def tab(self, url: str) -> str:
+        """A new tab at `url`, loaded; its session id."""
+        target = self.send("Target.createTarget", url="about:blank")["targetId"]
+        session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.send("Page.enable", session)
+        self.send("Runtime.enable", session)
+        self.go(session, url)
+        return str(session)
+
+    def go(self, session: str, url: str) -> None:
+        self.send("Page.navigate", session, url=url)
+        self.wait_for("Page.loadEventFired", session)
+
+    def evaluate(self, session: str, expression: str) -> Any:
+        result = self.send("Runtime.evaluate", session, expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+    def click(self, session: str, selector: str) -> None:
+        """A real click (mouse down and up) in the middle of the element, then its page load."""
+        box = self.evaluate(
+            session,
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
+            " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
+            " return [r.x + r.width / 2, r.y + r.height / 2]; })()",
+        )
+        self.send("Page.bringToFront", session)
+        for kind in ("mousePressed", "mouseReleased"):
+            self.send(
+                "Input.dispatchMouseEvent",
+                session,
+                type=kind,
+                x=box[0],
+                y=box[1],
+                button="left",
+                clickCount=1,
+            )
+        self.wait_for("Page.loadEventFired", session)
+
+    def close(self) -> None:
+        with suppress(OSError, AssertionError):
+            self.send("Browser.close")
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self._commands)
+        os.close(self._events)
+
+
+SCREENSHOT = HERE / ".browser" / "inbox.png"
+
+
+@unittest.skipUnless(chromium(), "no Chromium found (make browser; .ci/run installs it)")
+class InboxBrowserTest(InboxCase):
+    """The inbox in a real headless Chromium: hostile text stays text, no script runs, and a
+    click decides once."""
+
+    def test_hostile_text_is_shown_as_text_and_approve_decides_once(self) -> None:
+        origin, link = self.start_inbox()
+        browser = DevTools(str(chromium()), self.data_dir / "profile")
+        self.addCleanup(browser.close)
+        first = browser.tab(link)  # signed in: the cookie is the browser's now
+        second = browser.tab(origin + "/")  # a second tab, the same action on it
+        for tab in (first, second):
+            self.assertEqual(browser.evaluate(tab, "document.title"), "Inbox")  # no PWNED
+            text = browser.evaluate(tab, "document.body.innerText")
+            self.assertIn("Refund it. <img src=x onerror=", text)
+            self.assertIn("</script><script>document.title='PWNED'</script>", text)
+            self.assertIn('href="javascript:', text)
+            self.assertIn("\\u001b[31mred", text)
+            markup = "document.querySelectorAll('img, script, a, iframe, object').length"
+            self.assertEqual(browser.evaluate(tab, markup), 0)
+            self.assertEqual(browser.evaluate(tab, "document.styleSheets.length"), 1)
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        shot = browser.send("Page.captureScreenshot", first, captureBeyondViewport=True)
+        SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
+        print(f"\nscreenshot: {SCREENSHOT}", file=sys.stderr)
+        browser.click(first, "button[value=approve]")
+        self.assertIn(
+            f"approved {self.action_id}", browser.evaluate(first, "document.body.innerText")
+        )
+        browser.click(second, "button[value=approve]")  # the stale tab's button
+        shown = browser.evaluate(second, "document.body.innerText")
+        self.assertIn(f"{self.action_id}: already approved; nothing was run", shown)
+        outcomes = [line["outcome"] for line in self.decision_lines()]
+        self.assertEqual(outcomes, ["approved", "refused"])
+        self.assertEqual(browser.evaluate(first, "document.title"), "Inbox")
+
+
+def hung_up(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # nothing to read, and still open
+        return False
+    except OSError:
+        return True
+
+
+def html_text(page: str) -> str:
+    """A page's text as a browser shows it: tags dropped, entities read."""
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
 
 
 @unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
