@@ -11,7 +11,7 @@ RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint bench interop
+.PHONY: run demo test test-all lint bench interop browser
 
 # With a key or a base URL (a local server needs no key), ask that model; with neither,
 # run the offline scripted demo.
@@ -49,7 +49,7 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 # The same checks on a copy with the example cut out, as README's "Cut the example" says,
-# and on one with the MCP section cut out too.
+# on one with the MCP section cut out too, and on one with the inbox cut out as well.
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(SOURCES)
 	$(LINT_VENV)/bin/ruff format --check --line-length 100 $(SOURCES)
@@ -63,6 +63,15 @@ lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/both.py
 	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
 		$(LINT_VENV)/cut/both.py
+	sed '/^# >>> INBOX/,/^# <<< INBOX/d' $(LINT_VENV)/cut/both.py > $(LINT_VENV)/cut/all.py
+	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/all.py
+	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
+		$(LINT_VENV)/cut/all.py
+
+# The inbox in a real headless Chromium (FUNCTION_CALLING_CHROMIUM, else one on PATH; Debian's
+# package `chromium`, which .ci/run installs where missing). `make test` runs it too, when found.
+browser:
+	@$(PYTHON) test_function_calling.py InboxBrowserTest 2>&1
 
 $(LINT_VENV)/.installed:
 	rm -rf $(LINT_VENV)

@@ -22,7 +22,7 @@ message and all its rounds. A turn ends when a reply asks for no tool, or at the
 Run:  python function_calling.py demo            (offline: a scripted model on 127.0.0.1)
       python function_calling.py ask "QUESTION"   [--stream] [--conversation ID]
       python function_calling.py chat [--resume ID] | conversations | pending | approve ID |
-                                 reject ID | verify-audit | stats
+                                 reject ID | inbox | verify-audit | stats
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
@@ -36,9 +36,9 @@ hardening (about 2,090 lines), makes each of its promises hold against real serv
 faults: the transport · the stream · the workers · budgets · server quirks · start-up checks
 · the audit chain · the approvals' journal · the database. Part III, operating it (about
 1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
-two parts between markers, when this copy still has them, that nothing before depends on
+three parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
-policy) and a worked example.
+policy), the inbox (a web page where a person decides what waits) and a worked example.
 """
 
 from __future__ import annotations
@@ -7303,7 +7303,7 @@ class Inbox:
         parts.append("</b></p></header>")
         parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
         parts.append(f"<section><h2>Waiting for a decision ({len(waiting)})</h2>")
-        parts += (_waiting(a, led_to.get(a.action_id), session.csrf) for a in waiting)
+        parts += (_action_article(a, led_to.get(a.action_id), session.csrf) for a in waiting)
         parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
         return "".join(parts)
 
@@ -7383,7 +7383,7 @@ def _turn_text(messages_json: str, action_id: str) -> tuple[str, str]:
     return user, "\n".join(said)
 
 
-def _waiting(action: PendingAction, led_to: tuple[str, str] | None, csrf: str) -> str:
+def _action_article(action: PendingAction, led_to: tuple[str, str] | None, csrf: str) -> str:
     """One waiting action, and its two forms."""
     summary = "\n".join(f"{key}: {canonical_json(value)}" for key, value in action.summary.items())
     rows = [

@@ -4581,6 +4581,7 @@ README = HERE / "README.md"
 README_BLOCK = re.compile(r"^```python(?: file=(\S+))?\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 EXAMPLE_CUT = re.compile(r"^# >>> EXAMPLE.*?^# <<< EXAMPLE\n", re.DOTALL | re.MULTILINE)
 MCP_CUT = re.compile(r"^# >>> MCP.*?^# <<< MCP\n", re.DOTALL | re.MULTILINE)
+INBOX_CUT = re.compile(r"^# >>> INBOX.*?^# <<< INBOX\n", re.DOTALL | re.MULTILINE)
 
 
 def readme_examples() -> list[tuple[str | None, str]]:
@@ -4821,6 +4822,58 @@ class MakeItYoursTest(HelpDeskCase):
         unknown, _ = self.my_app("ask", "hi", "--mcp", "true")
         self.assertEqual(unknown.returncode, 2)
         self.assertIn("unrecognized arguments: --mcp", unknown.stderr)
+
+    def test_a_copy_with_the_inbox_section_cut_out_still_runs_the_recipe(self) -> None:
+        module = self.folder / "function_calling.py"
+        kept, count = INBOX_CUT.subn("", module.read_text())
+        self.assertEqual(count, 1)
+        self.assertIn(
+            "sed '/^# >>> INBOX/,/^# <<< INBOX/d' function_calling.py", README.read_text()
+        )
+        if shutil.which("sed"):
+            sed = ["sed", "/^# >>> INBOX/,/^# <<< INBOX/d", str(module)]
+            self.assertEqual(
+                subprocess.run(sed, capture_output=True, text=True, check=True).stdout, kept
+            )
+        section = INBOX_CUT.search(MODULE.read_text())
+        assert section is not None
+        named = [n for n in top_level_names(section.group()) if re.search(rf"\b{n}\b", kept)]
+        self.assertEqual(named, [], "the rest names the inbox section")
+        module.write_text(kept)
+        action_id = self.propose_close()
+        self.assertEqual(self.my_app("approve", action_id)[0].returncode, 0)
+        self.assertEqual(self.ticket_state("T-000123"), "closed")
+        unknown, _ = self.my_app("inbox")
+        self.assertEqual(unknown.returncode, 2)
+        self.assertIn("invalid choice: 'inbox'", unknown.stderr)
+
+    def test_the_recipes_inbox_approves_with_the_recipes_own_tool(self) -> None:
+        action_id = self.propose_close()
+        inbox = subprocess.Popen(
+            [sys.executable, "my_app.py", "inbox", "--operator", "bob"],
+            cwd=self.folder,
+            env={"PATH": os.environ.get("PATH", "")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert inbox.stdout is not None
+        link = inbox.stdout.readline().split()[-1]
+        try:
+            browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+            page = browser.open(link, timeout=10).read().decode()  # signed in, redirected
+            csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+            assert csrf is not None
+            form = {"csrf": csrf.group(1), "action_id": action_id, "decision": "approve"}
+            data = urllib.parse.urlencode(form).encode()
+            after = browser.open(link.split("?")[0] + "decide", data, timeout=10).read()
+        finally:
+            inbox.send_signal(signal.SIGINT)
+            inbox.communicate(timeout=10)
+        self.assertIn(f"approved {action_id}", html_text(after.decode()))
+        self.assertEqual(self.ticket_state("T-000123"), "closed")
+        (line,) = [r for r in self.app_audit("approval_decision") if r["action_id"] == action_id]
+        self.assertEqual((line["outcome"], line["operator"]), ("approved", "bob"))
 
     def test_the_generic_defaults_say_nothing_of_the_example(self) -> None:
         for text in (fc.SYSTEM_PROMPT, fc.ROUND_CAP_ANSWER, fc.REPEATED_CALLS_ANSWER):
@@ -8002,6 +8055,53 @@ class Benchmarks(LoopTestCase):
             with our_round, sdk_round:
                 our_round.step(), sdk_round.step()  # their warm-ups
                 return alternating(our_round.step, sdk_round.step, runs)
+
+    def test_the_inbox_page_of_1000_pending_actions_against_pending(self) -> None:
+        tool = RefundWithNoteForTests()
+        for n in range(1000):
+            arguments = {"orderId": f"ORD-{n:04d}", "note": f"late delivery <b>{n}</b>"}
+            self.approvals.propose(tool, arguments, ToolContext(DEMO_CUSTOMER), arguments)
+        app_file = self.data_dir / "inbox_app.py"
+        app_file.write_text(INBOX_APP)
+        command = [sys.executable, str(app_file), str(HERE), "10", "inbox"]
+        inbox = subprocess.Popen(
+            [*command, "--data-dir", str(self.data_dir)], stdout=subprocess.PIPE, text=True
+        )
+        assert inbox.stdout is not None
+        link = inbox.stdout.readline().split()[-1]
+        origin, port = link.split("/?")[0], int(link.split(":")[2].split("/")[0])
+        try:
+            signing_in = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            signing_in.request("GET", link.removeprefix(origin))
+            cookie = signing_in.getresponse().getheader("Set-Cookie", "").split(";")[0]
+            signing_in.close()
+
+            def page() -> None:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                connection.request("GET", "/", headers={"Cookie": cookie})
+                body = connection.getresponse().read()
+                connection.close()
+                assert body.count(b'value="approve"') == 1000
+
+            def pending() -> None:
+                with redirect_stdout(io.StringIO()) as listed:
+                    fc.main(
+                        ["pending", "--data-dir", str(self.data_dir)], fc.App(database="orders.db")
+                    )
+                assert listed.getvalue().count("\n") == 1000
+
+            page(), pending()  # the log's figures read once, as the first page reads them
+            pairs = interleaved(page, pending, 21)
+        finally:
+            inbox.send_signal(signal.SIGINT)
+            inbox.communicate(timeout=30)
+        report(
+            ratio_line(
+                "the inbox page of 1,000 pending actions, over HTTP / `pending` listing the"
+                " same 1,000 (in this process)",
+                pairs,
+            )
+        )
 
     def test_importing_the_module(self) -> None:
         # as a user's Python imports it: from its cached bytecode, written by a first run
