@@ -7529,8 +7529,24 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
             self.rfile = io.BufferedReader(reader)
 
         def do_GET(self) -> None:
+            self._answer(self._get)
+
+        def do_POST(self) -> None:
+            self._answer(self._post)
+
+        def _answer(self, serve: Callable[[], None]) -> None:
+            """The Host checked first; a failure here is a 500 page and one line on stderr."""
             if not self._host_is_ours():
                 return
+            try:
+                serve()
+            except (ConnectionError, TimeoutError):
+                raise  # the client hung up or ran out of time: nobody to answer
+            except Exception as exc:  # noqa: BLE001 -- a page, never a traceback
+                print(f"inbox: a request failed ({type(exc).__name__})", file=sys.stderr)
+                self._page(500, "Not done", "Something failed here; nothing more was done.")
+
+        def _get(self) -> None:
             path, _, query = self.path.partition("?")
             session = self._session()
             if path == "/inbox.css":
@@ -7544,9 +7560,7 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
             else:
                 self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
 
-        def do_POST(self) -> None:
-            if not self._host_is_ours():
-                return
+        def _post(self) -> None:
             session = self._session()
             if self.path != "/decide":
                 self._page(404, "Not found", "There is no such page here.")

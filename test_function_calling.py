@@ -7545,6 +7545,21 @@ class InboxTest(InboxCase):
         self.stop(self.process)
         self.assertNotIn("Traceback", self.inbox_stderr)
 
+    def test_a_failure_of_its_own_is_a_500_page_and_one_line(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        with closing(sqlite3.connect(self.db_path)) as db:  # damaged under the running inbox
+            db.execute("DROP TABLE action_outcomes")
+        status, headers, body = self.request(origin, "GET", "/", headers={"Cookie": cookie})
+        self.assertEqual(status, 500)
+        self.assertEqual(headers["Cache-Control"], "no-store")
+        self.assertIn("nothing more was done", body)
+        for internal in ("Traceback", str(self.data_dir), "action_outcomes", "SELECT"):
+            self.assertNotIn(internal, body)
+        self.stop(self.process)
+        self.assertIn("inbox: a request failed (OperationalError)", self.inbox_stderr)
+        self.assertNotIn("Traceback", self.inbox_stderr)
+
     def test_a_request_trickled_past_its_deadline_is_cut_off(self) -> None:
         origin, _ = self.start_inbox(deadline=1.0)
         request = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 300
@@ -8090,7 +8105,8 @@ class Benchmarks(LoopTestCase):
                     )
                 assert listed.getvalue().count("\n") == 1000
 
-            page(), pending()  # the log's figures read once, as the first page reads them
+            page()  # the log's figures read once, as the first page reads them
+            pending()
             pairs = interleaved(page, pending, 21)
         finally:
             inbox.send_signal(signal.SIGINT)
