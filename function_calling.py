@@ -7243,7 +7243,7 @@ class Inbox:
         self._token = token.encode()
         self._sessions: dict[str, _Session] = {}  # by the SHA-256 of the cookie's value
         self._lock = threading.Lock()
-        self._log: tuple[tuple[int, int, int], str] | None = None  # (size, mtime, inode), HTML
+        self._log: tuple[tuple[tuple[int, int, int], ...], str] | None = None  # files', HTML
 
     def sign_in(self, token: str) -> str | None:
         """A new session's cookie value, if `token` is the inbox's (compared in constant time)."""
@@ -7336,26 +7336,40 @@ class Inbox:
             ).fetchall()
 
     def _log_state(self) -> str:
-        """What verify-audit says of the log, and the chart of what `stats` reads from it:
-        read again only when the file has changed, not on every page."""
+        """What verify-audit says of the log (its agreement with the database included), and
+        the chart of what `stats` reads from it: read again only when the log or the
+        database has changed, not on every page."""
         path = self.workspace.audit.path
-        try:
-            info = path.stat()
-        except FileNotFoundError:
+        if not path.is_file():
             return "<section><h2>Audit chain</h2><p>No audit log yet.</p></section>"
-        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        database = self.workspace.database.path
+        key = tuple(_file_state(p) for p in (path, database, Path(f"{database}-wal")))
         if self._log is None or self._log[0] != key:
             check = verify_audit(path)
+            problems = [] if check.problem else audit_disagreements(path, self.workspace.database)
             state = (
-                f'<p class="ok">Intact: {check.records} records, head <code>{check.head}</code>.'
-                if check.problem is None
-                else f'<p class="broken">Broken at line {check.broken_line}:'
-                f" {_text(check.problem)} ({check.records} records verify, up to head"
-                f" <code>{check.head}</code>)."
+                f'<p class="broken">Broken at line {check.broken_line}: {_text(check.problem)}'
+                f" ({check.records} records verify, up to head <code>{check.head}</code>).</p>"
+                if check.problem
+                else f'<p class="ok">Intact: {check.records} records, head'
+                f" <code>{check.head}</code>.</p>"
             )
-            chain = f"<section><h2>Audit chain</h2>{state}</p></section>"
+            state += "".join(
+                f'<p class="broken">Disagrees with the database: {_text(problem)}</p>'
+                for problem in problems
+            )
+            chain = f"<section><h2>Audit chain</h2>{state}</section>"
             self._log = key, chain + _chart(_daily_figures(path))
         return self._log[1]
+
+
+def _file_state(path: Path) -> tuple[int, int, int]:
+    """(size, mtime, inode): what changes when a file is written or replaced; 0s if none."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return 0, 0, 0
+    return info.st_size, info.st_mtime_ns, info.st_ino
 
 
 def _digest(text: str) -> str:

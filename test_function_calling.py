@@ -7545,6 +7545,21 @@ class InboxTest(InboxCase):
         self.stop(self.process)
         self.assertNotIn("Traceback", self.inbox_stderr)
 
+    def test_the_page_says_when_the_audit_chain_breaks_or_disagrees(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        head = fc.verify_audit(self.audit_path).head
+        self.assertIn(f"Intact: 2 records, head {head} .", html_text(self.page(origin, cookie)))
+        with closing(sqlite3.connect(self.db_path)) as db, db:  # a decision the log never saw
+            db.execute("UPDATE pending_actions SET status = 'approved', decided_by = 'x'")
+        shown = html_text(self.page(origin, cookie))
+        self.assertIn("Intact: 2 records", shown)
+        self.assertIn(f"Disagrees with the database: {self.action_id}", shown)
+        lines = self.audit_path.read_bytes().split(b"\n")
+        lines[0] = lines[0].replace(b'"seq":1', b'"seq":7')
+        self.audit_path.write_bytes(b"\n".join(lines))
+        self.assertIn("Broken at line 1: missing", html_text(self.page(origin, cookie)))
+
     def test_a_failure_of_its_own_is_a_500_page_and_one_line(self) -> None:
         origin, link = self.start_inbox()
         cookie = self.signed_in(origin, link)
@@ -7777,8 +7792,9 @@ def hung_up(sock: socket.socket) -> bool:
 
 
 def html_text(page: str) -> str:
-    """A page's text as a browser shows it: tags dropped, entities read."""
-    return html.unescape(re.sub(r"<[^>]+>", " ", page))
+    """A page's text, roughly as a browser shows it: tags dropped, entities read, each run of
+    white space one space."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
 
 
 @unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
