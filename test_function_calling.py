@@ -4849,28 +4849,9 @@ class MakeItYoursTest(HelpDeskCase):
 
     def test_the_recipes_inbox_approves_with_the_recipes_own_tool(self) -> None:
         action_id = self.propose_close()
-        inbox = subprocess.Popen(
-            [sys.executable, "my_app.py", "inbox", "--operator", "bob"],
-            cwd=self.folder,
-            env={"PATH": os.environ.get("PATH", "")},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert inbox.stdout is not None
-        link = inbox.stdout.readline().split()[-1]
-        try:
-            browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
-            page = browser.open(link, timeout=10).read().decode()  # signed in, redirected
-            csrf = re.search(r'name="csrf" value="([^"]+)"', page)
-            assert csrf is not None
-            form = {"csrf": csrf.group(1), "action_id": action_id, "decision": "approve"}
-            data = urllib.parse.urlencode(form).encode()
-            after = browser.open(link.split("?")[0] + "decide", data, timeout=10).read()
-        finally:
-            inbox.send_signal(signal.SIGINT)
-            inbox.communicate(timeout=10)
-        self.assertIn(f"approved {action_id}", html_text(after.decode()))
+        command = [sys.executable, "my_app.py", "inbox", "--operator", "bob"]
+        shown = decided_in_an_inbox(command, self.folder, {}, action_id, "approve")
+        self.assertIn(f"approved {action_id}", shown)
         self.assertEqual(self.ticket_state("T-000123"), "closed")
         (line,) = [r for r in self.app_audit("approval_decision") if r["action_id"] == action_id]
         self.assertEqual((line["outcome"], line["operator"]), ("approved", "bob"))
@@ -6649,6 +6630,23 @@ class McpToolsTest(McpCase):
         self.assertEqual(self.cli("verify-audit").returncode, 0)
         self.assert_reaped()
 
+    def test_the_inbox_takes_the_mcp_flags_an_approval_needs(self) -> None:
+        script = [tool_call_reply([(CANCEL, '{"orderId": "A-1"}')]), text_reply("Filed.")]
+        done, requests = self.ask(script)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        action_id = tool_results(requests[1])[0]["approvalId"]
+        inbox = [sys.executable, str(MODULE), "inbox", "--operator", "ops"]
+        environment = {"FUNCTION_CALLING_DATA": str(self.data_dir), "NO_PROXY": "127.0.0.1"}
+        without = decided_in_an_inbox(inbox, self.data_dir, environment, action_id, "approve")
+        self.assertIn("it is a tool of the MCP server", without)  # said on the page, as by approve
+        self.assertEqual(self.calls(), [])
+        with_server = [*inbox, "--mcp", self.command()]
+        shown = decided_in_an_inbox(with_server, self.data_dir, environment, action_id, "approve")
+        self.assertIn(f"approved {action_id}", shown)
+        (call,) = self.calls()
+        self.assertEqual(call["_meta"], {fc.MCP_IDEMPOTENCY_KEY: action_id})
+        self.assert_reaped()
+
     def test_a_write_the_tool_refuses_at_approval_is_not_carried_out_and_stays_open(self) -> None:
         done, requests = self.ask([tool_call_reply([("fails", "{}")]), text_reply("Filed.")])
         self.assertEqual(done.returncode, 0, done.stderr)
@@ -7780,6 +7778,35 @@ class InboxBrowserTest(InboxCase):
         outcomes = [line["outcome"] for line in self.decision_lines()]
         self.assertEqual(outcomes, ["approved", "refused"])
         self.assertEqual(browser.evaluate(first, "document.title"), "Inbox")
+
+
+def decided_in_an_inbox(
+    command: list[str], cwd: Path, env: dict[str, str], action_id: str, decision: str
+) -> str:
+    """Start an inbox, sign in through its link as a browser would (cookies kept), decide
+    `action_id` through the page's form, stop it; the text of the page shown after."""
+    inbox = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert inbox.stdout is not None
+    link = inbox.stdout.readline().split()[-1]
+    try:
+        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        page = browser.open(link, timeout=30).read().decode()  # signed in, redirected
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert csrf is not None, page
+        form = {"csrf": csrf.group(1), "action_id": action_id, "decision": decision}
+        data = urllib.parse.urlencode(form).encode()
+        after = browser.open(link.split("?")[0] + "decide", data, timeout=30).read()
+    finally:
+        inbox.send_signal(signal.SIGINT)
+        inbox.communicate(timeout=30)
+    return html_text(after.decode())
 
 
 def hung_up(sock: socket.socket) -> bool:
