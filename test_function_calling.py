@@ -7460,6 +7460,25 @@ class InboxTest(InboxCase):
         self.assertIn("alice approved refundWithNote", " ".join(decided.split()))
         self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
 
+    def test_a_double_click_sent_at_the_same_instant_decides_once(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        self.csrf_of(origin, cookie)
+        both = threading.Barrier(2)
+
+        def click() -> tuple[int, str]:
+            both.wait(timeout=10)  # the two POSTs leave together
+            return self.decide(origin, cookie, decision="approve")
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: click(), range(2)))
+        self.assertEqual(answers, [(303, "/"), (303, "/")])
+        outcomes = sorted(line["outcome"] for line in self.decision_lines())
+        self.assertEqual(outcomes, ["approved", "refused"])
+        shown = html_text(self.page(origin, cookie))  # both notes, once each
+        self.assertEqual(shown.count(f"approved {self.action_id}"), 1)
+        self.assertEqual(shown.count("already approved; nothing was run"), 1)
+
     def test_the_operator_is_the_one_the_inbox_was_started_for(self) -> None:
         origin, link = self.start_inbox()
         cookie = self.signed_in(origin, link)
