@@ -7451,7 +7451,7 @@ def _daily_figures(path: Path) -> list[tuple[str, float, float]]:
                 continue
             if day not in turns and len(turns) >= MAX_SPEND_KEYS:
                 continue  # an edited log of endless days: the chart's memory stays bounded
-            turns[day] += 0
+            turns.setdefault(day, 0)  # a day of tool calls alone is a day of the chart too
             if record.get("event") == "turn":
                 turns[day] += 1
                 rounds[day] += _count_in(record.get("rounds"))
