@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -6387,11 +6387,14 @@ class McpServer:
     ) -> dict[str, Any]:
         """One request and its result; a server that broke since is started again first."""
         with self._starting:
-            if self._process is None or self._broken is not None:
+            if not self._usable():
                 self.close()
                 self._spawn()
                 self.protocol = self._negotiate()
         return self._request(method, params, self.timeout if timeout is None else timeout)
+
+    def _usable(self) -> bool:
+        return self._process is not None and self._broken is None
 
     def close(self) -> None:
         """Close stdin, give the server MCP_CLOSE_GRACE_S to exit, then SIGTERM, then SIGKILL
@@ -6514,9 +6517,12 @@ class McpServer:
                 f"MCP server {self.label} answered initialize with revision {_shown(version)},"
                 " which this client does not speak"
             )
-        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
-        self._send(initialized, self.timeout, self._running())
+        self._notify({"jsonrpc": "2.0", "method": "notifications/initialized"})
         return str(version)
+
+    def _notify(self, message: Mapping[str, Any]) -> None:
+        """A message that asks for no answer (a notification, or our answer to a request)."""
+        self._send(message, self.timeout, self._running())
 
     # -- the messages
 
@@ -6688,15 +6694,8 @@ class McpServer:
         return True
 
     def _decline(self, request: Mapping[str, Any], process: subprocess.Popen[bytes]) -> None:
-        """This client offers the server nothing (no sampling, roots or elicitation): ping is
-        answered, anything else is "method not found"."""
-        reply: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"]}
-        if request.get("method") == "ping":
-            reply["result"] = {}
-        else:
-            reply["error"] = {"code": -32601, "message": "this client offers no such method"}
         with suppress(McpError):
-            self._send(reply, self.timeout, process)
+            self._send(_declined(request), self.timeout, process)
 
     def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
         """Keep the start of the server's stderr for the audit log; read (and count) the rest,
@@ -6779,6 +6778,17 @@ class McpServer:
             )
 
 
+def _declined(request: Mapping[str, Any]) -> dict[str, Any]:
+    """Our answer to a server's own request: ping is answered, anything else is "method not
+    found" (this client offers no sampling, roots or elicitation)."""
+    reply: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"]}
+    if request.get("method") == "ping":
+        reply["result"] = {}
+    else:
+        reply["error"] = {"code": -32601, "message": "this client offers no such method"}
+    return reply
+
+
 _HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
 
 
@@ -6832,6 +6842,391 @@ def _release(watchdog: subprocess.Popen[bytes] | None) -> None:
 def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signum)  # its own group (start_new_session): children too
+
+
+# ----------------------------------------------- the MCP client over HTTP (Streamable HTTP)
+# A remote server: one POST per JSON-RPC message, answered with one JSON object or with a
+# stream of server-sent events scoped to that request (read by the stream's own reader,
+# _sse_data). It is as untrusted as a local one and kept to the same policy; it cannot see
+# our files, but what we send it crosses a network: https unless it is this machine,
+# certificates verified, no redirect followed (it would carry the headers), and only the
+# headers --mcp-header names, never the OpenAI key. Each request has one deadline on every
+# byte of it: the connection, the answer's headers, and its whole body or stream.
+
+MCP_HTTP_RETRY_S = 0.25  # the first wait after a 5xx; each next one doubles, within the deadline
+
+
+class McpHttpServer(McpServer):
+    """One MCP server at `url`, spoken to over Streamable HTTP, with the same revisions and
+    negotiation as a server on stdio. After the 2025-11-25 handshake the server's
+    Mcp-Session-Id goes back with every request, a 404 for it starts the session again once,
+    and the session is ended with DELETE when this closes. `headers` go with every request
+    (and their values are redacted from anything the server says)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = MCP_TIMEOUT_S,
+        probe_timeout: float = MCP_PROBE_TIMEOUT_S,
+        startup_timeout: float = MCP_STARTUP_TIMEOUT_S,
+        max_message_bytes: int = MAX_MCP_MESSAGE_BYTES,
+        audit: AuditLog | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(
+            [url],
+            timeout=timeout,
+            probe_timeout=probe_timeout,
+            startup_timeout=startup_timeout,
+            max_message_bytes=max_message_bytes,
+            audit=audit,
+        )
+        self._url = _mcp_url(url)
+        self.label = _cut(
+            self._url._replace(query="", fragment="").geturl(), 200
+        )  # a query may hold a key
+        self.env = dict(headers or {})  # what _without_env redacts from the server's words
+        self._headers = dict(headers or {})
+        self._tls = tls
+        self._connection: _TimedHTTPConnection | None = None
+        self._session: str | None = None  # the server's Mcp-Session-Id, once it gave one
+        self._open = False
+
+    # -- the session (what the process is on stdio)
+
+    def _usable(self) -> bool:
+        return self._open and self._broken is None
+
+    def _spawn(self) -> None:
+        with self._lock:
+            self._open, self._broken, self._session = True, None, None
+
+    def close(self) -> None:
+        """End the session (DELETE, when the server gave one), then the connection."""
+        with self._lock:
+            was_open, self._open = self._open, False
+            session, self._session = self._session, None
+        if not was_open:
+            return
+        if session is not None:
+            with suppress(McpError):
+                deadline = time.monotonic() + MCP_CLOSE_GRACE_S
+                headers = {"Mcp-Session-Id": session}
+                _drained_text(self._exchange("DELETE", b"", headers, deadline))  # 405: kept none
+        self._hang_up()
+        with suppress(AuditError):
+            self.record("mcp_server", state="stopped")
+
+    def _negotiate(self) -> str:
+        """server/discover first (2026-07-28: no session); a refusal, or silence for
+        `probe_timeout`, means the 2025-11-25 handshake, which starts a session."""
+        deadline = time.monotonic() + self.startup_timeout
+        ident, answer = self._ask("server/discover", {}, True, budget=self.probe_timeout)
+        try:
+            found = self._await("server/discover", ident, answer, deadline, True, 0, True)
+        except McpTimeoutError:
+            return self._initialize(None, deadline)
+        except McpRefusedError as exc:
+            versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
+            if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
+                return self._legacy_or_none(versions, None, deadline)
+            return self._initialize(None, deadline)
+        versions = found.get("supportedVersions")
+        if isinstance(versions, list) and MCP_MODERN in versions:
+            return MCP_MODERN
+        return self._legacy_or_none(versions if isinstance(versions, list) else [], None, deadline)
+
+    # -- the messages
+
+    def _ask(
+        self,
+        method: str,
+        params: Mapping[str, Any],
+        modern: bool,
+        woken: threading.Event | None = None,
+        *,
+        budget: float | None = None,
+    ) -> tuple[int, _Answer]:
+        """POST one request; its answer, or its failure, is delivered before this returns."""
+        if modern:
+            params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
+        answer = _Answer(woken)
+        with self._lock:
+            if not self._usable():
+                raise self._broken or McpError(f"MCP server {self.label} is not open")
+            ident, self._next_id = self._next_id, self._next_id + 1
+        message = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
+        if budget is None:
+            budget = self.timeout if self.protocol else self.startup_timeout
+        try:
+            answer.deliver(message=self._answer_to(message, time.monotonic() + budget, modern))
+        except McpError as exc:
+            answer.deliver(error=exc)
+        return ident, answer
+
+    def _notify(self, message: Mapping[str, Any]) -> None:
+        """POST a message that asks for no answer, on a connection of its own: the kept one
+        may be in the middle of the stream that carried a request of the server's."""
+        deadline = time.monotonic() + self.timeout
+        headers = self._headers_for(message, self.protocol == MCP_MODERN)
+        connection = _mcp_connection(self._url, self._tls, deadline)
+        try:
+            body = _compact(message).encode()
+            response = self._exchange("POST", body, headers, deadline, connection)
+            said = _drained_text(response)  # 202 Accepted and no body, as a rule
+            if response.status >= 300:
+                raise self._refusal(response, said, headers)
+        finally:
+            connection.close()
+
+    def _answer_to(
+        self, message: Mapping[str, Any], deadline: float, modern: bool
+    ) -> dict[str, Any]:
+        """The answer to `message`, from the POST's JSON body or its stream. A lost session is
+        started again once, and the request sent again in the new one."""
+        for attempt in (1, 2):
+            try:
+                with closing(self._messages(message, deadline, modern)) as came:
+                    return self._answer_among(came, message)
+            except _SessionLostError:
+                if attempt == 2 or message.get("method") == "initialize":
+                    raise McpError(f"MCP server {self.label} lost the session again") from None
+                self._session = None
+                self._initialize(None, deadline)  # a new session, asked the one way it is
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _answer_among(
+        self, came: Iterator[dict[str, Any]], message: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The answer to `message` among what came: the server's notifications are dropped,
+        its requests declined, and an answer to anything else breaks the session."""
+        for got in came:
+            if "method" in got:
+                if "id" in got:
+                    self._notify(_declined(got))
+                continue
+            if got.get("id") == message["id"] and ("result" in got or "error" in got):
+                return got
+            lie = f"answered a request it was not sent ({_shown(got.get('id'))})"
+            raise self._broken_by(f"MCP server {self.label} {lie}")
+        raise McpError(f"MCP server {self.label}: no answer to {message['method']} came")
+
+    def _messages(
+        self, message: Mapping[str, Any], deadline: float, modern: bool
+    ) -> Generator[dict[str, Any], None, None]:
+        """The JSON-RPC messages the server answers one POST with, as they come; a response
+        left before its end leaves its connection closed (it cannot carry another)."""
+        headers = self._headers_for(message, modern)
+        response = self._posted(_compact(message).encode(), headers, deadline)
+        try:
+            yield from self._read_messages(response, message)
+        finally:
+            if not response.isclosed():
+                self._hang_up()
+
+    def _headers_for(self, message: Mapping[str, Any], modern: bool) -> dict[str, str]:
+        """A message's headers: its revision's, and its session's (the --mcp-header ones are
+        added as it is sent)."""
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+        }
+        if modern:
+            headers["MCP-Protocol-Version"] = MCP_MODERN
+            method, params = message.get("method"), message.get("params")
+            if isinstance(method, str):  # 2026-07-28: what a gateway routes by
+                headers["Mcp-Method"] = method
+            name = params.get("name") if isinstance(params, dict) else None
+            if isinstance(name, str) and name.isascii() and name.isprintable():
+                headers["Mcp-Name"] = name
+        elif self.protocol:
+            headers["MCP-Protocol-Version"] = self.protocol
+        if self._session is not None:
+            headers["Mcp-Session-Id"] = self._session
+        return headers
+
+    def _read_messages(
+        self, response: http.client.HTTPResponse, sent: Mapping[str, Any]
+    ) -> Iterator[dict[str, Any]]:
+        kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        given = response.getheader("Mcp-Session-Id")
+        if given is not None and sent.get("method") == "initialize":
+            if not (0 < len(given) <= 256 and all(33 <= ord(c) <= 126 for c in given)):
+                raise self._broken_by(f"MCP server {self.label} gave an unusable session id")
+            self._session = given
+        elif given is not None and given != self._session:
+            raise self._broken_by(f"MCP server {self.label} answered for another session")
+        if response.status == 202:
+            _drained_text(response)
+            return
+        try:
+            body = _chunks(response, self.max_message_bytes)
+            if kind == "text/event-stream":
+                for data in _sse_data(body):
+                    yield self._message_in(data.encode())
+            elif kind == "application/json":
+                yield self._message_in(b"".join(body))
+            else:
+                shown = _shown(kind or "no Content-Type")
+                raise self._broken_by(
+                    f"MCP server {self.label} answered with {shown}: neither JSON nor a stream"
+                )
+        except ApiError:  # _chunks' cap, worded for the model API
+            limit = self.max_message_bytes
+            raise self._broken_by(f"MCP server {self.label} sent more than {limit} bytes") from None
+        except (OSError, http.client.HTTPException) as exc:
+            self._hang_up()
+            if isinstance(exc, TimeoutError):
+                raise McpTimeoutError(
+                    f"MCP server {self.label}: no whole answer by the request's deadline"
+                ) from None
+            raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
+
+    def _message_in(self, data: bytes) -> dict[str, Any]:
+        try:
+            message = json.loads(data, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError, ArgumentError):
+            message = None
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            raise self._broken_by(f"MCP server {self.label} sent something that is not JSON-RPC")
+        return message
+
+    def _posted(
+        self, body: bytes, headers: Mapping[str, str], deadline: float
+    ) -> http.client.HTTPResponse:
+        """The response to a POST of `body`, once it is one to read. A 5xx is sent again
+        (the waits doubling from MCP_HTTP_RETRY_S) while the deadline allows; any other
+        refusal is an McpError saying what the server wants, its words in the audit log."""
+        wait = MCP_HTTP_RETRY_S
+        while True:
+            response = self._exchange("POST", body, headers, deadline)
+            if response.status < 300:
+                return response
+            said = _drained_text(response)
+            self._hang_up()
+            if response.status >= 500 and time.monotonic() + wait < deadline:
+                time.sleep(wait)
+                wait *= 2
+                continue
+            raise self._refusal(response, said, headers)
+
+    def _refusal(
+        self, response: http.client.HTTPResponse, said: str, headers: Mapping[str, str]
+    ) -> McpError:
+        status = response.status
+        if status == 404 and "Mcp-Session-Id" in headers:
+            return _SessionLostError(f"MCP server {self.label} lost the session")
+        with suppress(AuditError):
+            self.record("mcp_error", status=status, error=self._without_env(said.encode()))
+        if status == 401:
+            scheme = (response.getheader("WWW-Authenticate") or "").split(" ")[0]
+            wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+            return McpError(
+                f"MCP server {self.label} needs authorization{wanted}: put its token in an"
+                " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
+                " its --mcp-url (OAuth sign-in is not done here)"
+            )
+        if 300 <= status < 400:
+            return McpError(
+                f"MCP server {self.label} redirected the request (HTTP {status}); not followed,"
+                " since the redirect would carry its headers: give the URL it names instead"
+            )
+        if status < 500:  # a refusal of the probe, say, or of a session it never had
+            return McpRefusedError(
+                f"MCP server {self.label} refused the request (HTTP {status}); the detail is"
+                " in the audit log",
+                None,
+                None,
+            )
+        return McpError(f"MCP server {self.label} failed (HTTP {status}) until the deadline")
+
+    def _exchange(
+        self,
+        verb: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        deadline: float,
+        connection: _TimedHTTPConnection | None = None,
+    ) -> http.client.HTTPResponse:
+        """Send one request and read its status line and headers by `deadline`, on the kept
+        connection (when it is still fit to carry one) unless given another."""
+        if connection is None:
+            kept = self._connection
+            if kept is not None and kept.sock is not None and _stale(kept.sock):
+                self._hang_up()
+            if self._connection is None:
+                self._connection = _mcp_connection(self._url, self._tls, deadline)
+            connection = self._connection
+        connection.deadline, connection.sent = deadline, False
+        connection.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
+        try:
+            connection.request(verb, self._url.path or "/", body, {**headers, **self._headers})
+            return connection.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            self._hang_up()
+            if isinstance(exc, TimeoutError):
+                raise McpTimeoutError(
+                    f"MCP server {self.label}: no answer by the request's deadline"
+                ) from None
+            raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
+
+    def _hang_up(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    def _broken_by(self, reason: str) -> McpError:
+        """The server broke the protocol: this session is over; the next request starts a
+        new one (as a server on stdio is started again)."""
+        self._hang_up()
+        with self._lock:
+            self._broken = self._broken or McpError(reason)
+            return self._broken
+
+
+class _SessionLostError(McpError):
+    """A 404 for the session we sent: the server forgot it (a restart, an expiry)."""
+
+
+def _mcp_url(url: str) -> urllib.parse.SplitResult:
+    """An MCP server's URL, if it may be used: http(s), no user:password@ (credentials go in
+    --mcp-header), and https unless the host is this machine."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--mcp-url {_shown(url)}: expected an http:// or https:// URL")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError("--mcp-url: no user:password@ in the URL; pass --mcp-header instead")
+    try:
+        _ = parts.port  # a port that is no number raises here, not at the first request
+    except ValueError:
+        raise ConfigError("--mcp-url: its port is not a number") from None
+    loopback = parts.hostname in ("localhost", "::1") or parts.hostname.startswith("127.")
+    if parts.scheme == "http" and not loopback:
+        raise ConfigError(
+            f"--mcp-url http://{parts.hostname}…: https is required for a server that is not"
+            " on this machine"
+        )
+    return parts
+
+
+def _mcp_connection(
+    url: urllib.parse.SplitResult, tls: ssl.SSLContext | None, deadline: float
+) -> _TimedHTTPConnection:
+    host = url.hostname or ""
+    if url.scheme == "https":
+        context = tls or ssl.create_default_context()  # certificates verified, hosts checked
+        return _TimedHTTPSConnection(host, url.port, context=context, deadline=deadline)
+    return _TimedHTTPConnection(host, url.port, deadline=deadline)
+
+
+def _drained_text(response: http.client.HTTPResponse) -> str:
+    """What a response said, its first 2,000 characters (for the audit log); read to its end
+    when that is short, so that the connection can carry another request."""
+    with suppress(OSError, http.client.HTTPException, ValueError):
+        return response.read(65536).decode("utf-8", "replace")[:2000]
+    return ""
 
 
 # ----------------------------------------------------------- MCP tools under this file's policy
@@ -7057,6 +7452,22 @@ class _McpFlags(ToolSource):
             help="start an MCP server (a command line, split as a shell would, run without a"
             " shell) and offer its tools; repeatable",
         )
+        remote_server, remote_header = _remote_flags()
+        parser.add_argument(
+            "--mcp-url",
+            action=remote_server,
+            default=[],
+            metavar="URL",
+            help="an MCP server to reach over Streamable HTTP (https unless on this machine),"
+            " and offer its tools; repeatable",
+        )
+        parser.add_argument(
+            "--mcp-header",
+            action=remote_header,
+            metavar="NAME=VARIABLE",
+            help="a header for the --mcp-url before it, its value read from the environment"
+            " variable VARIABLE (Authorization=VARIABLE sends Authorization: Bearer <value>)",
+        )
         parser.add_argument(
             "--mcp-read-only",
             action="append",
@@ -7096,8 +7507,8 @@ class _McpFlags(ToolSource):
     @contextmanager
     def open(self, args: argparse.Namespace, audit: AuditLog) -> Iterator[list[Tool]]:
         read_only, unchecked = _names(args.mcp_read_only), _names(args.mcp_unchecked)
-        if (read_only or unchecked) and not args.mcp:
-            raise ConfigError("--mcp-read-only and --mcp-unchecked name tools of an --mcp server")
+        if (read_only or unchecked) and not (args.mcp or args.mcp_url):
+            raise ConfigError("--mcp-read-only and --mcp-unchecked name tools of an MCP server")
         env = _mcp_env(args.mcp_env, os.environ)
         with ExitStack() as stack:
             tools: list[McpTool] = []
@@ -7116,6 +7527,16 @@ class _McpFlags(ToolSource):
                 )
                 stack.enter_context(server)
                 tools += mcp_tools(server, read_only, unchecked, left_out)
+            for url, named in args.mcp_url:
+                remote = McpHttpServer(
+                    url,
+                    headers=_mcp_headers(named, os.environ),
+                    timeout=args.mcp_timeout,
+                    startup_timeout=args.mcp_startup_timeout,
+                    audit=audit,
+                )
+                stack.enter_context(remote)
+                tools += mcp_tools(remote, read_only, unchecked, left_out)
             listed = {tool.mcp_name for tool in tools} | {t["mcp_name"] for t in left_out}
             unknown = sorted((read_only | unchecked) - listed)
             if unknown:
@@ -7138,7 +7559,83 @@ class _McpFlags(ToolSource):
                     server = record.get("server")
         if not isinstance(server, str):
             return None
+        if server.startswith(("http://", "https://")):
+            where = f"at {server}: pass --mcp-url {server} (and its --mcp-header flags)"
+            return f"it is a tool of the MCP server {where}"
         return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}"
+
+
+def _remote_flags() -> tuple[type[argparse.Action], type[argparse.Action]]:
+    """The actions of --mcp-url and --mcp-header, defined when a parser is built (argparse
+    is imported by the command line only)."""
+
+    class RemoteServer(argparse.Action):
+        """--mcp-url: a remote server, with room for the --mcp-header flags after it."""
+
+        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+            servers = getattr(namespace, self.dest, None) or []
+            setattr(namespace, self.dest, [*servers, (values, [])])
+
+    class RemoteHeader(argparse.Action):
+        """--mcp-header: for the --mcp-url before it, and no other server (a token for one
+        remote server must not reach another)."""
+
+        def __call__(
+            self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+        ) -> None:
+            servers = getattr(namespace, "mcp_url", None)
+            if not servers:
+                parser.error("--mcp-header comes after the --mcp-url it is for")
+            servers[-1][1].append(values)
+
+    return RemoteServer, RemoteHeader
+
+
+# Headers this client writes itself: a --mcp-header cannot replace them.
+_MCP_OWN_HEADERS = frozenset(
+    (
+        "accept",
+        "content-type",
+        "content-length",
+        "host",
+        "mcp-session-id",
+        "mcp-protocol-version",
+        "mcp-method",
+        "mcp-name",
+        "transfer-encoding",
+        "connection",
+    )
+)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+
+
+def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """NAME=VARIABLE pairs as headers, each value read from the environment, so that no
+    token is typed on a command line (where `ps` and the shell's history would keep it).
+    Authorization gets "Bearer " before the value unless it starts so already. Never the
+    OpenAI key: a variable holding it is refused, whatever its name."""
+    headers: dict[str, str] = {}
+    for pair in named:
+        name, equals, variable = pair.partition("=")
+        if not (equals and _HEADER_NAME.fullmatch(name) and variable):
+            raise ConfigError(f"--mcp-header {_shown(pair)}: expected NAME=VARIABLE")
+        if name.lower() in _MCP_OWN_HEADERS:
+            raise ConfigError(f"--mcp-header {name}: this client writes that header itself")
+        value = environ.get(variable, "")
+        if not value:
+            raise ConfigError(f"--mcp-header {name}: the variable {variable} is not set here")
+        if not all(" " <= c <= "~" for c in value):
+            raise ConfigError(
+                f"--mcp-header {name}: {variable} holds characters a header cannot carry"
+            )
+        if value == environ.get("OPENAI_API_KEY"):
+            raise ConfigError(
+                f"--mcp-header {name}: {variable} holds the OpenAI key, which no MCP server gets"
+            )
+        if name.lower() == "authorization" and not value.lower().startswith("bearer "):
+            value = f"Bearer {value}"
+        headers[name] = value
+    return headers
 
 
 def _name_collisions(tools: Sequence[McpTool]) -> None:

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import html
 import http.client
+import http.server
 import io
 import itertools
 import json
@@ -28,6 +29,7 @@ import pwd
 import random
 import re
 import resource
+import secrets
 import select
 import shlex
 import shutil
@@ -7841,6 +7843,392 @@ def html_text(page: str) -> str:
     """A page's text, roughly as a browser shows it: tags dropped, entities read, each run of
     white space one space."""
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+
+
+# ------------------------------------------------------------- MCP servers over HTTP (remote)
+
+REMOTE_TOOLS = [
+    {
+        "name": "lookup",
+        "description": "Stock of an item.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"item": {"type": "string"}},
+            "required": ["item"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "cancel",
+        "description": "Cancel an order.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"orderId": {"type": "string"}},
+            "required": ["orderId"],
+            "additionalProperties": False,
+        },
+    },
+]
+
+
+class FakeRemoteMcp:
+    """A Streamable HTTP MCP server on 127.0.0.1 in the suite's own process: `revision`
+    "modern" (answers server/discover, keeps no session) or "legacy" (the handshake, then a
+    session it can forget), answering as JSON or as an event stream, misbehaving as
+    `behaviours` say; every request it gets is kept in `requests`."""
+
+    def __init__(
+        self,
+        revision: str = "legacy",
+        answer: str = "json",
+        token: str | None = None,
+        behaviours: Sequence[str] = (),
+    ) -> None:
+        self.revision, self.answer, self.token = revision, answer, token
+        self.behaviours = set(behaviours)
+        self.requests: list[tuple[str, dict[str, str], dict[str, Any] | None]] = []
+        self.sessions: set[str] = set()
+        self.failures_left = 3 if "storm3" in self.behaviours else 0
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> FakeRemoteMcp:
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_DELETE(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                owner.requests.append(("DELETE", headers, None))
+                owner.sessions.discard(headers.get("mcp-session-id", ""))
+                self.reply(200, b"", "text/plain")
+
+            def do_POST(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                body = self.rfile.read(int(headers.get("content-length", "0")))
+                message = json.loads(body)
+                owner.requests.append(("POST", headers, message))
+                owner.answer_post(self, headers, message)
+
+            def reply(
+                self, status: int, body: bytes, kind: str, extra: Sequence[tuple[str, str]] = ()
+            ) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                for name, value in extra:
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client that hung up mid-stream, as tests make it
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/mcp"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [m["params"] for _, _, m in self.requests if m and m.get("method") == "tools/call"]
+
+    def answer_post(  # noqa: PLR0911 -- one return per way the fake answers
+        self, handler: Any, headers: dict[str, str], message: dict[str, Any]
+    ) -> None:
+        if self.token and headers.get("authorization") != f"Bearer {self.token}":
+            challenge = [("WWW-Authenticate", 'Bearer realm="fake", error="invalid_token"')]
+            handler.reply(401, b'{"error":"unauthorized"}', "application/json", challenge)
+            return
+        if "redirect" in self.behaviours:
+            handler.reply(307, b"", "text/plain", [("Location", "http://127.0.0.1:9/elsewhere")])
+            return
+        with self.lock:
+            storm = "storm" in self.behaviours or self.failures_left > 0
+            self.failures_left = max(self.failures_left - 1, 0)
+        if storm:
+            handler.reply(503, b"busy", "text/plain")
+            return
+        if "method" not in message or "id" not in message:  # our answers, notifications
+            handler.reply(202, b"", "text/plain")
+            return
+        session = headers.get("mcp-session-id")
+        extra: list[tuple[str, str]] = []
+        if self.revision == "legacy":
+            if message["method"] == "initialize":
+                session = "s-" + secrets.token_hex(8)
+                self.sessions.add(session)
+                extra.append(("Mcp-Session-Id", session))
+                result: dict[str, Any] = {
+                    "protocolVersion": "2025-11-25",
+                    "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "fake", "version": "1"},
+                }
+                self.send(handler, message, {"result": result}, extra)
+                return
+            if session is None:  # as the official SDK answers a request without one
+                error = {"code": -32600, "message": "Bad Request: Missing session ID"}
+                body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+                handler.reply(400, body, "application/json")
+                return
+            if session not in self.sessions or "amnesia" in self.behaviours:
+                handler.reply(404, b'{"error":"no such session"}', "application/json")
+                return
+            if "other_session" in self.behaviours and message["method"] == "tools/call":
+                extra.append(("Mcp-Session-Id", "s-someone-else"))
+        self.send(handler, message, self.result_of(message), extra)
+
+    def result_of(self, message: dict[str, Any]) -> dict[str, Any]:
+        method, params = message["method"], message.get("params", {})
+        if method == "server/discover":
+            if self.revision != "modern":
+                return {"error": {"code": -32601, "message": "Method not found"}}
+            versions = ["2026-07-28", "2025-11-25"]
+            return {"result": {"supportedVersions": versions, "capabilities": {"tools": {}}}}
+        if method == "tools/list":
+            return {"result": {"tools": REMOTE_TOOLS}}
+        if method == "tools/call":
+            return {"result": {"content": [{"type": "text", "text": f"{params['name']} done"}]}}
+        return {"error": {"code": -32601, "message": "Method not found"}}
+
+    def send(
+        self,
+        handler: Any,
+        message: dict[str, Any],
+        outcome: dict[str, Any],
+        extra: Sequence[tuple[str, str]],
+    ) -> None:
+        hostile = self.behaviours if message["method"] == "tools/call" else set()
+        ident = message["id"] + (1000 if "lie" in hostile else 0)
+        answer = json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
+        if "huge" in hostile:
+            answer = b'{"jsonrpc":"2.0","id":1,"result":{"pad":"' + b"x" * (5 << 20) + b'"}}'
+        streamed = self.answer == "sse" or {"endless", "garbage", "linger"} & hostile
+        if not streamed:
+            handler.reply(200, answer, "application/json", extra)
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        for name, value in extra:
+            handler.send_header(name, value)
+        handler.end_headers()  # no length: the stream ends when the connection does
+        handler.close_connection = True
+        out = handler.wfile
+        note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "hi"}}
+        ping = {"jsonrpc": "2.0", "id": "srv-1", "method": "ping"}
+        out.write(b": warming up\n\nevent: message\ndata: " + json.dumps(note).encode() + b"\n\n")
+        out.write(b"data: " + json.dumps(ping).encode() + b"\n\n")
+        if "garbage" in hostile:
+            out.write(b"data: this is not json\n\n")
+        if "endless" in hostile:
+            with suppress(OSError):
+                for _ in range(600):
+                    out.write(b": still here\n\n")
+                    out.flush()
+                    time.sleep(0.1)
+            return
+        out.write(b"data: " + answer + b"\n\n")
+        out.flush()
+        if "linger" in hostile:  # the answer is in; the stream is never ended
+            with suppress(OSError):
+                for _ in range(600):
+                    out.write(b": more\n\n")
+                    out.flush()
+                    time.sleep(0.1)
+
+
+class RemoteMcpTest(LoopTestCase):
+    """--mcp-url: a remote server through the same policy as one on stdio."""
+
+    def ask_remote(
+        self, remote: FakeRemoteMcp, script: Sequence[fc.ScriptItem], *flags: str, **env: str
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
+        with ScriptedChatServer(script) as server:
+            done = self.cli(
+                "ask",
+                "Is ABC-123 in stock?",
+                "--mcp-url",
+                remote.url,
+                *flags,
+                env={"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY, **env},
+            )
+        return done, server.requests
+
+    def lookup_turn(self) -> list[fc.ScriptItem]:
+        return [tool_call_reply([("lookup", '{"item": "ABC-123"}')]), text_reply("In stock.")]
+
+    def test_both_revisions_and_both_answer_forms_run_a_read_tool(self) -> None:
+        for revision in ("legacy", "modern"):
+            for answer in ("json", "sse"):
+                with FakeRemoteMcp(revision, answer) as remote:
+                    done, requests = self.ask_remote(
+                        remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+                    )
+                self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+                (result,) = tool_results(requests[1])
+                self.assertEqual(result["content"], "lookup done")
+                self.assertEqual(remote.calls()[0]["arguments"], {"item": "ABC-123"})
+                posts = [(h, m) for verb, h, m in remote.requests if verb == "POST" and m]
+                for headers, _ in posts:
+                    self.assertNotIn(FAKE_KEY, json.dumps(headers))
+                    self.assertIn("text/event-stream", headers["accept"])
+                call_headers = next(h for h, m in posts if m.get("method") == "tools/call")
+                if revision == "legacy":
+                    self.assertEqual(call_headers["mcp-protocol-version"], "2025-11-25")
+                    self.assertTrue(call_headers["mcp-session-id"].startswith("s-"))
+                    deletes = [h for verb, h, _ in remote.requests if verb == "DELETE"]
+                    self.assertEqual(len(deletes), 1)  # the session ended with the command
+                    self.assertEqual(remote.sessions, set())
+                else:
+                    self.assertEqual(call_headers["mcp-protocol-version"], "2026-07-28")
+                    self.assertEqual(call_headers["mcp-method"], "tools/call")
+                    self.assertEqual(call_headers["mcp-name"], "lookup")
+                    self.assertNotIn("mcp-session-id", call_headers)
+                if answer == "sse":  # the server's ping in the stream was answered
+                    answered = [m for _, _, m in remote.requests if m and m.get("id") == "srv-1"]
+                    self.assertTrue(answered)  # one per streamed answer: each carried a ping
+                    for reply in answered:
+                        self.assertEqual(reply, {"jsonrpc": "2.0", "id": "srv-1", "result": {}})
+
+    def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
+        script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
+        with FakeRemoteMcp() as remote:
+            done, requests = self.ask_remote(remote, script)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            told = tool_results(requests[1])[0]
+            self.assertEqual(told["status"], "requires_approval")
+            self.assertEqual(remote.calls(), [])
+            without = self.cli("approve", told["approvalId"])
+            self.assertIn(f"pass --mcp-url {remote.url}", without.stderr)
+            approved = self.cli("approve", told["approvalId"], "--mcp-url", remote.url)
+            self.assertEqual(approved.returncode, 0, approved.stderr)
+        (call,) = remote.calls()
+        self.assertEqual(call["_meta"], {fc.MCP_IDEMPOTENCY_KEY: told["approvalId"]})
+
+    def test_a_lost_session_is_started_again_once_then_given_up(self) -> None:
+        with FakeRemoteMcp() as remote, fc.McpHttpServer(remote.url) as server:
+            server.list_tools()
+            remote.sessions.clear()  # the server restarted: it knows no session
+            self.assertEqual(
+                server.call_tool("lookup", {"item": "x"})["content"][0]["text"], "lookup done"
+            )
+            initializations = [
+                m for _, _, m in remote.requests if m and m["method"] == "initialize"
+            ]
+            self.assertEqual(len(initializations), 2)
+            remote.behaviours.add("amnesia")  # it forgets every session at once
+            with self.assertRaisesRegex(fc.McpError, "lost the session again"):
+                server.call_tool("lookup", {"item": "x"})
+
+    def test_the_token_comes_from_the_environment_and_goes_to_its_server_only(self) -> None:
+        with FakeRemoteMcp(token="s3cret-token-123") as remote, FakeRemoteMcp() as other:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+            self.assertEqual(done.returncode, 1)
+            self.assertIn("needs authorization (Bearer)", done.stderr)
+            self.assertIn("--mcp-header Authorization=", done.stderr)
+            done, _ = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                "Authorization=REMOTE_TOKEN",
+                "--mcp-url",
+                other.url,
+                "--mcp-read-only",
+                "lookup",
+                REMOTE_TOKEN="s3cret-token-123",
+            )
+        self.assertEqual(done.returncode, 2)  # both offer "lookup": refused at start, by name
+        for _, headers, _ in other.requests:
+            self.assertNotIn("authorization", headers)  # the other server never got the token
+        self.assertIn(
+            "Bearer s3cret-token-123", [h.get("authorization") for _, h, _ in remote.requests]
+        )
+        log = self.audit_path.read_text()
+        self.assertNotIn("s3cret-token-123", log + done.stdout + done.stderr)
+
+    def test_flags_that_would_leak_or_mislead_are_refused(self) -> None:
+        cases = [
+            (["--mcp-url", "http://example.com/mcp"], "https is required"),
+            (["--mcp-url", "https://u:p@example.com/mcp"], "no user:password@"),
+            (["--mcp-url", "ftp://example.com/"], "expected an http:// or https:// URL"),
+            (["--mcp-header", "Authorization=X"], "comes after the --mcp-url"),
+            (["--mcp-url", "http://127.0.0.1:9/", "--mcp-header", "Authorization=NOPE"], "not set"),
+            (["--mcp-url", "http://127.0.0.1:9/", "--mcp-header", "Mcp-Session-Id=V"], "itself"),
+            (["--mcp-url", "http://127.0.0.1:9/", "--mcp-header", "X-Key=KEY"], "OpenAI key"),
+        ]
+        for flags, said in cases:
+            done = self.cli(
+                "ask", "hi", *flags, env={"OPENAI_API_KEY": FAKE_KEY, "KEY": FAKE_KEY, "V": "v"}
+            )
+            self.assertEqual(done.returncode, 2, (flags, done.stderr))
+            self.assertIn(said, done.stderr)
+            self.assertNotIn(FAKE_KEY, done.stderr)
+
+    def test_a_server_that_cannot_be_used_at_start_ends_in_one_line(self) -> None:
+        for behaviours, said in (
+            (["redirect"], "redirected the request (HTTP 307); not followed"),
+            (["storm"], "failed (HTTP 503) until the deadline"),
+        ):
+            with FakeRemoteMcp(behaviours=behaviours) as remote:
+                done, _ = self.ask_remote(
+                    remote,
+                    self.lookup_turn(),
+                    "--mcp-startup-timeout",
+                    "2",
+                    "--mcp-read-only",
+                    "lookup",
+                )
+            self.assertEqual(done.returncode, 1, (behaviours, done.stderr))
+            self.assertIn(said, done.stderr)
+            self.assertEqual(done.stderr.count("\n"), 1, done.stderr)
+
+    def test_a_5xx_storm_that_passes_is_retried_within_the_deadline(self) -> None:
+        with FakeRemoteMcp(behaviours=["storm3"]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+
+    def test_a_call_the_server_breaks_ends_the_turn_its_words_in_the_audit_log(self) -> None:
+        for behaviours, said in (
+            (["huge"], "sent more than 4194304 bytes"),
+            (["other_session"], "answered for another session"),
+            (["garbage"], "not JSON-RPC"),
+            (["lie"], "answered a request it was not sent"),
+        ):
+            with FakeRemoteMcp(behaviours=behaviours) as remote:
+                done, requests = self.ask_remote(
+                    remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+                )
+            self.assertEqual(done.returncode, 1, (behaviours, done.stderr))
+            self.assertEqual(len(requests), 1)  # the turn ended with the call
+            self.assertIn("failed; details are in the audit log", done.stderr)
+            record = self.audit_records()[-1]
+            self.assertEqual(record["outcome"], "error:exception")
+            self.assertIn(said, record["error"])
+
+    def test_a_stream_that_never_ends_gets_the_call_answered_as_failed(self) -> None:
+        with FakeRemoteMcp(behaviours=["endless"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-timeout", "1", "--mcp-read-only", "lookup"
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        self.assertEqual(result["error"], "timeout")
+
+    def test_a_server_that_keeps_the_stream_open_after_its_answer_is_not_waited_for(self) -> None:
+        with FakeRemoteMcp(behaviours=["linger"]) as remote:
+            started = time.monotonic()
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        self.assertLess(time.monotonic() - started, 30)  # a lingering stream is 60 s long
 
 
 @unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
