@@ -79,12 +79,13 @@ $(LINT_VENV)/.installed:
 	$(LINT_VENV)/bin/pip install --quiet --disable-pip-version-check $(LINT_TOOLS)
 	touch $@
 
-# The README's MCP server on the official Python SDK, both majors (2: the 2026-07-28 revision,
-# 1: the 2025-11-25 handshake), downloaded into .venv-mcp/; the module itself never needs them.
+# The README's MCP servers (on stdio, and over Streamable HTTP with a token) on the official
+# Python SDK, both majors (2: the 2026-07-28 revision, 1: the 2025-11-25 handshake),
+# downloaded into .venv-mcp/; the module itself never needs them.
 interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
 	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
 	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
-	$(PYTHON) test_function_calling.py RealMcpServerTest 2>&1
+	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest 2>&1
 
 $(MCP_VENV)/2/.installed:
 	rm -rf $(MCP_VENV)/2

@@ -5250,6 +5250,7 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
 
 __all__ += [  # extended here, so that the cut takes these names with it
     "McpError",
+    "McpHttpServer",
     "McpServer",
     "McpTool",
     "json_schema_problem",
@@ -7118,8 +7119,9 @@ class McpHttpServer(McpServer):
         status = response.status
         if status == 404 and "Mcp-Session-Id" in headers:
             return _SessionLostError(f"MCP server {self.label} lost the session")
-        with suppress(AuditError):
-            self.record("mcp_error", status=status, error=self._without_env(said.encode()))
+        if headers.get("Mcp-Method") != "server/discover":  # the probe's refusal is expected
+            with suppress(AuditError):
+                self.record("mcp_error", status=status, error=said)
         if status == 401:
             scheme = (response.getheader("WWW-Authenticate") or "").split(" ")[0]
             wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
@@ -7171,6 +7173,14 @@ class McpHttpServer(McpServer):
                     f"MCP server {self.label}: no answer by the request's deadline"
                 ) from None
             raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
+
+    def record(self, event: str, **fields: Any) -> None:
+        """As on stdio, with the values of our headers cut from every text: a server may echo
+        the token it was sent, which belongs neither on a screen nor in the log."""
+        clean = {
+            k: self._without_env(v.encode()) if isinstance(v, str) else v for k, v in fields.items()
+        }
+        super().record(event, **clean)
 
     def _hang_up(self) -> None:
         connection, self._connection = self._connection, None

@@ -7221,6 +7221,98 @@ class RealMcpServerTest(LoopTestCase):
         self.assertEqual(self.cli("verify-audit").returncode, 0)
 
 
+@unittest.skipUnless(any(REAL_MCP_PYTHONS.values()), "no Python with `mcp` given (make interop)")
+class RealRemoteMcpServerTest(LoopTestCase):
+    """The README's remote server, on the official Python SDK's streamable-http transport,
+    with its token verifier: a refusal without the token, then a checked read and a write
+    filed and approved, in both answer forms."""
+
+    def test_the_readme_remote_server_works_as_documented(self) -> None:
+        (code,) = [code for name, code in readme_examples() if name == "my_remote_mcp_server.py"]
+        for revision, python in REAL_MCP_PYTHONS.items():
+            for answer in ("sse", "json"):
+                if python:
+                    with self.subTest(revision=revision, answer=answer):
+                        self.run_the_remote_server(code, python, revision, answer)
+
+    def run_the_remote_server(self, code: str, python: str, revision: str, answer: str) -> None:
+        run = 'server.run("streamable-http", host="127.0.0.1", port=PORT)'
+        made = 'server = MCPServer("stock", token_verifier=OneToken(), auth=auth)'
+        if revision == "2025-11-25":  # version 1 of the SDK: FastMCP, its settings made at once
+            code = code.replace(
+                "from mcp.server.mcpserver import MCPServer",
+                "from mcp.server.fastmcp import FastMCP as MCPServer",
+            )
+            settings = ', host="127.0.0.1", port=PORT' + (
+                ", json_response=True" * (answer == "json")
+            )
+            code = code.replace(made, made[:-1] + settings + ")").replace(
+                run, 'server.run("streamable-http")'
+            )
+        elif answer == "json":
+            code = code.replace(run, run[:-1] + ", json_response=True)")
+        (self.data_dir / "my_remote_mcp_server.py").write_text(code)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        token = "tok-" + secrets.token_hex(12)
+        env = {"PATH": os.environ.get("PATH", ""), "STOCK_TOKEN": token}
+        server = subprocess.Popen(
+            [python, "my_remote_mcp_server.py", str(port)],
+            cwd=self.data_dir,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            for _ in range(300):  # up to 30 s for uvicorn to listen
+                with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+                time.sleep(0.1)
+            self.use_the_remote_server(f"http://127.0.0.1:{port}/mcp", token, revision)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+    def use_the_remote_server(self, url: str, token: str, revision: str) -> None:
+        earlier = len(self.audit_records("mcp_server")) if self.audit_path.exists() else 0
+        local = {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}  # never reached: the start fails
+        refused = self.cli("ask", "hi", "--mcp-url", url, "--mcp-read-only", "lookup", env=local)
+        self.assertEqual(refused.returncode, 1, refused.stderr)
+        self.assertIn("needs authorization (Bearer)", refused.stderr)
+        flags = ["--mcp-url", url, "--mcp-header", "Authorization=STOCK_TOKEN"]
+        script = [
+            tool_call_reply([("lookup", '{"sku": 5}')]),
+            tool_call_reply(
+                [("lookup", '{"sku": "ABC-123"}'), ("reserve", '{"sku": "ABC-123", "count": 2}')]
+            ),
+            text_reply("7 in stock; a person will confirm the reservation."),
+        ]
+        env = {"STOCK_TOKEN": token}
+        with ScriptedChatServer(script) as server:
+            done = self.cli(
+                "ask",
+                "Is ABC-123 in stock?",
+                *flags,
+                "--mcp-read-only",
+                "lookup",
+                env={"OPENAI_BASE_URL": server.base_url, **env},
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(server.requests[1])[0]["error"], "invalid_arguments")
+        looked, reserved = tool_results(server.requests[2])[-2:]
+        self.assertEqual(looked["structuredContent"], {"result": 7})
+        self.assertEqual(reserved["status"], "requires_approval")
+        approved = self.cli("approve", reserved["approvalId"], *flags, env=env)
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        self.assertIn("reserved 2 of ABC-123", approved.stdout)
+        ours = self.audit_records("mcp_server")[earlier:]
+        started = [r for r in ours if r["state"] == "started"]
+        self.assertEqual({r["protocol"] for r in started}, {revision})
+        self.assertNotIn(token, self.audit_path.read_text())
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+
+
 class SleepyTool(Tool):
     """A tool that takes 300 ms, as a slow backend would."""
 
@@ -7996,6 +8088,9 @@ class FakeRemoteMcp:
             return {"result": {"supportedVersions": versions, "capabilities": {"tools": {}}}}
         if method == "tools/list":
             return {"result": {"tools": REMOTE_TOOLS}}
+        if method == "tools/call" and "echo" in self.behaviours:  # what it was sent, back
+            said = f"refused: you sent {json.dumps(self.requests[-1][1])}"
+            return {"error": {"code": -32603, "message": said}}
         if method == "tools/call":
             return {"result": {"content": [{"type": "text", "text": f"{params['name']} done"}]}}
         return {"error": {"code": -32601, "message": "Method not found"}}
@@ -8154,6 +8249,24 @@ class RemoteMcpTest(LoopTestCase):
         )
         log = self.audit_path.read_text()
         self.assertNotIn("s3cret-token-123", log + done.stdout + done.stderr)
+
+    def test_a_header_value_the_server_echoes_never_reaches_the_log(self) -> None:
+        with FakeRemoteMcp(behaviours=["echo"]) as remote:
+            done, _ = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                "X-Api-Key=REMOTE_KEY",
+                "--mcp-read-only",
+                "lookup",
+                REMOTE_KEY="k-0123456789abcdef",
+            )
+        self.assertEqual(done.returncode, 1, done.stderr)  # a JSON-RPC error: infrastructure
+        self.assertIn("k-0123456789abcdef", json.dumps(remote.requests))  # it was sent…
+        (refused,) = self.audit_records("mcp_error")
+        self.assertIn("[redacted]", refused["error"])
+        log = self.audit_path.read_text()
+        self.assertNotIn("k-0123456789abcdef", log + done.stdout + done.stderr)  # …and kept nowhere
 
     def test_flags_that_would_leak_or_mislead_are_refused(self) -> None:
         cases = [
