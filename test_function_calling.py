@@ -7988,6 +7988,7 @@ class FakeRemoteMcp:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # else each answer waits ~40 ms for a delayed ACK
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -8678,6 +8679,34 @@ class Benchmarks(LoopTestCase):
             ratio_line(
                 "the inbox page of 1,000 pending actions, over HTTP / `pending` listing the"
                 " same 1,000 (in this process)",
+                pairs,
+            )
+        )
+
+    def test_an_mcp_call_over_http_against_a_bare_post_of_it(self) -> None:
+        audit = AuditLog(self.data_dir / "mcp-bench.log", fsync=False)
+        context = ToolContext(DEMO_CUSTOMER)
+        with FakeRemoteMcp() as remote, fc.McpHttpServer(remote.url, audit=audit) as server:
+            tools = fc.tool_table(fc.mcp_tools(server, read_only={"lookup"}))
+            call = fc.ToolCall(id="c1", name="lookup", arguments_json='{"item": "ABC-123"}')
+            fc.dispatch(call, tools, context, audit, 1, None)  # its message, as it was sent
+            _, headers, message = remote.requests[-1]
+            sent = {k: v for k, v in headers.items() if k.startswith(("mcp-", "content-t", "acc"))}
+            body = json.dumps(message).encode()
+            kept = http.client.HTTPConnection("127.0.0.1", remote.server.server_port)
+
+            def bare() -> bytes:
+                kept.request("POST", "/mcp", body, sent)
+                return kept.getresponse().read()
+
+            pairs = interleaved(
+                lambda: fc.dispatch(call, tools, context, audit, 1, None), bare, 200
+            )
+            kept.close()
+        report(
+            ratio_line(
+                "an MCP tool call over HTTP through dispatch (checked, called, audited with"
+                " fsync off) / a bare http.client POST of the same message to the same server",
                 pairs,
             )
         )
