@@ -6891,8 +6891,9 @@ class McpHttpServer(McpServer):
         self.env = dict(headers or {})  # what _without_env redacts from the server's words
         self._headers = dict(headers or {})
         self._tls = tls
-        self._connection: _TimedHTTPConnection | None = None
+        self._idle: list[_TimedHTTPConnection] = []  # kept alive; one per concurrent call
         self._session: str | None = None  # the server's Mcp-Session-Id, once it gave one
+        self._renewing = threading.Lock()  # one new session at a time, however many lost it
         self._open = False
 
     # -- the session (what the process is on stdio)
@@ -6914,8 +6915,10 @@ class McpHttpServer(McpServer):
         if session is not None:
             with suppress(McpError):
                 deadline = time.monotonic() + MCP_CLOSE_GRACE_S
+                connection = self._connection_for(deadline)
                 headers = {"Mcp-Session-Id": session}
-                _drained_text(self._exchange("DELETE", b"", headers, deadline))  # 405: kept none
+                _drained_text(self._exchange("DELETE", b"", headers, deadline, connection))
+                connection.close()  # 200, or 405 from a server that keeps no sessions: done
         self._hang_up()
         with suppress(AuditError):
             self.record("mcp_server", state="stopped")
@@ -6988,14 +6991,17 @@ class McpHttpServer(McpServer):
         """The answer to `message`, from the POST's JSON body or its stream. A lost session is
         started again once, and the request sent again in the new one."""
         for attempt in (1, 2):
+            used = self._session
             try:
                 with closing(self._messages(message, deadline, modern)) as came:
                     return self._answer_among(came, message)
             except _SessionLostError:
                 if attempt == 2 or message.get("method") == "initialize":
                     raise McpError(f"MCP server {self.label} lost the session again") from None
-                self._session = None
-                self._initialize(None, deadline)  # a new session, asked the one way it is
+                with self._renewing:
+                    if self._session == used:  # else another call renewed it meanwhile
+                        self._session = None
+                        self._initialize(None, deadline)  # asked the one way it is
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _answer_among(
@@ -7020,12 +7026,15 @@ class McpHttpServer(McpServer):
         """The JSON-RPC messages the server answers one POST with, as they come; a response
         left before its end leaves its connection closed (it cannot carry another)."""
         headers = self._headers_for(message, modern)
-        response = self._posted(_compact(message).encode(), headers, deadline)
+        connection, response = self._posted(_compact(message).encode(), headers, deadline)
         try:
             yield from self._read_messages(response, message)
         finally:
-            if not response.isclosed():
-                self._hang_up()
+            if response.isclosed() and self._broken is None:
+                with self._lock:
+                    self._idle.append(connection)  # read to its end: it can carry another
+            else:
+                connection.close()
 
     def _headers_for(self, message: Mapping[str, Any], modern: bool) -> dict[str, str]:
         """A message's headers: its revision's, and its session's (the --mcp-header ones are
@@ -7078,7 +7087,6 @@ class McpHttpServer(McpServer):
             limit = self.max_message_bytes
             raise self._broken_by(f"MCP server {self.label} sent more than {limit} bytes") from None
         except (OSError, http.client.HTTPException) as exc:
-            self._hang_up()
             if isinstance(exc, TimeoutError):
                 raise McpTimeoutError(
                     f"MCP server {self.label}: no whole answer by the request's deadline"
@@ -7096,17 +7104,18 @@ class McpHttpServer(McpServer):
 
     def _posted(
         self, body: bytes, headers: Mapping[str, str], deadline: float
-    ) -> http.client.HTTPResponse:
+    ) -> tuple[_TimedHTTPConnection, http.client.HTTPResponse]:
         """The response to a POST of `body`, once it is one to read. A 5xx is sent again
         (the waits doubling from MCP_HTTP_RETRY_S) while the deadline allows; any other
         refusal is an McpError saying what the server wants, its words in the audit log."""
         wait = MCP_HTTP_RETRY_S
         while True:
-            response = self._exchange("POST", body, headers, deadline)
+            connection = self._connection_for(deadline)
+            response = self._exchange("POST", body, headers, deadline, connection)
             if response.status < 300:
-                return response
+                return connection, response
             said = _drained_text(response)
-            self._hang_up()
+            connection.close()
             if response.status >= 500 and time.monotonic() + wait < deadline:
                 time.sleep(wait)
                 wait *= 2
@@ -7144,33 +7153,42 @@ class McpHttpServer(McpServer):
             )
         return McpError(f"MCP server {self.label} failed (HTTP {status}) until the deadline")
 
+    def _connection_for(self, deadline: float) -> _TimedHTTPConnection:
+        """A kept connection no other call is using and still fit to carry a request (the
+        transport's own rule), or a new one: calls of one reply run at once."""
+        with self._lock:
+            while self._idle:
+                kept = self._idle.pop()
+                if kept.sock is not None and not _stale(kept.sock):
+                    return kept
+                kept.close()
+        return _mcp_connection(self._url, self._tls, deadline)
+
     def _exchange(
         self,
         verb: str,
         body: bytes,
         headers: Mapping[str, str],
         deadline: float,
-        connection: _TimedHTTPConnection | None = None,
+        connection: _TimedHTTPConnection,
     ) -> http.client.HTTPResponse:
-        """Send one request and read its status line and headers by `deadline`, on the kept
-        connection (when it is still fit to carry one) unless given another."""
-        if connection is None:
-            kept = self._connection
-            if kept is not None and kept.sock is not None and _stale(kept.sock):
-                self._hang_up()
-            if self._connection is None:
-                self._connection = _mcp_connection(self._url, self._tls, deadline)
-            connection = self._connection
+        """Send one request on `connection` and read its status line and headers by
+        `deadline`; a connection that fails is closed."""
         connection.deadline, connection.sent = deadline, False
         connection.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
         try:
             connection.request(verb, self._url.path or "/", body, {**headers, **self._headers})
             return connection.getresponse()
         except (OSError, http.client.HTTPException) as exc:
-            self._hang_up()
+            connection.close()
             if isinstance(exc, TimeoutError):
                 raise McpTimeoutError(
                     f"MCP server {self.label}: no answer by the request's deadline"
+                ) from None
+            if isinstance(exc, ssl.SSLCertVerificationError):  # its own text names the host
+                raise McpError(
+                    f"MCP server {self.label}: its TLS certificate could not be verified (no"
+                    " certificate authority of this machine's vouches for it)"
                 ) from None
             raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
 
@@ -7183,17 +7201,20 @@ class McpHttpServer(McpServer):
         super().record(event, **clean)
 
     def _hang_up(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
+        """Close every kept connection (those in use are closed by their calls)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
             connection.close()
 
     def _broken_by(self, reason: str) -> McpError:
         """The server broke the protocol: this session is over; the next request starts a
         new one (as a server on stdio is started again)."""
-        self._hang_up()
         with self._lock:
             self._broken = self._broken or McpError(reason)
-            return self._broken
+            broken = self._broken
+        self._hang_up()
+        return broken
 
 
 class _SessionLostError(McpError):

@@ -7975,13 +7975,15 @@ class FakeRemoteMcp:
         answer: str = "json",
         token: str | None = None,
         behaviours: Sequence[str] = (),
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.revision, self.answer, self.token = revision, answer, token
+        self.revision, self.answer, self.token, self.tls = revision, answer, token, tls
         self.behaviours = set(behaviours)
         self.requests: list[tuple[str, dict[str, str], dict[str, Any] | None]] = []
         self.sessions: set[str] = set()
         self.failures_left = 3 if "storm3" in self.behaviours else 0
         self.lock = threading.Lock()
+        self.together = threading.Barrier(2)  # "together": a call is answered once two wait
 
     def __enter__(self) -> FakeRemoteMcp:
         owner = self
@@ -8024,7 +8026,10 @@ class FakeRemoteMcp:
                 pass  # a client that hung up mid-stream, as tests make it
 
         self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/mcp"
+        if self.tls:
+            self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_port}/mcp"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
@@ -8089,6 +8094,8 @@ class FakeRemoteMcp:
             return {"result": {"supportedVersions": versions, "capabilities": {"tools": {}}}}
         if method == "tools/list":
             return {"result": {"tools": REMOTE_TOOLS}}
+        if method == "tools/call" and "together" in self.behaviours:
+            self.together.wait(timeout=10)  # raises, and the call fails, unless two are in
         if method == "tools/call" and "echo" in self.behaviours:  # what it was sent, back
             said = f"refused: you sent {json.dumps(self.requests[-1][1])}"
             return {"error": {"code": -32603, "message": said}}
@@ -8224,6 +8231,29 @@ class RemoteMcpTest(LoopTestCase):
             remote.behaviours.add("amnesia")  # it forgets every session at once
             with self.assertRaisesRegex(fc.McpError, "lost the session again"):
                 server.call_tool("lookup", {"item": "x"})
+
+    def test_https_is_verified_and_a_certificate_nobody_vouches_for_refused(self) -> None:
+        tls = tls_server_context(self.data_dir)
+        if tls is None:
+            self.skipTest("no openssl to make a certificate with")
+        with FakeRemoteMcp(tls=tls[0]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+            self.assertEqual(done.returncode, 1)
+            self.assertIn("its TLS certificate could not be verified", done.stderr)
+            trusted = ssl.create_default_context(cafile=str(tls[1]))
+            with fc.McpHttpServer(remote.url, tls=trusted) as server:  # the same, vouched for
+                answer = server.call_tool("lookup", {"item": "x"})
+                self.assertEqual(answer["content"][0]["text"], "lookup done")
+
+    def test_calls_of_one_reply_reach_one_server_at_once(self) -> None:
+        with (
+            FakeRemoteMcp(behaviours=["together"]) as remote,
+            fc.McpHttpServer(remote.url) as server,
+        ):
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda n: server.call_tool("lookup", {"item": n}), "ab"))
+        self.assertEqual([a["content"][0]["text"] for a in answers], ["lookup done"] * 2)
+        self.assertFalse(remote.together.broken)  # both were in flight at once
 
     def test_the_token_comes_from_the_environment_and_goes_to_its_server_only(self) -> None:
         with FakeRemoteMcp(token="s3cret-token-123") as remote, FakeRemoteMcp() as other:
