@@ -37,8 +37,8 @@ faults: the transport · the stream · the workers · budgets · server quirks �
 · the audit chain · the approvals' journal · the database. Part III, operating it (about
 1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 three parts between markers, when this copy still has them, that nothing before depends on
-and one cut removes each: MCP tools (from Model Context Protocol servers, under the same
-policy), the inbox (a web page where a person decides what waits) and a worked example.
+and one cut removes each: MCP tools (from Model Context Protocol servers, on stdio or over
+HTTP, under the same policy), the inbox (a web page where a person decides what waits) and a worked example.
 """
 
 from __future__ import annotations
@@ -5243,7 +5243,7 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
 
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
 # "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
-# spoken to over stdio) under this file's policy: every argument checked against the tool's
+# spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every argument checked against the tool's
 # own schema before it leaves, every write behind a human, every call audited. Nothing above
 # depends on it; to do without it, delete it in one cut (README: "MCP tools"):
 #     sed '/^# >>> MCP/,/^# <<< MCP/d' function_calling.py > cut.py

@@ -8246,11 +8246,9 @@ class RemoteMcpTest(LoopTestCase):
                 self.assertEqual(answer["content"][0]["text"], "lookup done")
 
     def test_calls_of_one_reply_reach_one_server_at_once(self) -> None:
-        with (
-            FakeRemoteMcp(behaviours=["together"]) as remote,
-            fc.McpHttpServer(remote.url) as server,
-        ):
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with FakeRemoteMcp(behaviours=["together"]) as remote:
+            server = fc.McpHttpServer(remote.url)
+            with server, concurrent.futures.ThreadPoolExecutor(2) as pool:
                 answers = list(pool.map(lambda n: server.call_tool("lookup", {"item": n}), "ab"))
         self.assertEqual([a["content"][0]["text"] for a in answers], ["lookup done"] * 2)
         self.assertFalse(remote.together.broken)  # both were in flight at once
