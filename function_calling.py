@@ -7012,7 +7012,8 @@ class McpHttpServer(McpServer):
         for got in came:
             if "method" in got:
                 if "id" in got:
-                    self._notify(_declined(got))
+                    with suppress(McpError):  # as on stdio: our answer is a courtesy
+                        self._notify(_declined(got))
                 continue
             if got.get("id") == message["id"] and ("result" in got or "error" in got):
                 return got
@@ -7226,7 +7227,8 @@ def _mcp_url(url: str) -> urllib.parse.SplitResult:
     --mcp-header), and https unless the host is this machine."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--mcp-url {_shown(url)}: expected an http:// or https:// URL")
+        shown = _shown(url.split("?", 1)[0])  # a query may hold a key: never shown
+        raise ConfigError(f"--mcp-url {shown}: expected an http:// or https:// URL")
     if parts.username is not None or parts.password is not None:
         raise ConfigError("--mcp-url: no user:password@ in the URL; pass --mcp-header instead")
     try:
