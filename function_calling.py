@@ -38,7 +38,8 @@ faults: the transport · the stream · the workers · budgets · server quirks �
 1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 three parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, on stdio or over
-HTTP, under the same policy), the inbox (a web page where a person decides what waits) and a worked example.
+HTTP, under the same policy), the inbox (a web page where a person decides what waits) and a
+worked example.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -5243,9 +5244,10 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
 
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
 # "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
-# spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every argument checked against the tool's
-# own schema before it leaves, every write behind a human, every call audited. Nothing above
-# depends on it; to do without it, delete it in one cut (README: "MCP tools"):
+# spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every
+# argument checked against the tool's own schema before it leaves, every write behind a
+# human, every call audited. Nothing above depends on it; to do without it, delete it in one
+# cut (README: "MCP tools"):
 #     sed '/^# >>> MCP/,/^# <<< MCP/d' function_calling.py > cut.py
 
 __all__ += [  # extended here, so that the cut takes these names with it
@@ -5259,7 +5261,8 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "mcp_wire_name",
 ]
 
-from functools import lru_cache  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from collections.abc import Generator  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 
 # ------------------------------------------------------- JSON Schema, the subset tools use
