@@ -6888,9 +6888,8 @@ class McpHttpServer(McpServer):
             audit=audit,
         )
         self._url = _mcp_url(url)
-        self.label = _cut(
-            self._url._replace(query="", fragment="").geturl(), 200
-        )  # a query may hold a key
+        # the label, in every message and log line, leaves out the query: it may hold a key
+        self.label = _cut(self._url._replace(query="", fragment="").geturl(), 200)
         self.env = dict(headers or {})  # what _without_env redacts from the server's words
         self._headers = dict(headers or {})
         self._tls = tls
