@@ -6200,9 +6200,12 @@ def _is_multiple(value: float, step: float) -> bool:
 # stderr is kept for the audit log only, and it gets no environment variable it was not
 # given (OPENAI_API_KEY least of all). However a command ends, the process is reaped.
 
-import shutil  # noqa: E402 -- the MCP section's own imports, so that the cut takes them
-import signal  # noqa: E402
-import subprocess  # noqa: E402
+if TYPE_CHECKING:  # the MCP section's own modules, so that the cut takes them: imported at
+    import shutil  # first use, since a command that starts no server needs none of them
+    import signal
+    import subprocess
+else:
+    shutil, signal, subprocess = map(_OnFirstUse, ("shutil", "signal", "subprocess"))
 
 MCP_MODERN = "2026-07-28"  # stateless: no handshake; every request carries _meta
 MCP_LEGACY = "2025-11-25"  # the initialize / notifications/initialized handshake
@@ -6435,7 +6438,7 @@ class McpServer:
         _unreadable_to_children()
         mark = secrets.token_hex(8)
         try:
-            process = subprocess.Popen(  # noqa: S603 -- the user's own command, no shell
+            process = subprocess.Popen(  # the user's own command, no shell
                 [executable, *self.command[1:]],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -6824,7 +6827,7 @@ def _watchdog(mark: str) -> subprocess.Popen[bytes] | None:
     if not sys.platform.startswith("linux"):
         return None
     with suppress(OSError):
-        return subprocess.Popen(  # noqa: S603 -- this interpreter, on a script of ours
+        return subprocess.Popen(  # this interpreter, on a script of ours: no shell
             [sys.executable, "-c", _WATCHDOG, mark],
             stdin=subprocess.PIPE,
             env={},
