@@ -3055,9 +3055,8 @@ class AuditFile:
             separators=(",", ":"),
         ).encode("ascii")
         with _exclusive_lock(fd):
-            seq, prev = self._chain_tail(fd)
+            size, seq, prev = self._chain_tail(fd)
             line = b'{"seq":%d,"prev":"%s",' % (seq + 1, prev.encode()) + rest[1:]
-            size = os.fstat(fd).st_size
             if os.write(fd, line + b"\n") != len(line) + 1:
                 os.ftruncate(fd, size)  # a full disk must not leave half a line behind
                 raise OSError(errno.ENOSPC, "short write: the disk or a file-size limit is full")
@@ -3076,14 +3075,15 @@ class AuditFile:
         except OSError as exc:
             _log.warning("the audit head file could not be written (%s)", exc.strerror)
 
-    def _chain_tail(self, fd: int) -> tuple[int, str]:
-        """The seq and hash of the last line, from our cache unless the file has grown."""
+    def _chain_tail(self, fd: int) -> tuple[int, int, str]:
+        """The file's size, and the seq and hash of its last line: from our cache unless the
+        file has grown (another process appended)."""
         size = os.fstat(fd).st_size
         if size == 0:
-            return 0, GENESIS
+            return 0, 0, GENESIS
         cached_size, seq, head = self._tail
         if size == cached_size:
-            return seq, head
+            return size, seq, head
         last = _last_line(fd, size)
         last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
         if last_seq is None:
@@ -3091,7 +3091,7 @@ class AuditFile:
                 "the audit log's last line is not a record, so nothing more is appended;"
                 " run verify-audit"
             )
-        return last_seq, hashlib.sha256(last).hexdigest()
+        return size, last_seq, hashlib.sha256(last).hexdigest()
 
 
 # The fields where an audit line carries text nobody chose for it (an exception's, a server's
@@ -3149,13 +3149,18 @@ def _exclusive_lock(fd: int) -> Iterator[None]:
 
 
 def _last_line(fd: int, size: int) -> bytes:
-    """The last line's bytes, without its newline, read backwards from the end."""
-    if os.pread(fd, 1, size - 1) != b"\n":
+    """The last line's bytes, without its newline, read backwards from the end (one read
+    when it is shorter than 4 KiB, as lines are: other processes wait while this reads)."""
+    tail = os.pread(fd, min(size, 4096), size - min(size, 4096))
+    if not tail.endswith(b"\n"):
         raise AuditError(
             "the audit log ends with a partial line, so nothing more is appended; see"
             ' README "When the audit log ends with a cut line"'
         )
-    start, back = size - 1, 4096  # a line is short: read back a little, then more
+    newline = tail.rfind(b"\n", 0, len(tail) - 1)
+    if newline >= 0 or len(tail) == size:  # the line before it ends in this read, or none does
+        return tail[newline + 1 : -1]
+    start, back = size - 1, 4096  # a long line: read back further, then more
     while start > 0:
         block_start = max(start - back, 0)
         back = min(back * 4, 1 << 20)
