@@ -7203,6 +7203,17 @@ class McpHttpServer(McpServer):
                 ) from None
             raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
 
+    def call_tool(
+        self, name: str, arguments: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """As on stdio, with the values of our headers cut from the result: a server that
+        echoes the token it was sent must not hand it to the model (and its provider)."""
+        result = super().call_tool(name, arguments, meta)
+        if not any(len(value) >= 8 and value in _compact(result) for value in self.env.values()):
+            return result
+        cut: dict[str, Any] = json.loads(self._without_env(_compact(result).encode()))
+        return cut
+
     def record(self, event: str, **fields: Any) -> None:
         """As on stdio, with the values of our headers cut from every text: a server may echo
         the token it was sent, which belongs neither on a screen nor in the log."""

@@ -8086,7 +8086,9 @@ class FakeRemoteMcp:
                 extra.append(("Mcp-Session-Id", "s-someone-else"))
         self.send(handler, message, self.result_of(message), extra)
 
-    def result_of(self, message: dict[str, Any]) -> dict[str, Any]:
+    def result_of(  # noqa: PLR0911 -- one return per answer the fake gives
+        self, message: dict[str, Any]
+    ) -> dict[str, Any]:
         method, params = message["method"], message.get("params", {})
         if method == "server/discover":
             if self.revision != "modern":
@@ -8097,6 +8099,9 @@ class FakeRemoteMcp:
             return {"result": {"tools": REMOTE_TOOLS}}
         if method == "tools/call" and "together" in self.behaviours:
             self.together.wait(timeout=10)  # raises, and the call fails, unless two are in
+        if method == "tools/call" and "echo_ok" in self.behaviours:  # in a result
+            said = f"you sent {json.dumps(self.requests[-1][1])}"
+            return {"result": {"content": [{"type": "text", "text": said}]}}
         if method == "tools/call" and "echo" in self.behaviours:  # what it was sent, back
             said = f"refused: you sent {json.dumps(self.requests[-1][1])}"
             return {"error": {"code": -32603, "message": said}}
@@ -8297,6 +8302,22 @@ class RemoteMcpTest(LoopTestCase):
         self.assertIn("[redacted]", refused["error"])
         log = self.audit_path.read_text()
         self.assertNotIn("k-0123456789abcdef", log + done.stdout + done.stderr)  # …and kept nowhere
+
+    def test_a_token_the_server_echoes_in_a_result_never_reaches_the_model(self) -> None:
+        with FakeRemoteMcp(behaviours=["echo_ok"]) as remote:
+            done, requests = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                "Authorization=REMOTE_TOKEN",
+                "--mcp-read-only",
+                "lookup",
+                REMOTE_TOKEN="s3cret-token-123",
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        self.assertIn('"authorization": "[redacted]"', result["content"])
+        self.assertNotIn("s3cret-token-123", json.dumps([r.json() for r in requests]))
 
     def test_flags_that_would_leak_or_mislead_are_refused(self) -> None:
         cases = [
