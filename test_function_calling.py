@@ -4802,23 +4802,31 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertEqual(no_demo.returncode, 2)
         self.assertIn("no scripted demo", no_demo.stderr)
 
-    def test_a_copy_with_the_mcp_section_cut_out_still_runs_the_recipe(self) -> None:
+    def cut_section(self, marker: str, cut: re.Pattern[str]) -> str:
+        """The folder's module with the section between `# >>> MARKER` and `# <<< MARKER`
+        cut out, as the README's sed line cuts it (checked against sed itself), written back;
+        the rest must name nothing the section defines."""
         module = self.folder / "function_calling.py"
-        kept, count = MCP_CUT.subn("", module.read_text())
+        kept, count = cut.subn("", module.read_text())
         self.assertEqual(count, 1)
-        self.assertIn("sed '/^# >>> MCP/,/^# <<< MCP/d' function_calling.py", README.read_text())
+        command = f"/^# >>> {marker}/,/^# <<< {marker}/d"
+        self.assertIn(f"sed '{command}' function_calling.py", README.read_text())
         if shutil.which("sed"):
-            sed = ["sed", "/^# >>> MCP/,/^# <<< MCP/d", str(module)]
+            sed = ["sed", command, str(module)]
             self.assertEqual(
                 subprocess.run(sed, capture_output=True, text=True, check=True).stdout, kept
             )
-        section = MCP_CUT.search(MODULE.read_text())
+        section = cut.search(MODULE.read_text())
         assert section is not None
         named = [n for n in top_level_names(section.group()) if re.search(rf"\b{n}\b", kept)]
-        self.assertEqual(named, [], "the rest names the MCP section")
+        self.assertEqual(named, [], f"the rest names the {marker} section")
+        module.write_text(kept)
+        return kept
+
+    def test_a_copy_with_the_mcp_section_cut_out_still_runs_the_recipe(self) -> None:
+        kept = self.cut_section("MCP", MCP_CUT)
         code = kept.split('"""', 2)[2]  # the docstring names the section only as optional
         self.assertEqual(re.findall(r"(?i).{0,30}mcp.{0,30}", code), [])
-        module.write_text(kept)
         done, _ = self.my_app("ask", "Is T-000123 open?", script=LOOKUP_THEN_FIX)
         self.assertEqual((done.returncode, done.stdout), (0, "T-000123 is open.\n"))
         unknown, _ = self.my_app("ask", "hi", "--mcp", "true")
@@ -4826,22 +4834,7 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertIn("unrecognized arguments: --mcp", unknown.stderr)
 
     def test_a_copy_with_the_inbox_section_cut_out_still_runs_the_recipe(self) -> None:
-        module = self.folder / "function_calling.py"
-        kept, count = INBOX_CUT.subn("", module.read_text())
-        self.assertEqual(count, 1)
-        self.assertIn(
-            "sed '/^# >>> INBOX/,/^# <<< INBOX/d' function_calling.py", README.read_text()
-        )
-        if shutil.which("sed"):
-            sed = ["sed", "/^# >>> INBOX/,/^# <<< INBOX/d", str(module)]
-            self.assertEqual(
-                subprocess.run(sed, capture_output=True, text=True, check=True).stdout, kept
-            )
-        section = INBOX_CUT.search(MODULE.read_text())
-        assert section is not None
-        named = [n for n in top_level_names(section.group()) if re.search(rf"\b{n}\b", kept)]
-        self.assertEqual(named, [], "the rest names the inbox section")
-        module.write_text(kept)
+        self.cut_section("INBOX", INBOX_CUT)
         action_id = self.propose_close()
         self.assertEqual(self.my_app("approve", action_id)[0].returncode, 0)
         self.assertEqual(self.ticket_state("T-000123"), "closed")
