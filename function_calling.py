@@ -6496,10 +6496,22 @@ class McpServer:
                 "server/discover", *probe, deadline, True, self.startup_timeout, True
             )
         except McpRefusedError as exc:  # it answered: legacy, or modern without our version
-            versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
-            if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
-                return self._legacy_or_none(versions, hello, deadline)
-            return self._initialize(hello, deadline)
+            return self._after_refusal(exc, hello, deadline)
+        return self._after_discovery(found, hello, deadline)
+
+    def _after_refusal(
+        self, exc: McpRefusedError, hello: tuple[int, _Answer] | None, deadline: float
+    ) -> str:
+        """server/discover refused: a modern server without our version, or a legacy one."""
+        versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
+        if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
+            return self._legacy_or_none(versions, hello, deadline)
+        return self._initialize(hello, deadline)
+
+    def _after_discovery(
+        self, found: Mapping[str, Any], hello: tuple[int, _Answer] | None, deadline: float
+    ) -> str:
+        """server/discover answered: modern if it offers our version, else the handshake."""
         versions = found.get("supportedVersions")
         if isinstance(versions, list) and MCP_MODERN in versions:
             if hello is not None:
@@ -6943,14 +6955,8 @@ class McpHttpServer(McpServer):
         except McpTimeoutError:
             return self._initialize(None, deadline)
         except McpRefusedError as exc:
-            versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
-            if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
-                return self._legacy_or_none(versions, None, deadline)
-            return self._initialize(None, deadline)
-        versions = found.get("supportedVersions")
-        if isinstance(versions, list) and MCP_MODERN in versions:
-            return MCP_MODERN
-        return self._legacy_or_none(versions if isinstance(versions, list) else [], None, deadline)
+            return self._after_refusal(exc, None, deadline)
+        return self._after_discovery(found, None, deadline)
 
     # -- the messages
 
@@ -7209,9 +7215,10 @@ class McpHttpServer(McpServer):
         """As on stdio, with the values of our headers cut from the result: a server that
         echoes the token it was sent must not hand it to the model (and its provider)."""
         result = super().call_tool(name, arguments, meta)
-        if not any(len(value) >= 8 and value in _compact(result) for value in self.env.values()):
+        text = _compact(result)
+        if not any(len(value) >= 8 and value in text for value in self.env.values()):
             return result
-        cut: dict[str, Any] = json.loads(self._without_env(_compact(result).encode()))
+        cut: dict[str, Any] = json.loads(self._without_env(text.encode()))
         return cut
 
     def record(self, event: str, **fields: Any) -> None:
