@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,493 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 2,090 lines), makes each of its promises hold against real servers and
@@ -249,6 +249,9 @@ class Tool:
     # OpenAI's strict mode for this function's arguments; tool_table then refuses a schema
     # strict mode would reject (see _strict_problem).
     strict: ClassVar[bool] = False
+    # Cannot hang (no network, no wait without a bound): a reply's one call to it runs on the
+    # loop's thread. Others run on a worker, which tool_timeout can abandon (_runs_inline).
+    inline: ClassVar[bool] = False
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
@@ -1006,23 +1009,27 @@ class ToolLoop:
         self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
     ) -> Iterator[ToolResult]:
         """Answer every call, in call order. The calls run concurrently, `tool_workers` at a
-        time; after a guard, past the per-reply cap, or past `tool_timeout` a call is answered
-        and audited without its result."""
+        time (a reply's one call to an inline tool, on this thread); after a guard, past the
+        per-reply cap, or past `tool_timeout` on a worker a call is answered and audited
+        without its result."""
         runnable = [] if guard else list(calls[: self.max_calls_per_reply])
         deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
 
         def run_one(call: ToolCall) -> ToolResult:
             return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
 
-        running = _start_calls(runnable, run_one, self.tool_workers)
-        for call, future in zip(calls, running, strict=False):
-            try:
-                yield future.result(timeout=max(deadline - time.monotonic(), 0))
-            except concurrent.futures.TimeoutError:
-                future.cancel()  # a call still queued never starts
-                yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
+        if _runs_inline(runnable, self.tools):  # no hand-off: nothing to abandon
+            yield run_one(runnable[0])
+        else:
+            running = _start_calls(runnable, run_one, self.tool_workers)
+            for call, future in zip(calls, running, strict=False):
+                try:
+                    yield future.result(timeout=max(deadline - time.monotonic(), 0))
+                except concurrent.futures.TimeoutError:
+                    future.cancel()  # a call still queued never starts
+                    yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
         reason = guard or "too_many_calls"
-        not_run = calls[len(running) :]
+        not_run = calls[len(runnable) :]
         named = self.max_calls_per_reply
         yield from skip_calls(not_run, reason, named, context, self.audit, turn.rounds)
 
@@ -2430,6 +2437,16 @@ def timed_out_call(
     _audit_call(audit, call, context, round_number, "timeout", time.monotonic() - timeout, {})
     message = f"the tool gave no result within {timeout:g} s; try again later or ask the user"
     return ToolResult(call, _error_content("timeout", message), "timeout")
+
+
+def _runs_inline(calls: Sequence[ToolCall], tools: Mapping[str, Tool]) -> bool:
+    """Run on the loop's own thread? Only a reply's one call, to a tool that cannot hang
+    (Tool.inline) or to no tool (nothing runs: it is answered with an error); several calls
+    run at once, on workers."""
+    if len(calls) != 1:
+        return False
+    tool = tools.get(calls[0].name)
+    return tool is None or tool.inline
 
 
 def _start_calls(
@@ -8366,6 +8383,7 @@ class GetOrderStatus(Tool):
         "when the customer has no such order."
     )
     parameters: ClassVar[dict[str, Any]] = ONE_ORDER
+    inline = True  # one indexed read of a local file; sqlite3 bounds its wait for a lock
 
     def __init__(self, store: OrderStore) -> None:
         self.store = store
@@ -8403,6 +8421,7 @@ class ListRecentOrders(Tool):
         "required": ["limit"],
         "additionalProperties": False,
     }
+    inline = True  # as getOrderStatus: a local read, whose wait for a lock is bounded
 
     def __init__(self, store: OrderStore) -> None:
         self.store = store

@@ -2265,6 +2265,56 @@ class WorkerThreadTest(LoopTestCase):
         self.assertEqual(len(results), 4)
         self.assertTrue(all("thread" in r for r in results), results)  # none waited on the hung one
 
+    def test_the_one_call_of_a_reply_to_an_inline_tool_runs_on_the_loops_own_thread(self) -> None:
+        here = threading.current_thread().name
+        script = [
+            tool_call_reply([("whichThread", "{}")]),
+            text_reply("ok"),
+            tool_call_reply([("whichThread", "{}")] * 2),
+            text_reply("ok"),
+        ]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, [InlineThreadNamingTool()], self.audit)
+            for _ in range(2):
+                self.assertEqual(loop.run("?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
+        alone, together = tool_results(server.requests[1]), tool_results(server.requests[3])
+        self.assertEqual(alone, [{"thread": here}])  # no hand-off to a worker
+        self.assertNotIn({"thread": here}, together)  # two calls: on workers, at once
+        self.assertEqual(len(together), 2)
+        with self.audit_path.open() as log:
+            lines = [json.loads(line) for line in log]
+        calls = [line for line in lines if line["event"] == "tool_call"]
+        self.assertEqual([line["outcome"] for line in calls], ["ok"] * 3)
+
+    def test_two_calls_to_an_inline_tool_still_run_at_the_same_time(self) -> None:
+        tool = InlineBarrierTool(2)
+        result, requests = self.run_turn(
+            [tool_call_reply([("waitForOthers", "{}")] * 2), text_reply("ok")], tools=[tool]
+        )
+        self.assertEqual(tool_results(requests[1]), [{"ok": True}] * 2)  # the barrier opened
+        self.assertEqual(result.stop_reason, "answered")
+
+    def test_a_lone_call_to_a_tool_that_is_not_inline_still_times_out(self) -> None:
+        hanging = HangingTool()
+        self.addCleanup(self.await_late_line, "hang")
+        self.addCleanup(hanging.release.set)
+        result, requests = self.run_turn(
+            [tool_call_reply([("hang", "{}")]), text_reply("It did not answer.")],
+            tools=[hanging],
+            loop={"tool_timeout": 0.3},
+        )
+        self.assertEqual(tool_results(requests[1])[0]["error"], "timeout")
+        self.assertEqual(result.answer, "It did not answer.")
+
+
+class InlineThreadNamingTool(ThreadNamingTool):
+    inline = True
+
+
+class InlineBarrierTool(BarrierTool):
+    inline = True
+
 
 MEMORY_PROBE = r"""
 import json, sys, tempfile, tracemalloc
@@ -7320,14 +7370,22 @@ class SleepyTool(Tool):
 
 
 class TrivialTool(Tool):
-    """A tool that does nothing: what is left of a round is the mechanism's own cost."""
+    """A tool that does nothing: what is left of a round is the mechanism's own cost. It
+    cannot hang, so it says so: a reply's one call to it runs on the loop's thread."""
 
     name = "getOrderStatus"
     description = "Does nothing. Use it in benchmarks. Returns {ok}."
     parameters: ClassVar[dict[str, Any]] = fc.GetOrderStatus.parameters
+    inline = True
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         return {"ok": True}
+
+
+class TrivialToolOnAWorker(TrivialTool):
+    """The same, run as a tool that may hang is: on a worker thread, under tool_timeout."""
+
+    inline = False
 
 
 # ------------------------------------------------------------------------------------ inbox
@@ -8397,6 +8455,7 @@ class Benchmarks(LoopTestCase):
     def test_a_tool_round_against_bare_posts_on_a_kept_connection(self) -> None:
         for label, tools, fsync in (
             ("a trivial tool, audit fsync off", [TrivialTool()], False),
+            ("a trivial tool on a worker thread, fsync off", [TrivialToolOnAWorker()], False),
             ("the shipped SQLite tool, audit fsync on", self.tools, True),
         ):
             report(
@@ -8639,6 +8698,7 @@ class Benchmarks(LoopTestCase):
         tls = tls_server_context(self.data_dir)
         for label, tools, fsync, secure in (
             ("http, a trivial tool, audit fsync off", [TrivialTool()], False, False),
+            ("http, that tool on a worker thread", [TrivialToolOnAWorker()], False, False),
             ("https, the shipped SQLite tool, audit fsync on", self.tools, True, True),
         ):
             if secure and tls is None:
@@ -8669,7 +8729,7 @@ class Benchmarks(LoopTestCase):
                     )
                 urls = [url.replace("http:", "https:") for url in urls]
             cafile = str(tls[1]) if tls else ""
-            stack = "shipped" if tools is self.tools else "trivial"
+            stack = "shipped" if tools is self.tools else "trivial" if tools[0].inline else "worker"
             our_round = RoundInAChild(
                 [sys.executable, "-c", OUR_ROUND, str(HERE), urls[0], cafile, stack, str(fsync)]
             )
@@ -8861,6 +8921,7 @@ url, cafile, stack, fsync = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] =
 
 class Trivial(fc.Tool):
     name, description, parameters = "getOrderStatus", "A lookup.", fc.GetOrderStatus.parameters
+    inline = stack == "trivial"  # else "worker": on a worker thread, under tool_timeout
     def execute(self, args, context):
         return {"ok": True}
 
