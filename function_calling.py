@@ -655,6 +655,7 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
 # Where a value sits in a JSON text, as (start, end): the echo and the parse read the same.
 Span: TypeAlias = tuple[int, int]
 _GAP = re.compile(r"[ \t\n\r]*[:,]?[ \t\n\r]*")
+_PLAIN_KEY = re.compile(r'"([^"\\]*)"[ \t\n\r]*:[ \t\n\r]*')  # a key, and past its ':'
 _DECODER = json.JSONDecoder()
 _SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and keeps no object
 
@@ -672,8 +673,12 @@ def _members(text: str, span: Span | None) -> dict[str, Span] | None:
     members: dict[str, Span] = {}
     pos = _gap(text, span[0] + 1)
     while text[pos] != "}":
-        key, pos = _DECODER.raw_decode(text, pos)
-        start = _gap(text, pos)  # past the ':'
+        plain = _PLAIN_KEY.match(text, pos)
+        if plain:  # most keys: nothing to unescape (and the text is JSON: no control byte)
+            key, start = plain.group(1), plain.end()
+        else:
+            key, pos = _DECODER.raw_decode(text, pos)
+            start = _gap(text, pos)  # past the ':'
         pos = _SKIMMER.raw_decode(text, start)[1]
         members[key] = (start, pos)
         pos = _gap(text, pos)  # past the ',', or at the '}'
@@ -4143,14 +4148,15 @@ _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
 def _newest_turns(
     db: sqlite3.Connection, conversation_id: str, max_bytes: int
 ) -> tuple[int, tuple[SavedTurn, ...]]:
-    """How many turns are saved, and the newest of them that fit in `max_bytes` (read newest
-    first, one row at a time, and no further); ValueError if a turn is missing or damaged."""
-    count, last = db.execute(
-        "SELECT COUNT(*), COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
+    """How many turns are saved (the newest one's number: the next is one more, so a save
+    never collides), and the newest of them that fit in `max_bytes` (read newest first, one
+    row at a time, and no further); ValueError if one read is damaged or not the next older.
+    Not COUNT(*): it reads every turn's index entry, and a turn must cost the same after
+    300,000 turns as after 30."""
+    (count,) = db.execute(
+        "SELECT COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
         (conversation_id,),
     ).fetchone()
-    if count != last:  # a gap: turn 3 after turn 1 would make every later save collide
-        raise ValueError(conversation_id)
     rows = db.execute(
         "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
         " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
@@ -4162,7 +4168,7 @@ def _newest_turns(
 
 def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
     """A turn as load reads it back, or ValueError if it is not what was saved: a row edited
-    by hand, or missing (turn 3 after turn 1 would make every later save collide)."""
+    by hand, or one missing before it (turn 1 read after turn 3: what is sent has a hole)."""
     messages_json, base_url, model, stop_reason, told_json, ended_at = row
     if turn != expected or not all(isinstance(v, str) for v in row):
         raise ValueError(turn)

@@ -8622,26 +8622,15 @@ class Benchmarks(LoopTestCase):
         report(ratio_line("a reply asking for four 300 ms tools / one asking for one", pairs))
         self.assertLess(statistics.median(s / b for s, b in pairs), 4)  # they ran at once
 
-    def test_a_saved_turn_after_3000_turns(self) -> None:
+    def test_a_saved_turn_after_30000_turns(self) -> None:
         conversations = fc.Conversations(self.database)
-        filler = fc.SavedTurn(
-            (fc._message("user", "x" * 10_000), fc._message("assistant", "y" * 100)),
-            ("http://127.0.0.1:1/v1", "bench"),
-            "answered",
-            (),
-            "2026-01-01T00:00:00Z",
-        )
         saved = {}
-        for count in (30, 3_000):  # both past the history cap of 256 KiB: the same is sent
+        for count in (30, 30_000):  # both past the history cap of 256 KiB: the same is sent
             conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-            for _ in range(count):
-                conversations._insert(conversation, filler)
-                conversation = dataclasses.replace(
-                    conversation, turn_count=conversation.turn_count + 1
-                )
+            saved_turns(self.database, conversation.conversation_id, count)
             saved[count] = conversation.conversation_id
         runs = 41
-        servers = [ScriptedChatServer([text_reply("ok")] * (2 * runs)) for _ in range(3)]
+        servers = [ScriptedChatServer([text_reply("ok")] * (2 * runs + 1)) for _ in range(3)]
         with servers[0], servers[1], servers[2]:
             loops = [
                 ToolLoop(
@@ -8657,20 +8646,21 @@ class Benchmarks(LoopTestCase):
                 loaded = conversations.load(saved[count], DEMO_CUSTOMER)
                 conversations.turn(loop, loaded, "and?", ToolContext(DEMO_CUSTOMER), self.approvals)
 
-            history = conversations.load(saved[3_000], DEMO_CUSTOMER).history()
+            turn_of(30_000, loops[0]), turn_of(30, loops[1])  # from now on: their own origin
+            history = conversations.load(saved[30_000], DEMO_CUSTOMER).history()
             plain = functools.partial(loops[2].run, "and?", ToolContext(DEMO_CUSTOMER), history)
             flat = interleaved(
-                functools.partial(turn_of, 3_000, loops[0]),
+                functools.partial(turn_of, 30_000, loops[0]),
                 functools.partial(turn_of, 30, loops[1]),
                 runs,
             )
-            overhead = interleaved(functools.partial(turn_of, 3_000, loops[0]), plain, runs)
+            overhead = interleaved(functools.partial(turn_of, 30_000, loops[0]), plain, runs)
         report(
-            ratio_line("a saved turn (load, turn, save) after 3,000 saved turns / after 30", flat)
+            ratio_line("a saved turn (load, turn, save) after 30,000 saved turns / after 30", flat)
         )
         report(
             ratio_line(
-                "a saved turn after 3,000 saved turns / the same turn, the same history sent,"
+                "a saved turn after 30,000 saved turns / the same turn, the same history sent,"
                 " without a conversation",
                 overhead,
             )
@@ -8859,6 +8849,36 @@ class Benchmarks(LoopTestCase):
             os.close(bare)
             state = "on" if fsync else "off"
             report(ratio_line(f"50 audit appends, fsync {state} / 50 bare O_APPEND writes", pairs))
+
+
+def saved_turns(database: fc.Database, conversation_id: str, count: int) -> None:
+    """`count` turns saved at once (as Conversations saves one): the newest 30 of 10 KB each,
+    which is more than the history sends, the older ones of 100 bytes (so 30,000 are quick to
+    write). Their origin is another server's: the benchmark's first turn of each sends them
+    portable, and saves a turn of its own loop's, so later turns echo them as they are."""
+    with database.write_transaction() as db:
+        db.executemany(
+            "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
+            " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                (
+                    conversation_id,
+                    turn,
+                    json.dumps(
+                        [
+                            fc._message("user", "x" * (10_000 if count - turn < 30 else 100)),
+                            fc._message("assistant", "y" * 100),
+                        ]
+                    ),
+                    "http://127.0.0.1:1/v1",
+                    "bench",
+                    "answered",
+                    "[]",
+                    "2026-01-01T00:00:00Z",
+                )
+                for turn in range(1, count + 1)
+            ),
+        )
 
 
 def bare_stream_kept(connection: http.client.HTTPConnection, body: bytes) -> object:
