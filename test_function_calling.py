@@ -8646,7 +8646,8 @@ class Benchmarks(LoopTestCase):
                 loaded = conversations.load(saved[count], DEMO_CUSTOMER)
                 conversations.turn(loop, loaded, "and?", ToolContext(DEMO_CUSTOMER), self.approvals)
 
-            turn_of(30_000, loops[0]), turn_of(30, loops[1])  # from now on: their own origin
+            turn_of(30_000, loops[0])  # from now on, each conversation's origin is its loop's
+            turn_of(30, loops[1])
             history = conversations.load(saved[30_000], DEMO_CUSTOMER).history()
             plain = functools.partial(loops[2].run, "and?", ToolContext(DEMO_CUSTOMER), history)
             flat = interleaved(
