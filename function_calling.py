@@ -655,7 +655,6 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
 # Where a value sits in a JSON text, as (start, end): the echo and the parse read the same.
 Span: TypeAlias = tuple[int, int]
 _GAP = re.compile(r"[ \t\n\r]*[:,]?[ \t\n\r]*")
-_PLAIN_KEY = re.compile(r'"([^"\\]*)"[ \t\n\r]*:[ \t\n\r]*')  # a key, and past its ':'
 _DECODER = json.JSONDecoder()
 _SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and keeps no object
 
@@ -673,12 +672,8 @@ def _members(text: str, span: Span | None) -> dict[str, Span] | None:
     members: dict[str, Span] = {}
     pos = _gap(text, span[0] + 1)
     while text[pos] != "}":
-        plain = _PLAIN_KEY.match(text, pos)
-        if plain:  # most keys: nothing to unescape (and the text is JSON: no control byte)
-            key, start = plain.group(1), plain.end()
-        else:
-            key, pos = _DECODER.raw_decode(text, pos)
-            start = _gap(text, pos)  # past the ':'
+        key, pos = _DECODER.raw_decode(text, pos)
+        start = _gap(text, pos)  # past the ':'
         pos = _SKIMMER.raw_decode(text, start)[1]
         members[key] = (start, pos)
         pos = _gap(text, pos)  # past the ',', or at the '}'
