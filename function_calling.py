@@ -1811,7 +1811,8 @@ class ChatClient:
         """The first try and the retries."""
         for attempt in range(self.settings.max_retries + 1):
             try:
-                return replace(self._post(body, turn_deadline, on_text), retries=attempt)
+                reply = self._post(body, turn_deadline, on_text)
+                return replace(reply, retries=attempt) if attempt else reply  # a copy: 8 us
             except _RetryableError as failure:
                 if attempt == self.settings.max_retries:
                     tries = f"gave up after {attempt} {'retry' if attempt == 1 else 'retries'}"
