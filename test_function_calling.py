@@ -8470,14 +8470,18 @@ class Benchmarks(LoopTestCase):
         self, tools: Sequence[Tool], fsync: bool, runs: int
     ) -> list[tuple[float, float]]:
         audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
-        turns = ScriptedChatServer([lookup, text_reply("ok")] * (runs + 1))
-        floor = ScriptedChatServer([lookup, text_reply("ok")] * runs)
-        with turns, floor:
+        script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
+            client = ChatClient(Settings(base_url=recorder.base_url, model="bench"))
+            approvals = Approvals(self.database, audit)
+            ToolLoop(client, tools, audit, approvals=approvals).run(
+                "where?", ToolContext(DEMO_CUSTOMER)
+            )
+        first, second = recorder.requests[0].body, recorder.requests[1].body
+        with ServerInAChild(script, runs + 1) as turns, ServerInAChild(script, runs) as floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(client, tools, audit, approvals=Approvals(self.database, audit))
+            loop = ToolLoop(client, tools, audit, approvals=approvals)
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
-            first, second = turns.requests[0].body, turns.requests[1].body
             kept = kept_connection(floor.base_url)
             pairs = interleaved(
                 lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER)),
@@ -8959,6 +8963,46 @@ for _ in sys.stdin:
     loop.run("where?", fc.ToolContext("CUST-0001"))
     print((time.perf_counter() - started) * 1000, flush=True)
 """
+
+
+# A scripted server in a process of its own, as a real server is: in the benchmark's process
+# it would share the GIL, and its work after each response would be charged to whichever
+# client was busy then (the bare POST, idle, pays none of it).
+SERVER_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import function_calling as fc
+script = [reply.encode() for reply in json.loads(sys.stdin.readline())]
+with fc.ScriptedChatServer(script * int(sys.argv[2])) as server:
+    print(server.base_url, flush=True)
+    sys.stdin.readline()  # until the benchmark closes it
+"""
+
+
+class ServerInAChild:
+    """ScriptedChatServer(script * times), in a child process, for as long as the block."""
+
+    def __init__(self, script: Sequence[bytes], times: int) -> None:
+        self.script, self.times = script, times
+
+    def __enter__(self) -> ServerInAChild:
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", SERVER_CHILD, str(HERE), str(self.times)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps([reply.decode() for reply in self.script]) + "\n")
+        self.child.stdin.flush()
+        self.base_url = self.child.stdout.readline().strip()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.close()
+        self.child.wait(timeout=60)
+        self.child.stdout.close()
 
 
 class RoundInAChild:
