@@ -29,7 +29,7 @@ Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
 Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
       yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,499 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
 hardening (about 2,090 lines), makes each of its promises hold against real servers and
@@ -499,8 +499,7 @@ def _utc_now() -> str:
 # ------------------------------------------------------------------------------- the request
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+_compact = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps makes one per call
 
 
 def _message(role: str, content: str) -> str:
@@ -3066,12 +3065,9 @@ class AuditFile:
 
         The record is encoded before the flock is taken, so that processes sharing a log
         wait on each other only for the chain's tail, the write and its hash."""
-        # ensure_ascii: a lone surrogate in the model's arguments cannot break the write
-        rest = json.dumps(
-            {k: v for k, v in fields.items() if k not in ("seq", "prev")},
-            ensure_ascii=True,
-            separators=(",", ":"),
-        ).encode("ascii")
+        # _compact writes ASCII: a lone surrogate in the model's arguments cannot break it
+        record = {k: v for k, v in fields.items() if k not in ("seq", "prev")}
+        rest = _compact(record).encode("ascii")
         with _exclusive_lock(fd):
             size, seq, prev = self._chain_tail(fd)
             line = b'{"seq":%d,"prev":"%s",' % (seq + 1, prev.encode()) + rest[1:]
