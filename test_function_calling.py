@@ -4945,6 +4945,7 @@ class ImportTest(unittest.TestCase):
         heavy = ["sqlite3", "_sqlite3", "concurrent.futures", "http.server", "socketserver"]
         heavy += ["urllib.request", "argparse", "tempfile", "getpass", "shlex", "decimal"]
         heavy += ["subprocess", "shutil", "bz2", "lzma"]  # the MCP section's, for its servers
+        heavy += ["typing", "html"]  # annotations only; the inbox's page
         probe = "import function_calling, sys; print(sorted(set(sys.argv[1:]) & set(sys.modules)))"
         done = subprocess.run(  # -S: what a site's .pth files import is not the module's doing
             [sys.executable, "-S", "-c", probe, *heavy],
