@@ -70,7 +70,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, closing, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
@@ -234,7 +234,7 @@ class Tool:
     The description is written for the model: what the tool does, when to use it, the argument
     formats and what comes back. `parameters` is the JSON Schema the model reads; it is a hint,
     and `execute` enforces every rule of it again by hand. Least privilege: a tool gets only
-    what it needs; one that only reads opens its data read-only (Database.connect_read_only)
+    what it needs; one that only reads reads through a read-only connection (Database.reading)
     and passes values to SQL as parameters, never inside the SQL text.
     """
 
@@ -1288,7 +1288,7 @@ class Approvals:
         """Open actions, oldest first: filed with their audit line, and not expired. Settles
         what a crash left half done first, unless a filing or decision is under way."""
         _settle_if_free(self)
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             rows = db.execute(
                 f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
                 " WHERE status = 'pending' AND expires_at > ?"
@@ -2790,7 +2790,7 @@ class Ledger:
 
     def spent(self) -> dict[str, Tally]:
         """Every scope's figures, by key."""
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
         return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
 
@@ -3395,7 +3395,7 @@ def _settle_if_free(approvals: Approvals) -> None:
 
 def _settle(approvals: Approvals) -> None:
     """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
-    with closing(approvals.database.connect_read_only()) as db:
+    with approvals.database.reading() as db:
         rows = db.execute(
             "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
         ).fetchall()
@@ -3432,7 +3432,7 @@ def _recover_decision(
             "%s: an interrupted %s was not applied; the audit log now says so", action_id, step
         )
         return
-    with closing(approvals.database.connect_read_only()) as db:
+    with approvals.database.reading() as db:
         row = db.execute(
             f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
             (action_id,),
@@ -3474,7 +3474,7 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
                 "rejected",
             ):
                 decided[str(record.get("action_id"))] = str(record["outcome"])
-    with closing(database.connect_read_only()) as db:
+    with database.reading() as db:
         actions = dict(db.execute("SELECT action_id, status FROM pending_actions").fetchall())
         in_doubt = {row[0] for row in db.execute("SELECT action_id FROM in_flight")}
     problems = [
@@ -3507,6 +3507,8 @@ class Database:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._writer: sqlite3.Connection | None = None  # opened by the first write
         self._writing = threading.Lock()  # one transaction at a time on it (tool threads too)
+        self._readers: list[tuple[sqlite3.Connection, tuple[int, int]]] = []  # idle, and of what
+        self._lending = threading.Lock()
 
     def install(
         self,
@@ -3538,6 +3540,33 @@ class Database:
         return sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True)
 
     @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """A read-only connection (connect_read_only) for the block, kept open after it for
+        the next reading: a new one costs 0.2 ms, as SQLite reads the whole schema at a
+        connection's first statement, more than a lookup itself. Each block has one to itself;
+        what it leaves open is rolled back, so the next sees every commit made meanwhile; a
+        file put in place of the one it read (a backup restored) is opened anew."""
+        file = _file_identity(self.path)
+        with self._lending:
+            kept = [reader for reader in self._readers if reader[1] == file]
+            stale = [reader for reader, identity in self._readers if identity != file]
+            db = kept[-1][0] if kept else None
+            self._readers = [reader for reader in kept if reader[0] is not db]
+        for reader in stale:
+            reader.close()
+        if db is None:
+            db = sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True, check_same_thread=False)
+        try:
+            yield db
+            if db.in_transaction:
+                db.rollback()
+        except BaseException:
+            db.close()  # whatever state it is in, it is not lent again
+            raise
+        with self._lending:
+            self._readers.append((db, file))
+
+    @contextmanager
     def write_transaction(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: committed if the block ends, rolled back if it raises.
 
@@ -3556,16 +3585,22 @@ class Database:
                 raise
 
     def close(self) -> None:
-        """Close the kept write connection; a later write opens another."""
+        """Close the kept connections; a later write or reading opens another."""
         with self._writing:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+        with self._lending:
+            readers, self._readers = self._readers, []
+        for reader, _ in readers:
+            reader.close()
 
     def __del__(self) -> None:  # let go unclosed: closed all the same, without a warning
         writer = getattr(self, "_writer", None)
         if writer is not None:
             writer.close()
+        for reader, _ in getattr(self, "_readers", ()):
+            reader.close()
 
     def _open_writer(self) -> sqlite3.Connection:
         db = sqlite3.connect(
@@ -3589,6 +3624,15 @@ class Database:
         except sqlite3.Error:
             db.close()
             self._writer = None
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    """Which file is at `path` now: (device, inode); (0, 0) if none is."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return 0, 0
+    return status.st_dev, status.st_ino
 
 
 _SCHEMA_VERSIONS = """
@@ -3909,7 +3953,7 @@ def _decisions(
         return []
     _settle_if_free(approvals)
     marks = ", ".join("?" for _ in action_ids)
-    with closing(approvals.database.connect_read_only()) as db:
+    with approvals.database.reading() as db:
         rows = db.execute(
             "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
             " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
@@ -3978,7 +4022,7 @@ class Conversations:
         """The conversation, if it is this customer's; ConversationError otherwise (another
         customer's reads exactly like a missing one). Of its turns, the newest that its next
         turn sends are read (Conversation.turns), newest first, and no further."""
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             db.execute(
                 "BEGIN"
             )  # one snapshot: a turn another process saves meanwhile is not half seen
@@ -4002,7 +4046,7 @@ class Conversations:
 
     def list(self) -> list[dict[str, Any]]:
         """Every saved conversation, newest activity first: id, customer, turns, last turn."""
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             rows = db.execute(
                 "SELECT c.conversation_id, c.customer_id, c.created_at, COUNT(t.turn),"
                 " MAX(t.ended_at) FROM conversations c"
@@ -4083,7 +4127,7 @@ class Conversations:
     def _waiting(self, conversation_id: str) -> tuple[str, ...]:
         """The approvals the conversation filed whose decision it has not been told, in the
         order they were filed."""
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             rows = db.execute(
                 "SELECT action_id FROM conversation_actions WHERE conversation_id = ?"
                 " AND told_turn IS NULL ORDER BY filed_turn, rowid",
@@ -5282,6 +5326,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
 ]
 
 from collections.abc import Generator  # noqa: E402 -- the MCP section's own imports: the cut takes them
+from contextlib import closing  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 
@@ -7886,7 +7931,7 @@ class Inbox:
     def _what_led_to(self) -> dict[str, tuple[str, str]]:
         """For each waiting action filed in a saved conversation: the customer's message and
         the model's text of the turn that filed it (one query, whatever the number)."""
-        with closing(self.workspace.database.connect_read_only()) as db:
+        with self.workspace.database.reading() as db:
             if not db.execute(
                 "SELECT 1 FROM sqlite_master WHERE name = 'conversation_actions'"
             ).fetchone():
@@ -7901,7 +7946,7 @@ class Inbox:
         return {action_id: _turn_text(messages, action_id) for action_id, messages in rows}
 
     def _decided_rows(self) -> list[tuple[Any, ...]]:
-        with closing(self.workspace.database.connect_read_only()) as db:
+        with self.workspace.database.reading() as db:
             return db.execute(
                 "SELECT a.action_id, a.customer_id, a.tool, a.arguments_json, a.status,"
                 " a.decided_at, a.decided_by, o.result_json, o.reason"
@@ -8453,7 +8498,7 @@ class RequestShippingRefund(Tool):
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         order_id = require_pattern(args, "orderId", ORDER_ID, "an order id like ORD-1003")
-        with closing(self.store.database.connect_read_only()) as db:
+        with self.store.database.reading() as db:
             cents = self.store.refundable_shipping(db, context.customer_id, order_id)
         return {"orderId": order_id, "amount": f"{cents / 100:.2f}", "currency": "USD"}
 
@@ -8558,7 +8603,7 @@ class OrderStore:
         self.database = database
 
     def order_status(self, customer_id: str, order_id: str) -> dict[str, Any]:
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             row = db.execute(
                 "SELECT o.status, o.updated_on, o.note, s.promised_on, s.delivered_on"
                 " FROM orders o LEFT JOIN shipments s USING (order_id)"
@@ -8579,7 +8624,7 @@ class OrderStore:
         }
 
     def recent_orders(self, customer_id: str, limit: int, status: str) -> dict[str, Any]:
-        with closing(self.database.connect_read_only()) as db:
+        with self.database.reading() as db:
             rows = db.execute(
                 "SELECT order_id, status, placed_on FROM orders"
                 " WHERE customer_id = ? AND (? = 'ALL' OR status = ?)"

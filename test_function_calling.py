@@ -4203,6 +4203,56 @@ class DatabaseTest(LoopTestCase):
         parts = {"approvals": 1, "approval_outcomes": 1, "shop": 1, "extra": 3}
         self.assertEqual(self.versions(), parts)
 
+    def order_status(self) -> str:
+        lookup = fc.tool_table(self.tools)["getOrderStatus"]
+        return str(lookup.run({"orderId": "ORD-1001"}, ToolContext(DEMO_CUSTOMER))["status"])
+
+    def set_status(self, path: Path, status: str) -> None:
+        """Another process's commit."""
+        with closing(sqlite3.connect(path)) as other, other:
+            other.execute("UPDATE orders SET status = ? WHERE order_id = 'ORD-1001'", (status,))
+
+    def test_kept_readers_see_each_commit_and_no_transaction_left_open_in_them(self) -> None:
+        self.order_status()  # its reader is kept now
+        self.set_status(self.db_path, "DELIVERED")
+        self.assertEqual(self.order_status(), "DELIVERED")
+        with self.database.reading() as db:
+            db.execute("BEGIN")  # a snapshot, never ended by the block
+            self.assertGreater(db.execute("SELECT COUNT(*) FROM orders").fetchone()[0], 0)
+        self.set_status(self.db_path, "PROCESSING")
+        self.assertEqual(self.order_status(), "PROCESSING")  # not read in that old snapshot
+        with self.database.reading() as db, self.assertRaises(sqlite3.OperationalError):
+            db.execute("DELETE FROM orders")  # read-only, kept or not
+
+    def test_a_database_file_put_in_place_of_the_one_read_is_read_at_the_next_reading(self) -> None:
+        self.assertEqual(self.order_status(), "SHIPPED")  # its reader is kept now
+        moved = self.data_dir / "moved"
+        moved.mkdir()
+        for name in os.listdir(self.data_dir):
+            if name.startswith(self.db_path.name):
+                os.rename(self.data_dir / name, moved / name)
+        fc.shop_tools(fc.Database(self.db_path))  # a new database in the same place
+        self.set_status(self.db_path, "DELIVERED")
+        self.assertEqual(self.order_status(), "DELIVERED")
+
+    def test_readings_at_once_each_have_a_connection_of_their_own(self) -> None:
+        together = threading.Barrier(3, timeout=10)
+        held: list[int] = []
+
+        def read() -> None:
+            with self.database.reading() as db:
+                held.append(id(db))
+                together.wait()  # all three inside their blocks at once
+                db.execute("SELECT COUNT(*) FROM orders").fetchone()
+
+        self.order_status()  # one reader kept, for the first of them to take
+        threads = [threading.Thread(target=read) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(len(set(held)), 3)
+
     def test_a_schema_installs_whole_or_not_at_all_whatever_its_semicolons(self) -> None:
         self.database.install(
             "quoted",
