@@ -78,6 +78,11 @@ DEMO_CUSTOMER = SHOP_CUSTOMER
 # The module's warnings (a retry, a settled crash) are tested with assertLogs; with no handler
 # at all, logging's last resort would print them among the dots.
 logging.getLogger("function_calling").addHandler(logging.NullHandler())
+# Ctrl-C as a terminal gives it, also when the suite was started in the background: a shell
+# starts a background job with SIGINT ignored, every child keeps an ignored signal, and the
+# tests that press Ctrl-C on a child (chat, ask, inbox) would wait for it to stop in vain.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 HERE = Path(__file__).resolve().parent
 MODULE = HERE / "function_calling.py"
