@@ -1811,7 +1811,7 @@ class ChatClient:
         for attempt in range(self.settings.max_retries + 1):
             try:
                 reply = self._post(body, turn_deadline, on_text)
-                return replace(reply, retries=attempt) if attempt else reply  # a copy: 8 us
+                return replace(reply, retries=attempt) if attempt else reply  # no copy
             except _RetryableError as failure:
                 if attempt == self.settings.max_retries:
                     tries = f"gave up after {attempt} {'retry' if attempt == 1 else 'retries'}"
@@ -3542,8 +3542,8 @@ class Database:
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
         """A read-only connection (connect_read_only) for the block, kept open after it for
-        the next reading: a new one costs 0.2 ms, as SQLite reads the whole schema at a
-        connection's first statement, more than a lookup itself. Each block has one to itself;
+        the next reading: SQLite reads the whole schema at a new connection's first statement,
+        which costs more than a lookup itself. Each block has one to itself;
         what it leaves open is rolled back, so the next sees every commit made meanwhile; a
         file put in place of the one it read (a backup restored) is opened anew."""
         file = _file_identity(self.path)
@@ -4187,8 +4187,8 @@ def _newest_turns(
     """How many turns are saved (the newest one's number: the next is one more, so a save
     never collides), and the newest of them that fit in `max_bytes` (read newest first, one
     row at a time, and no further); ValueError if one read is damaged or not the next older.
-    Not COUNT(*): it reads every turn's index entry, and a turn must cost the same after
-    300,000 turns as after 30."""
+    Not COUNT(*): it reads every turn's index entry, and a turn after 30,000 turns must cost
+    what one after 30 does (`make bench`)."""
     (count,) = db.execute(
         "SELECT COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
         (conversation_id,),
