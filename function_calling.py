@@ -32,10 +32,10 @@ Yours: write Tool subclasses, put them in an App, and call main(app=…) (README
 First reading: Part I, the mechanism, is lines 1 to 1,499 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 2,090 lines), makes each of its promises hold against real servers and
+hardening (about 2,160 lines), makes each of its promises hold against real servers and
 faults: the transport · the stream · the workers · budgets · server quirks · start-up checks
 · the audit chain · the approvals' journal · the database. Part III, operating it (about
-1,550 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
+1,650 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
 three parts between markers, when this copy still has them, that nothing before depends on
 and one cut removes each: MCP tools (from Model Context Protocol servers, on stdio or over
 HTTP, under the same policy), the inbox (a web page where a person decides what waits) and a
