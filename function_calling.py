@@ -234,7 +234,7 @@ class Tool:
     The description is written for the model: what the tool does, when to use it, the argument
     formats and what comes back. `parameters` is the JSON Schema the model reads; it is a hint,
     and `execute` enforces every rule of it again by hand. Least privilege: a tool gets only
-    what it needs; one that only reads reads through a read-only connection (Database.reading)
+    what it needs; one that only reads uses a read-only connection (Database.reading)
     and passes values to SQL as parameters, never inside the SQL text.
     """
 
@@ -3541,28 +3541,35 @@ class Database:
 
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
-        """A read-only connection (connect_read_only) for the block, kept open after it for
-        the next reading: SQLite reads the whole schema at a new connection's first statement,
-        which costs more than a lookup itself. Each block has one to itself;
-        what it leaves open is rolled back, so the next sees every commit made meanwhile; a
-        file put in place of the one it read (a backup restored) is opened anew."""
+        """A read-only connection (as connect_read_only's) for the block, kept open after it
+        for the next reading: SQLite reads the whole schema at a new connection's first
+        statement, which costs more than a lookup itself. Each block has one to itself; what
+        it leaves open is rolled back, so the next block sees every commit made meanwhile; a
+        file put in place of the one read (a backup restored) is opened anew."""
         file = _file_identity(self.path)
         with self._lending:
-            kept = [reader for reader in self._readers if reader[1] == file]
-            stale = [reader for reader, identity in self._readers if identity != file]
-            db = kept[-1][0] if kept else None
-            self._readers = [reader for reader in kept if reader[0] is not db]
+            stale = [db for db, of in self._readers if of != file]
+            kept = [db for db, of in self._readers if of == file]
+            db = kept.pop() if kept else None
+            self._readers = [(reader, file) for reader in kept]
         for reader in stale:
             reader.close()
         if db is None:
             db = sqlite3.connect(f"{self.path.as_uri()}?mode=ro", uri=True, check_same_thread=False)
         try:
             yield db
+        finally:
+            self._give_back(db, file)
+
+    def _give_back(self, db: sqlite3.Connection, file: tuple[int, int]) -> None:
+        """A reader back among the kept ones, what it left open rolled back first; one that
+        cannot roll back is closed instead."""
+        try:
             if db.in_transaction:
                 db.rollback()
-        except BaseException:
-            db.close()  # whatever state it is in, it is not lent again
-            raise
+        except sqlite3.Error:
+            db.close()
+            return
         with self._lending:
             self._readers.append((db, file))
 
