@@ -7815,11 +7815,6 @@ TOOL_SOURCES.append(_McpFlags())
 # every form carries the session's CSRF token, and a request naming another Host is refused
 # (DNS rebinding). The operator is the one the inbox was started for, never a form field.
 
-if TYPE_CHECKING:  # the inbox's own import, so that the cut takes it; at its first page
-    import html
-else:
-    html = _OnFirstUse("html")
-
 INBOX_MAX_BODY = 16 * 1024  # bytes in one POST: a decision is an id and a reason
 INBOX_REQUEST_S = 10.0  # every byte of one request (its line, headers and body) by this
 INBOX_DECIDED_SHOWN = 50  # decided actions listed, newest first
@@ -7849,6 +7844,8 @@ _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 def _text(value: object) -> str:
     """Hostile text for HTML, element text or a quoted attribute alike: its invisible
     characters written out as \\uXXXX, then escaped (& < > " ')."""
+    import html  # noqa: PLC0415 -- the inbox's own, at its first page (and the cut takes it)
+
     shown = _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value))
     return html.escape(shown, quote=True)
 
