@@ -6979,7 +6979,9 @@ class McpHttpServer(McpServer):
         self.label = _cut(self._url._replace(query="", fragment="").geturl(), 200)
         self.env = dict(headers or {})  # what _without_env redacts from the server's words
         self._headers = dict(headers or {})
-        self._tls = tls
+        # the CA store is loaded once (as ChatClient does), not for every connection
+        https = self._url.scheme == "https"
+        self._tls = (tls or ssl.create_default_context()) if https else None
         self._idle: list[_TimedHTTPConnection] = []  # kept alive; one per concurrent call
         self._session: str | None = None  # the server's Mcp-Session-Id, once it gave one
         self._renewing = threading.Lock()  # one new session at a time, however many lost it
@@ -7342,10 +7344,11 @@ def _mcp_url(url: str) -> urllib.parse.SplitResult:
 def _mcp_connection(
     url: urllib.parse.SplitResult, tls: ssl.SSLContext | None, deadline: float
 ) -> _TimedHTTPConnection:
+    """A connection to the server: over TLS with `tls` (https: certificates verified, hosts
+    checked), plain without it."""
     host = url.hostname or ""
-    if url.scheme == "https":
-        context = tls or ssl.create_default_context()  # certificates verified, hosts checked
-        return _TimedHTTPSConnection(host, url.port, context=context, deadline=deadline)
+    if tls is not None:
+        return _TimedHTTPSConnection(host, url.port, context=tls, deadline=deadline)
     return _TimedHTTPConnection(host, url.port, deadline=deadline)
 
 
