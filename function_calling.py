@@ -2101,7 +2101,7 @@ def read_stream(
     """Assemble a streamed reply, handing each piece of text to on_text as it arrives; the
     message it assembles may hold at most `limit` bytes (the events' framing does not count)."""
     message = _StreamedMessage(limit)
-    for data in _sse_data(chunks):
+    for data in _sse_data(chunks, limit):  # an event is no larger than a whole reply may be
         if data == "[DONE]":
             break
         try:
@@ -2122,44 +2122,60 @@ def read_stream(
         raise ApiError("the stream carried fields nested too deep to assemble") from None
 
 
-def _sse_data(chunks: Iterable[bytes]) -> Iterator[str]:
+def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
     """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
     endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
     such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
     `retry:`; a blank line ends an event. As the WHATWG rules say: one byte-order mark at the
     start is skipped, and bytes that are not UTF-8 become U+FFFD (the event's JSON then names
-    what it can; nothing raises a UnicodeDecodeError)."""
+    what it can; nothing raises a UnicodeDecodeError). An event, the line still arriving
+    included, of more than `max_event` characters (so bytes) is refused as it grows: a line
+    that never ends must not be read to the stream's end. Each chunk is split on its own and
+    a line's pieces joined once, when it ends, so the cost is linear in the bytes."""
     # a character may span two chunks; errors="replace" is the spec's own decoding
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending, started = "", False
+    started = after_cr = False
+    line: list[str] = []  # the line not yet ended, in the pieces it came in
+    line_size = data_size = 0
     data: list[str] = []
     for chunk in chunks:
         text = decoder.decode(chunk)
-        if not started and text:
+        if not text:
+            continue  # part of one character: what follows a CR is not known yet
+        if not started:
             text, started = text.removeprefix("\ufeff"), True
-        lines, pending = _complete_lines(pending + text)
-        for line in lines:
-            if line:
-                _take_field(line, data)
+        if after_cr and text.startswith("\n"):  # a CRLF split between two chunks
+            text = text[1:]
+        after_cr = text.endswith("\r")
+        *ended, rest = _LINE_END.split(text)
+        for piece in ended:
+            whole = "".join((*line, piece)) if line else piece
+            line, line_size = [], 0
+            if whole:
+                data_size += _take_field(whole, data)
             elif data:
                 yield "\n".join(data)
-                data = []
-    _take_field(pending.removesuffix("\r"), data)  # a last line may end in a lone CR
+                data, data_size = [], 0
+        if rest:
+            line.append(rest)
+            line_size += len(rest)
+        if data_size + line_size > max_event:
+            raise ApiError(f"the stream carried an event of more than {max_event} bytes")
+    _take_field("".join(line), data)
     if data:  # the spec drops an event without its blank line; a server closing after it means it
         yield "\n".join(data)
 
 
-def _complete_lines(text: str) -> tuple[list[str], str]:
-    """Split off the complete lines; a trailing CR waits, since an LF may follow it."""
-    held = "\r" if text.endswith("\r") else ""
-    *lines, rest = re.split(r"\r\n|\r|\n", text[: len(text) - len(held)])
-    return lines, rest + held
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
-def _take_field(line: str, data: list[str]) -> None:
+def _take_field(line: str, data: list[str]) -> int:
+    """A `data:` line's value added to `data`; returns its length (0 for any other line)."""
     name, _, value = line.partition(":")
-    if name == "data":
-        data.append(value[1:] if value.startswith(" ") else value)
+    if name != "data":
+        return 0
+    data.append(value[1:] if value.startswith(" ") else value)
+    return len(data[-1])
 
 
 class _StreamedMessage:
@@ -7160,7 +7176,7 @@ class McpHttpServer(McpServer):
         try:
             body = _chunks(response, self.max_message_bytes)
             if kind == "text/event-stream":
-                for data in _sse_data(body):
+                for data in _sse_data(body, self.max_message_bytes):
                     yield self._message_in(data.encode())
             elif kind == "application/json":
                 yield self._message_in(b"".join(body))
@@ -8248,8 +8264,12 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
             return inbox.session(values[0]) if len(values) == 1 else None
 
         def _sign_in(self, query: str) -> None:
-            token = urllib.parse.parse_qs(query, max_num_fields=4).get("token", [""])[0]
-            cookie = inbox.sign_in(token)
+            try:  # more fields than a link has is a malformed request, not a failure of ours
+                fields = urllib.parse.parse_qs(query, max_num_fields=4)
+            except ValueError:
+                self._page(400, "Refused", "That link could not be read.")
+                return
+            cookie = inbox.sign_in(fields.get("token", [""])[0])
             if cookie is None:
                 self._page(403, "Not signed in", "That link's token is not this inbox's.")
                 return
