@@ -3356,9 +3356,18 @@ def _withdraw(approvals: Approvals, action_id: str) -> None:
 
 
 def _step_finished(approvals: Approvals, intent_id: str) -> None:
-    """A step whose every line is written: its row goes."""
-    with approvals.database.write_transaction() as db:
-        db.execute("DELETE FROM in_flight WHERE intent_id = ?", (intent_id,))
+    """A step whose every line is written: its row goes. If the database cannot be written
+    now (a full disk), the row stays, which changes nothing that happened: the next filing
+    or decision settles it, finding every line it needs in the log, by removing it."""
+    try:
+        with approvals.database.write_transaction() as db:
+            db.execute("DELETE FROM in_flight WHERE intent_id = ?", (intent_id,))
+    except (sqlite3.Error, OSError) as exc:
+        _log.warning(
+            "done, and in the audit log; but its journal row could not be removed (%s), so"
+            " the next filing or decision removes it",
+            exc,
+        )
 
 
 _TURNS_WITHOUT_FLOCK = threading.Lock()  # Windows: the threads of one process take turns

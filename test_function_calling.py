@@ -3953,6 +3953,48 @@ class ApprovalCliTest(ApprovalCase):
         self.assertEqual(again.stderr, f"error: {action_id}: already approved; nothing was run\n")
         self.assertEqual(self.refunds(), [("ORD-1003", action_id, 599)])
 
+    def test_an_approval_that_fills_the_disk_says_it_was_applied(self) -> None:
+        # Under a file-size limit, the smallest that lets the approval's transaction commit
+        # leaves no room for the commit after it, which removes the journal row: what the
+        # command says must be what happened (applied), not "try again"
+        action_id = self.propose()["approvalId"]
+        saved = self.data_dir.parent / (self.data_dir.name + "-saved")
+        shutil.copytree(self.data_dir, saved)
+        self.addCleanup(shutil.rmtree, saved)
+
+        def approve_within(kib: int) -> subprocess.CompletedProcess[str]:
+            shutil.rmtree(self.data_dir)
+            shutil.copytree(saved, self.data_dir)
+            command = f'ulimit -f {kib}; exec "$0" "$@"'
+            return subprocess.run(
+                ["bash", "-c", command, sys.executable, str(MODULE), "approve", action_id],
+                env={"PATH": os.environ.get("PATH", ""), "FUNCTION_CALLING_DATA": str(self.data_dir)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+
+        low = sum(path.stat().st_size for path in saved.iterdir()) // 1024
+        high = low + 512  # KiB: room for everything an approval writes
+        self.assertTrue(self.refunds() == [] and approve_within(high).returncode == 0)
+        while low + 1 < high:  # the smallest limit under which the refund is applied
+            middle = (low + high) // 2
+            approve_within(middle)
+            applied = self.refunds() != []
+            low, high = (low, middle) if applied else (middle, high)
+        done = approve_within(high)
+        self.assertEqual(self.refunds(), [("ORD-1003", action_id, 599)])
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertNotIn("try again", done.stderr)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn(f"approved {action_id}", done.stdout)
+        self.assertIn("could not be removed", done.stderr)  # the limit did bite, and it says so
+        self.assertEqual(self.decide("pending").returncode, 0)  # the next command settles it
+        with closing(sqlite3.connect(self.db_path)) as db:
+            self.assertEqual(db.execute("SELECT * FROM in_flight").fetchall(), [])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, Database(self.db_path)), [])
+
     def test_a_rejected_action_cannot_be_approved(self) -> None:
         action_id = self.propose()["approvalId"]
         self.assertEqual(self.decide("reject", action_id).returncode, 0)
