@@ -7357,13 +7357,25 @@ def _mcp_url(url: str) -> urllib.parse.SplitResult:
         _ = parts.port  # a port that is no number raises here, not at the first request
     except ValueError:
         raise ConfigError("--mcp-url: its port is not a number") from None
-    loopback = parts.hostname in ("localhost", "::1") or parts.hostname.startswith("127.")
-    if parts.scheme == "http" and not loopback:
+    if parts.scheme == "http" and not _is_this_machine(parts.hostname):
         raise ConfigError(
             f"--mcp-url http://{parts.hostname}…: https is required for a server that is not"
             " on this machine"
         )
     return parts
+
+
+def _is_this_machine(host: str) -> bool:
+    """localhost, or an IP address that is loopback (127.0.0.0/8, ::1). subtle: a name that
+    only starts with 127. (127.0.0.1.nip.io) is anybody's, and DNS sends it anywhere."""
+    import ipaddress  # noqa: PLC0415 -- here only: a command without --mcp-url needs none of it
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
 
 
 def _mcp_connection(
@@ -7769,7 +7781,7 @@ def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, 
     """NAME=VARIABLE pairs as headers, each value read from the environment, so that no
     token is typed on a command line (where `ps` and the shell's history would keep it).
     Authorization gets "Bearer " before the value unless it starts so already. Never the
-    OpenAI key: a variable holding it is refused, whatever its name."""
+    OpenAI key: a value holding it ("Bearer <key>" too) is refused, whatever its name."""
     headers: dict[str, str] = {}
     for pair in named:
         name, equals, variable = pair.partition("=")
@@ -7784,7 +7796,7 @@ def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, 
             raise ConfigError(
                 f"--mcp-header {name}: {variable} holds characters a header cannot carry"
             )
-        if value == environ.get("OPENAI_API_KEY"):
+        if _holds_the_key(value, environ):
             raise ConfigError(
                 f"--mcp-header {name}: {variable} holds the OpenAI key, which no MCP server gets"
             )
@@ -7811,7 +7823,9 @@ def _names(values: Sequence[str]) -> set[str]:
 
 
 def _mcp_env(choices: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
-    """The servers' whole environment: NAME=VALUE as given, NAME alone as ours has it."""
+    """The servers' whole environment: NAME=VALUE as given, NAME alone as ours has it. Never
+    the OpenAI key, under any name: a server that needs a key of OpenAI's gets one of its own
+    (one that can be revoked without ours)."""
     env: dict[str, str] = {}
     for choice in choices:
         name, equals, value = choice.partition("=")
@@ -7821,8 +7835,19 @@ def _mcp_env(choices: Sequence[str], environ: Mapping[str, str]) -> dict[str, st
             if name not in environ:
                 raise ConfigError(f"--mcp-env {name}: not set here, so there is nothing to pass")
             value = environ[name]
+        if _holds_the_key(value, environ):
+            raise ConfigError(
+                f"--mcp-env {name}: its value holds the OpenAI key, which no MCP server gets;"
+                " give the server a key of its own"
+            )
         env[name] = value
     return env
+
+
+def _holds_the_key(value: str, environ: Mapping[str, str]) -> bool:
+    """Whether `value` holds the OpenAI key anywhere in it ("Bearer <key>", "<key> ")."""
+    key = environ.get("OPENAI_API_KEY", "")
+    return bool(key) and key in value
 
 
 TOOL_SOURCES.append(_McpFlags())
