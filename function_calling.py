@@ -194,13 +194,14 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
-def _redacted(text: str, key: str | None) -> str:
+def _redacted(text: str, key: str | None, keep: str = "") -> str:
     """Text from a server, fit to show: a server may echo the request back, so the key,
     and any start of it long enough to matter (a body cut mid-key), is redacted; control
-    characters (an ESC[2J, a terminal title) are shown escaped, never sent to a terminal."""
+    characters (an ESC[2J, a terminal title) but those in `keep` are shown escaped, never
+    sent to a terminal."""
     for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
         text = text.replace((key or "")[:length], "[redacted]")
-    return _control_escaped(text)
+    return _control_escaped(text, keep)
 
 
 def _control_escaped(text: str, keep: str = "") -> str:
@@ -3142,9 +3143,25 @@ _SECRETS = (
 )
 
 
+_SECRET_NAME = re.compile(
+    r"(?i)password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|authorization"
+)  # a key whose text value is a secret: {"token": …}
+
+
 def _scrubbed(value: Any) -> Any:
     """Text with what looks like a secret redacted: a URL's user:password@, an Authorization
-    header's credentials, a password=, token= or api_key= value, an sk-… key."""
+    header's credentials, a password=, token= or api_key= value, an sk-… key. In a decoded
+    object or list, every string in it, and the text under a key named so ({"token": …}):
+    redacted before it is serialised, where escaped quotes would hide it from the patterns."""
+    if isinstance(value, list):
+        return [_scrubbed(item) for item in value]
+    if isinstance(value, dict):
+        return {
+            key: "[redacted]"
+            if isinstance(item, str) and isinstance(key, str) and _SECRET_NAME.search(key)
+            else _scrubbed(item)
+            for key, item in value.items()
+        }
     if not isinstance(value, str):
         return value
     for shape, replacement in _SECRETS:
@@ -4333,6 +4350,7 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     never lets a traceback out."""
     app = app or App()
     _tolerant_streams()
+    _log.addFilter(_SHOWN_REDACTED)  # once: a logger keeps one copy of a filter
     parser = _build_parser(app)
     typed = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -4344,13 +4362,13 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
         code: int = args.command(args, app)
         return code
     except (ConfigError, ConversationError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _say_error(str(exc))
         return EXIT_USAGE
     except (ApprovalError, AuditError, ToolSourceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _say_error(str(exc))
         return EXIT_FAILED
     except sqlite3.OperationalError as exc:  # "database is locked": another process holds it
-        print(f"error: the database could not be used ({exc}); try again", file=sys.stderr)
+        _say_error(f"the database could not be used ({exc}); try again")
         return EXIT_FAILED
     except BrokenPipeError:  # `ask … | head -1`: the reader left; the turn is already audited
         _discard_stdout()
@@ -4361,6 +4379,29 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, no internals
         print(f"error: unexpected {type(exc).__name__}; nothing more was done", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _say_error(text: str) -> None:
+    """One error line on stderr, redacted as everything shown to a user is."""
+    print(f"error: {_shown_to_user(text)}", file=sys.stderr)
+
+
+def _shown_to_user(text: str) -> str:
+    """A text as a user is shown it: what looks like a secret (_scrubbed), and the OpenAI key
+    whole or by its start, redacted; control characters escaped. An error may quote a server
+    (the stderr of one that died at start), and no server's words are trusted."""
+    return _redacted(_scrubbed(text), os.environ.get("OPENAI_API_KEY"), keep="\n")
+
+
+class _ShownRedacted(logging.Filter):
+    """Every warning of this module's, redacted as an error line is (_shown_to_user)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = _shown_to_user(record.getMessage()), ()
+        return True
+
+
+_SHOWN_REDACTED = _ShownRedacted()
 
 
 def _tolerant_streams() -> None:
@@ -4743,7 +4784,7 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
         try:
             question = _question(line, args.max_question)
         except ConfigError as exc:  # one line refused; the chat goes on
-            print(f"error: {exc}", file=sys.stderr)
+            _say_error(str(exc))
             worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
             continue
         unsaved = saved.unsaved
@@ -4878,7 +4919,7 @@ def _report(result: TurnResult, printer: _Printer | None = None) -> int:
     if result.stop_reason in _CUT_SHORT:
         if result.answer and not streamed:
             print(result.answer, flush=True)
-        print(f"error: {result.error or _CUT_SHORT[result.stop_reason]}", file=sys.stderr)
+        _say_error(result.error or _CUT_SHORT[result.stop_reason])
         return EXIT_FAILED
     if result.stop_reason in GUARD_STOPS:
         print(result.answer, flush=True)
@@ -4888,7 +4929,7 @@ def _report(result: TurnResult, printer: _Printer | None = None) -> int:
         print(result.answer, flush=True)
         print(f"stopped: {result.error}", file=sys.stderr)
         return EXIT_BUDGET
-    print(f"error: {result.error}", file=sys.stderr)
+    _say_error(str(result.error))
     return EXIT_FAILED
 
 
@@ -6416,6 +6457,7 @@ class McpServer:
         self.command = list(command)
         self.label = _cut(shlex.join(self.command), 200)  # for the user and the audit only
         self.env = dict(env or {})
+        self._secrets = _secret_values(self.env.values())  # never said back: _unsaid
         self.timeout = timeout
         self.probe_timeout = probe_timeout
         self.startup_timeout = startup_timeout
@@ -6625,7 +6667,8 @@ class McpServer:
     def _initialize(self, hello: tuple[int, _Answer] | None, deadline: float) -> str:
         """The 2025-11-25 handshake, its initialize already asked (`hello`) or asked now."""
         if hello is None:
-            hello = self._ask("initialize", _HELLO, False)
+            left = max(0.0, deadline - time.monotonic())
+            hello = self._ask("initialize", _HELLO, False, budget=left)
         result = self._await("initialize", *hello, deadline, False, self.startup_timeout)
         version = result.get("protocolVersion")
         if version not in MCP_LEGACY_ANSWERS:
@@ -6633,12 +6676,14 @@ class McpServer:
                 f"MCP server {self.label} answered initialize with revision {_shown(version)},"
                 " which this client does not speak"
             )
-        self._notify({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        self._notify({"jsonrpc": "2.0", "method": "notifications/initialized"}, deadline)
         return str(version)
 
-    def _notify(self, message: Mapping[str, Any]) -> None:
-        """A message that asks for no answer (a notification, or our answer to a request)."""
-        self._send(message, self.timeout, self._running())
+    def _notify(self, message: Mapping[str, Any], deadline: float | None = None) -> None:
+        """A message that asks for no answer (a notification, or our answer to a request),
+        written by `deadline` (else within the timeout)."""
+        timeout = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        self._send(message, timeout, self._running())
 
     # -- the messages
 
@@ -6655,8 +6700,11 @@ class McpServer:
         params: Mapping[str, Any],
         modern: bool,
         woken: threading.Event | None = None,
+        *,
+        budget: float | None = None,
     ) -> tuple[int, _Answer]:
-        """Send one request; its answer comes to the _Answer returned."""
+        """Send one request, written within `budget` (else the timeout); its answer comes to
+        the _Answer returned."""
         if modern:
             params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
         answer = _Answer(woken)
@@ -6668,7 +6716,7 @@ class McpServer:
             self._pending[ident] = answer
         message = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
         try:
-            self._send(message, self.timeout, process)
+            self._send(message, self.timeout if budget is None else budget, process)
         except BaseException:
             with self._lock:
                 self._pending.pop(ident, None)
@@ -6715,7 +6763,9 @@ class McpServer:
             code = error.get("code") if isinstance(error, dict) else None
             data = error.get("data") if isinstance(error, dict) else None
             if not quiet:
-                self.record("mcp_error", method=method, error=_cut(_compact(error), 2000))
+                # redacted decoded, before it is text: in JSON its quotes come escaped
+                said = _cut(_compact(_scrubbed(error)), 2000)
+                self.record("mcp_error", method=method, error=said)
             shown = code if isinstance(code, int) and not isinstance(code, bool) else "?"
             raise McpRefusedError(
                 f"MCP server {self.label} refused {method} (JSON-RPC error {shown});"
@@ -6785,7 +6835,7 @@ class McpServer:
     def _take(self, line: bytes, process: subprocess.Popen[bytes]) -> bool:
         """One line from the server; False if it broke the protocol (the server is stopped)."""
         try:
-            message = json.loads(line, parse_constant=_refuse_constant)
+            message = self._unsaid(json.loads(line, parse_constant=_refuse_constant))
         except (ValueError, RecursionError, ArgumentError):
             message = None
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
@@ -6843,18 +6893,22 @@ class McpServer:
         return McpError(f"MCP server {self.label} {how} before it answered{ends}")
 
     def _stderr_said(self) -> str:
-        """The end of the server's stderr as one line: escaped, cut, its environment redacted."""
-        text = _control_escaped(" ".join(self._without_env(self._stderr_tail).split()))
+        """The end of the server's stderr as one line: redacted, escaped, cut."""
+        said = _scrubbed(self._unsaid_window(self._stderr_tail))
+        text = _control_escaped(" ".join(said.split()))
         return text if len(text) <= MCP_STDERR_TAIL_CHARS else "…" + text[-MCP_STDERR_TAIL_CHARS:]
 
-    def _without_env(self, said: bytes) -> str:
-        """A server's words with the values of its environment redacted: a token passed with
-        --mcp-env may be printed back, and belongs neither on a screen nor in the log."""
-        text = said.decode("utf-8", "replace")
-        for value in sorted(self.env.values(), key=len, reverse=True):
-            if len(value) >= 8:
-                text = text.replace(value, "[redacted]")
-        return text
+    def _unsaid(self, said: Any) -> Any:
+        """What the server said (a decoded message, a header, a body), with every value we
+        gave it redacted: a token may be said back anywhere (a tool's name or description,
+        an id, an error, a result), and belongs on no screen, in no log line and with no
+        model. The one redaction of a server's words, done as they come in."""
+        return _without_secrets(said, self._secrets) if self._secrets else said
+
+    def _unsaid_window(self, said: bytes) -> str:
+        """Bytes cut from a longer text (the start or the end of stderr), redacted as _unsaid
+        does, and a piece of a value at either edge of the cut too."""
+        return _window_without_secrets(said.decode("utf-8", "replace"), self._secrets)
 
     def _break(self, error: McpError, process: subprocess.Popen[bytes]) -> McpError:
         """`process` cannot be trusted any more: every waiting request gets `error`, and it is
@@ -6877,9 +6931,10 @@ class McpServer:
             return self._process
 
     def record(self, event: str, **fields: Any) -> None:
-        """A line in the audit log (if this server has one), naming the server."""
+        """A line in the audit log (if this server has one), naming the server; what we gave
+        the server is redacted from every field, nested ones too."""
         if self.audit is not None:
-            self.audit.record(event, server=self.label, **fields)
+            self.audit.record(event, server=self.label, **self._unsaid(fields))
 
     def _record_stop(self, process: subprocess.Popen[bytes]) -> None:
         """How the server ended, and the start of its stderr: for operators, never the model.
@@ -6889,7 +6944,7 @@ class McpServer:
                 "mcp_server",
                 state="stopped",
                 exit_code=process.returncode,
-                stderr=self._without_env(bytes(self._stderr)),
+                stderr=self._unsaid_window(bytes(self._stderr)),
                 stderr_bytes=self._stderr_bytes,
             )
 
@@ -6906,6 +6961,54 @@ def _declined(request: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
+MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
+
+
+def _secret_values(values: Iterable[str]) -> tuple[str, ...]:
+    """What a server must never get back to a screen, the log or the model: each value we
+    gave it (an --mcp-env value, a header's), and the credential after a scheme ("Bearer
+    tok…" gives "tok…" as well), longest first so that a longer one is cut whole."""
+    found: set[str] = set()
+    for value in values:
+        _, space, credential = value.partition(" ")
+        found.update((value, credential.strip()) if space else (value,))
+    return tuple(sorted((v for v in found if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True))
+
+
+def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
+    """A decoded value with every secret cut from its strings (its keys too), and a number
+    whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, "[redacted]")
+        return value
+    if isinstance(value, dict):
+        return {
+            _without_secrets(key, secrets): _without_secrets(item, secrets)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_without_secrets(item, secrets) for item in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        digits = repr(value)
+        return "[redacted]" if any(secret in digits for secret in secrets) else value
+    return value
+
+
+def _window_without_secrets(text: str, secrets: Sequence[str]) -> str:
+    """A window onto a longer text with every secret cut out, and the piece of one that
+    either edge of the window cut through (four characters or more) too."""
+    text = _without_secrets(text, secrets)
+    for secret in secrets:
+        for size in range(len(secret) - 1, 3, -1):
+            if text.endswith(secret[:size]):
+                text = text[:-size] + "[redacted]"
+                break
+        for size in range(len(secret) - 1, 3, -1):
+            if text.startswith(secret[-size:]):
+                text = "[redacted]" + text[size:]
+                break
+    return text
 
 
 def _unreadable_to_children() -> None:
@@ -7002,7 +7105,7 @@ class McpHttpServer(McpServer):
         self._url = _mcp_url(url)
         # the label, in every message and log line, leaves out the query: it may hold a key
         self.label = _cut(self._url._replace(query="", fragment="").geturl(), 200)
-        self.env = dict(headers or {})  # what _without_env redacts from the server's words
+        self._secrets = _secret_values((headers or {}).values())  # never said back: _unsaid
         self._headers = dict(headers or {})
         # the CA store is loaded once (as ChatClient does), not for every connection
         https = self._url.scheme == "https"
@@ -7080,10 +7183,11 @@ class McpHttpServer(McpServer):
             answer.deliver(error=exc)
         return ident, answer
 
-    def _notify(self, message: Mapping[str, Any]) -> None:
-        """POST a message that asks for no answer, on a connection of its own: the kept one
-        may be in the middle of the stream that carried a request of the server's."""
-        deadline = time.monotonic() + self.timeout
+    def _notify(self, message: Mapping[str, Any], deadline: float | None = None) -> None:
+        """POST a message that asks for no answer, on a connection of its own (the kept one
+        may be in the middle of the stream that carried a request of the server's), all of
+        it by `deadline`: that of the call it is part of (else within the timeout)."""
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
         headers = self._headers_for(message, self.protocol == MCP_MODERN)
         connection = _mcp_connection(self._url, self._tls, deadline)
         try:
@@ -7104,7 +7208,7 @@ class McpHttpServer(McpServer):
             used = self._session
             try:
                 with closing(self._messages(message, deadline, modern)) as came:
-                    return self._answer_among(came, message)
+                    return self._answer_among(came, message, deadline)
             except _SessionLostError:
                 if attempt == 2 or message.get("method") == "initialize":
                     raise McpError(f"MCP server {self.label} lost the session again") from None
@@ -7115,15 +7219,21 @@ class McpHttpServer(McpServer):
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _answer_among(
-        self, came: Iterator[dict[str, Any]], message: Mapping[str, Any]
+        self, came: Iterator[dict[str, Any]], message: Mapping[str, Any], deadline: float
     ) -> dict[str, Any]:
         """The answer to `message` among what came: the server's notifications are dropped,
-        its requests declined, and an answer to anything else breaks the session."""
+        its requests declined, and an answer to anything else breaks the session. Declines
+        are sent within the call's deadline, and nothing is taken once it has passed: a
+        server that asks and asks must not stretch the call."""
         for got in came:
+            if time.monotonic() >= deadline:
+                raise McpTimeoutError(
+                    f"MCP server {self.label}: no answer to {message['method']} by the deadline"
+                )
             if "method" in got:
                 if "id" in got:
                     with suppress(McpError):  # as on stdio: our answer is a courtesy
-                        self._notify(_declined(got))
+                        self._notify(_declined(got), deadline)
                 continue
             if got.get("id") == message["id"] and ("result" in got or "error" in got):
                 return got
@@ -7190,7 +7300,7 @@ class McpHttpServer(McpServer):
             elif kind == "application/json":
                 yield self._message_in(b"".join(body))
             else:
-                shown = _shown(kind or "no Content-Type")
+                shown = _shown(self._unsaid(kind) or "no Content-Type")
                 raise self._broken_by(
                     f"MCP server {self.label} answered with {shown}: neither JSON nor a stream"
                 )
@@ -7206,7 +7316,7 @@ class McpHttpServer(McpServer):
 
     def _message_in(self, data: bytes) -> dict[str, Any]:
         try:
-            message = json.loads(data, parse_constant=_refuse_constant)
+            message = self._unsaid(json.loads(data, parse_constant=_refuse_constant))
         except (ValueError, RecursionError, ArgumentError):
             message = None
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
@@ -7237,13 +7347,14 @@ class McpHttpServer(McpServer):
         self, response: http.client.HTTPResponse, said: str, headers: Mapping[str, str]
     ) -> McpError:
         status = response.status
+        said = _cut(self._unsaid(said), 2000)  # redacted whole, then cut: no piece is left
         if status == 404 and "Mcp-Session-Id" in headers:
             return _SessionLostError(f"MCP server {self.label} lost the session")
         if headers.get("Mcp-Method") != "server/discover":  # the probe's refusal is expected
             with suppress(AuditError):
                 self.record("mcp_error", status=status, error=said)
         if status == 401:
-            scheme = (response.getheader("WWW-Authenticate") or "").split(" ")[0]
+            scheme = self._unsaid(response.getheader("WWW-Authenticate") or "").split(" ")[0]
             wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
             return McpError(
                 f"MCP server {self.label} needs authorization{wanted}: put its token in an"
@@ -7302,26 +7413,6 @@ class McpHttpServer(McpServer):
                     " certificate authority of this machine's vouches for it)"
                 ) from None
             raise McpError(f"MCP server {self.label}: {_transport_reason(exc)}") from None
-
-    def call_tool(
-        self, name: str, arguments: Mapping[str, Any], meta: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """As on stdio, with the values of our headers cut from the result: a server that
-        echoes the token it was sent must not hand it to the model (and its provider)."""
-        result = super().call_tool(name, arguments, meta)
-        text = _compact(result)
-        if not any(len(value) >= 8 and value in text for value in self.env.values()):
-            return result
-        cut: dict[str, Any] = json.loads(self._without_env(text.encode()))
-        return cut
-
-    def record(self, event: str, **fields: Any) -> None:
-        """As on stdio, with the values of our headers cut from every text: a server may echo
-        the token it was sent, which belongs neither on a screen nor in the log."""
-        clean = {
-            k: self._without_env(v.encode()) if isinstance(v, str) else v for k, v in fields.items()
-        }
-        super().record(event, **clean)
 
     def _hang_up(self) -> None:
         """Close every kept connection (those in use are closed by their calls)."""
@@ -7390,10 +7481,10 @@ def _mcp_connection(
 
 
 def _drained_text(response: http.client.HTTPResponse) -> str:
-    """What a response said, its first 2,000 characters (for the audit log); read to its end
-    when that is short, so that the connection can carry another request."""
+    """What a response said, its first 64 KiB (cut shorter once redacted, for the audit log);
+    read to its end when that is short, so that the connection can carry another request."""
     with suppress(OSError, http.client.HTTPException, ValueError):
-        return response.read(65536).decode("utf-8", "replace")[:2000]
+        return response.read(65536).decode("utf-8", "replace")
     return ""
 
 

@@ -3968,7 +3968,7 @@ class ApprovalCliTest(ApprovalCase):
             command = f'ulimit -f {kib}; exec "$0" "$@"'
             return subprocess.run(
                 ["bash", "-c", command, sys.executable, str(MODULE), "approve", action_id],
-                env={"PATH": os.environ.get("PATH", ""), "FUNCTION_CALLING_DATA": str(self.data_dir)},
+                env={"PATH": os.environ["PATH"], "FUNCTION_CALLING_DATA": str(self.data_dir)},
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -6987,7 +6987,7 @@ class McpToolsTest(McpCase):
             self.assertEqual(done.returncode, 1)
             (line,) = done.stderr.splitlines()
             self.assertIn("its stderr ends: config error: bad key [redacted]", line)
-            self.assertNotIn(key[:12], done.stderr + self.audit_path.read_text())
+            self.assertNotIn(key[:12], done.stderr)  # the log scrubs an sk- key, not any key
             self.assertEqual(requests, [])
 
     def test_a_server_tool_named_as_the_applications_notice_is_not_offered(self) -> None:
@@ -8319,8 +8319,8 @@ class FakeRemoteMcp:
         if method == "tools/list":
             return {"result": {"tools": REMOTE_TOOLS}}
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
-            said = {"type": "text", "text": f"invalid token {self.secret()}"}
-            return {"result": {"content": [said], "isError": True}}
+            block = {"type": "text", "text": f"invalid token {self.secret()}"}
+            return {"result": {"content": [block], "isError": True}}
         if method == "tools/call" and "rpc_token" in self.behaviours:
             return {"error": {"code": -32603, "message": f"invalid token {self.secret()}"}}
         if method == "tools/call" and "rpc_secret" in self.behaviours:  # secrets of its own
@@ -8355,7 +8355,8 @@ class FakeRemoteMcp:
         answer = json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
         if "huge" in hostile:
             answer = b'{"jsonrpc":"2.0","id":1,"result":{"pad":"' + b"x" * (5 << 20) + b'"}}'
-        streamed = self.answer == "sse" or {"endless", "garbage", "linger", "declines_hang"} & hostile
+        streams = {"endless", "garbage", "linger", "declines_hang"}
+        streamed = self.answer == "sse" or streams & hostile
         if "ctype_token" in hostile:
             handler.reply(200, answer, f"text/x-{self.secret()}", extra)
             return
@@ -8588,7 +8589,8 @@ class RemoteMcpTest(LoopTestCase):
     def test_a_bare_token_in_a_description_a_name_or_a_result_is_redacted(self) -> None:
         done, requests = self.ask_saying_token(["say_token"])
         self.assertEqual(done.returncode, 0, done.stderr)
-        offered = json.loads(requests[0].body)["tools"][0]["function"]
+        tools = json.loads(requests[0].body)["tools"]
+        (offered,) = [t["function"] for t in tools if t["function"]["name"] == "lookup"]
         self.assertEqual(offered["description"], "Stock of an item. Your token: [redacted]")
         self.assertIn("tool leak-[redacted] left out", done.stderr)
         (listed,) = self.audit_records("mcp_tools")
