@@ -197,8 +197,7 @@ class AuditError(Exception):
 def _redacted(text: str, key: str | None, keep: str = "") -> str:
     """Text from a server, fit to show: a server may echo the request back, so the key,
     and any start of it long enough to matter (a body cut mid-key), is redacted; control
-    characters (an ESC[2J, a terminal title) but those in `keep` are shown escaped, never
-    sent to a terminal."""
+    characters not in `keep` (an ESC[2J, a terminal title) are shown escaped, never sent."""
     for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
         text = text.replace((key or "")[:length], "[redacted]")
     return _control_escaped(text, keep)
