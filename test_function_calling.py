@@ -8415,6 +8415,23 @@ class RemoteMcpTest(LoopTestCase):
             )
         return done, server.requests
 
+    def ask_with_secret(
+        self, behaviours: Sequence[str], header: str, value: str
+    ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest], FakeRemoteMcp]:
+        """A lookup turn against a server acting as `behaviours` say, sent `header` with
+        `value` (read from the environment, as --mcp-header does)."""
+        with FakeRemoteMcp(behaviours=behaviours) as remote:
+            done, requests = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                f"{header}=SECRET",
+                "--mcp-read-only",
+                "lookup",
+                SECRET=value,
+            )
+        return done, requests, remote
+
     def lookup_turn(self) -> list[fc.ScriptItem]:
         return [tool_call_reply([("lookup", '{"item": "ABC-123"}')]), text_reply("In stock.")]
 
@@ -8529,16 +8546,7 @@ class RemoteMcpTest(LoopTestCase):
         self.assertNotIn("s3cret-token-123", log + done.stdout + done.stderr)
 
     def test_a_header_value_the_server_echoes_never_reaches_the_log(self) -> None:
-        with FakeRemoteMcp(behaviours=["echo"]) as remote:
-            done, _ = self.ask_remote(
-                remote,
-                self.lookup_turn(),
-                "--mcp-header",
-                "X-Api-Key=REMOTE_KEY",
-                "--mcp-read-only",
-                "lookup",
-                REMOTE_KEY="k-0123456789abcdef",
-            )
+        done, _, remote = self.ask_with_secret(["echo"], "X-Api-Key", "k-0123456789abcdef")
         self.assertEqual(done.returncode, 1, done.stderr)  # a JSON-RPC error: infrastructure
         self.assertIn("k-0123456789abcdef", json.dumps(remote.requests))  # it was sent…
         (refused,) = self.audit_records("mcp_error")
@@ -8547,16 +8555,7 @@ class RemoteMcpTest(LoopTestCase):
         self.assertNotIn("k-0123456789abcdef", log + done.stdout + done.stderr)  # …and kept nowhere
 
     def test_a_token_the_server_echoes_in_a_result_never_reaches_the_model(self) -> None:
-        with FakeRemoteMcp(behaviours=["echo_ok"]) as remote:
-            done, requests = self.ask_remote(
-                remote,
-                self.lookup_turn(),
-                "--mcp-header",
-                "Authorization=REMOTE_TOKEN",
-                "--mcp-read-only",
-                "lookup",
-                REMOTE_TOKEN="s3cret-token-123",
-            )
+        done, requests, _ = self.ask_with_secret(["echo_ok"], "Authorization", "s3cret-token-123")
         self.assertEqual(done.returncode, 0, done.stderr)
         (result,) = tool_results(requests[1])
         self.assertIn('"authorization": "[redacted]"', result["content"])
@@ -8565,21 +8564,11 @@ class RemoteMcpTest(LoopTestCase):
     TOKEN = "s3cret-token-123"
 
     def ask_saying_token(
-        self, behaviours: Sequence[str], *flags: str, header: str = "Authorization"
+        self, behaviours: Sequence[str]
     ) -> tuple[subprocess.CompletedProcess[str], list[RecordedRequest]]:
         """A turn against a server that says back the token it was sent; the token must
         reach no screen, no log line and no model request, whole or in part."""
-        with FakeRemoteMcp(behaviours=behaviours) as remote:
-            done, requests = self.ask_remote(
-                remote,
-                self.lookup_turn(),
-                "--mcp-header",
-                f"{header}=REMOTE_TOKEN",
-                "--mcp-read-only",
-                "lookup",
-                *flags,
-                REMOTE_TOKEN=self.TOKEN,
-            )
+        done, requests, remote = self.ask_with_secret(behaviours, "Authorization", self.TOKEN)
         self.assertIn(self.TOKEN, json.dumps(remote.requests))  # it was sent…
         seen = self.audit_path.read_text() + done.stdout + done.stderr
         seen += json.dumps([r.json() for r in requests])
@@ -8606,16 +8595,7 @@ class RemoteMcpTest(LoopTestCase):
                 self.assertEqual(done.returncode, 1, done.stderr)
 
     def test_a_numeric_header_value_is_redacted_without_breaking_the_result(self) -> None:
-        with FakeRemoteMcp(behaviours=["numeric"]) as remote:
-            done, requests = self.ask_remote(
-                remote,
-                self.lookup_turn(),
-                "--mcp-header",
-                "X-Api-Key=REMOTE_KEY",
-                "--mcp-read-only",
-                "lookup",
-                REMOTE_KEY="12345678",
-            )
+        done, requests, _ = self.ask_with_secret(["numeric"], "X-Api-Key", "12345678")
         self.assertEqual(done.returncode, 0, done.stderr)
         (result,) = tool_results(requests[1])
         self.assertEqual(result, {"content": "counted", "structuredContent": {"n": "[redacted]"}})
