@@ -7072,6 +7072,7 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 # byte of it: the connection, the answer's headers, and its whole body or stream.
 
 MCP_HTTP_RETRY_S = 0.25  # the first wait after a 5xx; each next one doubles, within the deadline
+MCP_SAID_BYTES = 2000  # of what broke the protocol, this much goes to the audit log
 
 
 class McpHttpServer(McpServer):
@@ -7237,7 +7238,7 @@ class McpHttpServer(McpServer):
             if got.get("id") == message["id"] and ("result" in got or "error" in got):
                 return got
             lie = f"answered a request it was not sent ({_shown(got.get('id'))})"
-            raise self._broken_by(f"MCP server {self.label} {lie}")
+            raise self._broken_by(f"MCP server {self.label} {lie}", said=_compact(got).encode())
         raise McpError(f"MCP server {self.label}: no answer to {message['method']} came")
 
     def _messages(
@@ -7295,7 +7296,10 @@ class McpHttpServer(McpServer):
             body = _chunks(response, self.max_message_bytes)
             if kind == "text/event-stream":
                 for data in _sse_data(body, self.max_message_bytes):
-                    yield self._message_in(data.encode())
+                    # subtle: a server that can resume a stream opens it with an event of an
+                    # id and empty data (2025-11-25), which carries no message
+                    if data.strip():
+                        yield self._message_in(data.encode())
             elif kind == "application/json":
                 yield self._message_in(b"".join(body))
             else:
@@ -7319,7 +7323,8 @@ class McpHttpServer(McpServer):
         except (ValueError, RecursionError, ArgumentError):
             message = None
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
-            raise self._broken_by(f"MCP server {self.label} sent something that is not JSON-RPC")
+            reason = f"MCP server {self.label} sent something that is not JSON-RPC"
+            raise self._broken_by(reason, said=data)
         return message
 
     def _posted(
@@ -7347,7 +7352,7 @@ class McpHttpServer(McpServer):
     ) -> McpError:
         status = response.status
         said = _cut(self._unsaid(said), 2000)  # redacted whole, then cut: no piece is left
-        if status == 404 and "Mcp-Session-Id" in headers:
+        if "Mcp-Session-Id" in headers and _forgot_the_session(status, said):
             return _SessionLostError(f"MCP server {self.label} lost the session")
         if headers.get("Mcp-Method") != "server/discover":  # the probe's refusal is expected
             with suppress(AuditError):
@@ -7355,6 +7360,8 @@ class McpHttpServer(McpServer):
         if status == 401:
             scheme = self._unsaid(response.getheader("WWW-Authenticate") or "").split(" ")[0]
             wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+            if any(name.lower() == "authorization" for name in self._headers):
+                return McpTokenRefusedError(self.label, wanted)
             return McpError(
                 f"MCP server {self.label} needs authorization{wanted}: put its token in an"
                 " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
@@ -7420,18 +7427,40 @@ class McpHttpServer(McpServer):
         for connection in idle:
             connection.close()
 
-    def _broken_by(self, reason: str) -> McpError:
+    def _broken_by(self, reason: str, said: bytes = b"") -> McpError:
         """The server broke the protocol: this session is over; the next request starts a
-        new one (as a server on stdio is started again)."""
+        new one (as a server on stdio is started again). What it `said` goes to the audit
+        log (its start, redacted), as a server's stderr does on stdio: the operator's clue."""
         with self._lock:
             self._broken = self._broken or McpError(reason)
             broken = self._broken
         self._hang_up()
+        with suppress(AuditError):
+            shown = self._unsaid_window(said[:MCP_SAID_BYTES]) if said else None
+            self.record("mcp_error", error=reason, **({"said": shown} if said else {}))
         return broken
 
 
 class _SessionLostError(McpError):
     """A 404 for the session we sent: the server forgot it (a restart, an expiry)."""
+
+
+class McpTokenRefusedError(McpError):
+    """A 401 for a request that carried an Authorization header: the token is not taken."""
+
+    def __init__(self, label: str, scheme: str, source: str = "it was sent") -> None:
+        super().__init__(
+            f"MCP server {label} refused the token {source}{scheme}: a wrong or expired one,"
+            " or one for another server"
+        )
+        self.label, self.scheme = label, scheme
+
+
+def _forgot_the_session(status: int, said: str) -> bool:
+    """Whether a refusal of a request that carried a session id means the server forgot the
+    session: a 404, as the spec says; or, as the TypeScript SDK answers after a restart, a
+    400 whose body speaks of the session ("Bad Request: No valid session ID provided")."""
+    return status == 404 or (status == 400 and "session" in said.lower())
 
 
 def _mcp_url(url: str) -> urllib.parse.SplitResult:
@@ -7793,8 +7822,12 @@ class _McpFlags(ToolSource):
                     startup_timeout=args.mcp_startup_timeout,
                     audit=audit,
                 )
-                stack.enter_context(remote)
-                tools += mcp_tools(remote, read_only, unchecked, left_out)
+                try:
+                    stack.enter_context(remote)
+                    tools += mcp_tools(remote, read_only, unchecked, left_out)
+                except McpTokenRefusedError as exc:  # the variable's name is known here
+                    source = f"from ${_token_variable(named)}"
+                    raise McpTokenRefusedError(exc.label, exc.scheme, source) from None
             listed = {tool.mcp_name for tool in tools} | {t["mcp_name"] for t in left_out}
             unknown = sorted((read_only | unchecked) - listed)
             if unknown:
@@ -7894,6 +7927,12 @@ def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, 
             value = f"Bearer {value}"
         headers[name] = value
     return headers
+
+
+def _token_variable(named: Sequence[str]) -> str:
+    """The variable an Authorization=VARIABLE pair among `named` read the token from."""
+    pairs = (pair.partition("=") for pair in named)
+    return next(variable for name, _, variable in pairs if name.lower() == "authorization")
 
 
 def _name_collisions(tools: Sequence[McpTool]) -> None:

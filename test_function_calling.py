@@ -8295,6 +8295,12 @@ class FakeRemoteMcp:
                 body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
                 handler.reply(400, body, "application/json")
                 return
+            if session not in self.sessions and "forgets_400" in self.behaviours:
+                # the TypeScript SDK's answer to a session it does not know (the spec says 404)
+                error = {"code": -32000, "message": "Bad Request: No valid session ID provided"}
+                body = json.dumps({"jsonrpc": "2.0", "error": error, "id": message["id"]})
+                handler.reply(400, body.encode(), "application/json")
+                return
             if session not in self.sessions or "amnesia" in self.behaviours:
                 handler.reply(404, b'{"error":"no such session"}', "application/json")
                 return
@@ -8316,6 +8322,9 @@ class FakeRemoteMcp:
             told = {**REMOTE_TOOLS[0], "description": f"Stock of an item. Your token: {token}"}
             left_out = {"name": f"leak-{token}", "inputSchema": {"type": "string"}}
             return {"result": {"tools": [told, *REMOTE_TOOLS[1:], left_out]}}
+        if method == "tools/list" and "restarts" in self.behaviours:
+            self.sessions.clear()  # it restarts once it has listed its tools: sessions forgotten
+            self.behaviours.discard("restarts")
         if method == "tools/list":
             return {"result": {"tools": REMOTE_TOOLS}}
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
@@ -8370,12 +8379,15 @@ class FakeRemoteMcp:
         handler.end_headers()  # no length: the stream ends when the connection does
         handler.close_connection = True
         out = handler.wfile
+        if "priming" in self.behaviours:  # as a server with an event store starts each stream
+            out.write(b"id: " + secrets.token_hex(8).encode() + b"\ndata: \n\n")
+            out.write(b"id: " + secrets.token_hex(8).encode() + b"\ndata:\n\n")
         note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "hi"}}
         ping = {"jsonrpc": "2.0", "id": "srv-1", "method": "ping"}
         out.write(b": warming up\n\nevent: message\ndata: " + json.dumps(note).encode() + b"\n\n")
         out.write(b"data: " + json.dumps(ping).encode() + b"\n\n")
         if "garbage" in hostile:
-            out.write(b"data: this is not json\n\n")
+            out.write(b"data: this is not json " + self.secret().encode() + b"\n\n")
         if "declines_hang" in hostile:  # requests of its own, each declined, none acknowledged
             for n in range(3):
                 roots = {"jsonrpc": "2.0", "id": f"srv-roots-{n}", "method": "roots/list"}
@@ -8497,6 +8509,76 @@ class RemoteMcpTest(LoopTestCase):
             remote.behaviours.add("amnesia")  # it forgets every session at once
             with self.assertRaisesRegex(fc.McpError, "lost the session again"):
                 server.call_tool("lookup", {"item": "x"})
+
+    def test_a_stream_that_opens_with_a_priming_event_is_read_past_it(self) -> None:
+        # the TypeScript SDK with an event store opens each stream with an id and empty data
+        for revision in ("legacy", "modern"):
+            with self.subTest(revision=revision), FakeRemoteMcp(
+                revision, "sse", behaviours=["priming"]
+            ) as remote:
+                done, requests = self.ask_remote(
+                    remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+                )
+                self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+                self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
+                script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("ok")]
+                done, requests = self.ask_remote(remote, script)
+                told = tool_results(requests[1])[0]
+                approved = self.cli("approve", told["approvalId"], "--mcp-url", remote.url)
+                self.assertEqual(approved.returncode, 0, approved.stderr)
+                self.assertEqual([c["name"] for c in remote.calls()], ["lookup", "cancel"])
+
+    def test_a_session_refused_with_400_is_started_again_once(self) -> None:
+        # the TypeScript SDK answers a session it forgot (a restart) with 400, not 404
+        with FakeRemoteMcp(behaviours=["forgets_400", "restarts"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
+        methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
+        self.assertEqual(methods.count("initialize"), 2)  # the first session, then one more
+        self.assertEqual(methods.count("tools/call"), 2)  # refused in the lost one, then sent
+
+    def test_a_400_that_is_not_about_the_session_starts_none(self) -> None:
+        with FakeRemoteMcp(behaviours=["cut_token"]) as remote:
+            done, _ = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                "X-Api-Key=KEY",
+                "--mcp-read-only",
+                "lookup",
+                KEY="k-0123456789abcdef",
+            )
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual([r["status"] for r in self.audit_records("mcp_error")], [400])
+        methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
+        self.assertEqual((methods.count("initialize"), methods.count("tools/call")), (1, 1))
+
+    def test_a_server_that_breaks_the_protocol_leaves_what_it_sent_in_the_log(self) -> None:
+        done, _, _ = self.ask_with_secret(["garbage"], "X-Api-Key", "k-0123456789abcdef")
+        self.assertEqual(done.returncode, 1, done.stderr)
+        (broke,) = [r for r in self.audit_records("mcp_error") if "said" in r]
+        self.assertIn("not JSON-RPC", broke["error"])
+        self.assertEqual(broke["said"], "this is not json [redacted]")  # the token said back
+        self.assertNotIn("k-0123456789abcdef", self.audit_path.read_text())
+
+    def test_a_wrong_token_is_said_to_be_refused_not_missing(self) -> None:
+        with FakeRemoteMcp(token="s3cret-token-123") as remote:
+            done, _ = self.ask_remote(
+                remote,
+                self.lookup_turn(),
+                "--mcp-header",
+                "Authorization=REMOTE_TOKEN",
+                "--mcp-read-only",
+                "lookup",
+                REMOTE_TOKEN="an-old-token-456",
+            )
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("refused the token from $REMOTE_TOKEN", done.stderr)
+        self.assertNotIn("pass --mcp-header", done.stderr)
+        self.assertNotIn("an-old-token-456", done.stderr + self.audit_path.read_text())
 
     def test_https_is_verified_and_a_certificate_nobody_vouches_for_refused(self) -> None:
         tls = tls_server_context(self.data_dir)
