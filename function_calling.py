@@ -1853,16 +1853,15 @@ class ChatClient:
         except (http.client.HTTPException, OSError) as exc:
             taken = self._kept is not None and self._kept.sent
             self.close()
+            unreached = "could not reach the model API"
             if isinstance(exc, ssl.SSLCertVerificationError):  # trying again will not help
-                raise ApiError(f"could not reach the model API: {_transport_reason(exc)}") from None
+                raise ApiError(f"{unreached}: {_transport_reason(exc)}") from None
             if isinstance(exc, TimeoutError) and taken:
                 raise self._unanswered(deadline == turn_deadline) from None
             # no response: a connection that failed, or one the server closed without a reply,
             # is retried as the official SDKs do, when retries allow (a timeout once the server
             # had the request is not: above)
-            raise _RetryableError(
-                f"could not reach the model API: {_transport_reason(exc)}", None, None
-            ) from None
+            raise _RetryableError(f"{unreached}: {_transport_reason(exc)}", None, None) from None
         if response.status >= 300:
             error = self._status_error(response)
             self.close()  # its body was read only in part: the connection cannot be reused
@@ -1974,11 +1973,35 @@ class ChatClient:
                 "it would send the API key to another address. Check OPENAI_BASE_URL",
                 status,
             )
+        code = _error_code(body)
+        no_json = body.lstrip()[:1] != b"{"
+        if _is_a_page(response, body) or (status in (404, 405, 501) and no_json):
+            return self._no_chat_api(status, response, body)
         text = _redacted(_printable(body), self.settings.api_key)
         message = f"the model API answered HTTP {status}: {_cut(text, 300)}"
         if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
-        return ApiError(message, status, _error_code(body))
+        return ApiError(message, status, code)
+
+    def _no_chat_api(
+        self, status: int, response: http.client.HTTPResponse, body: bytes
+    ) -> ApiError:
+        """A refusal no chat-completions API gives: an HTML page (a web server, a proxy's
+        error page), or "no such path" with no JSON error. Its page is not quoted (a page of
+        markup flattened into one line tells the user nothing); where the base URL has no
+        /v1, the path most servers want is suggested. A 5xx page is still worth a retry."""
+        what = "an HTML page" if _is_a_page(response, body) else "not a JSON error"
+        message = f"the model API answered HTTP {status} ({what})"
+        if status in (404, 405, 501):
+            path = urllib.parse.urlsplit(self.settings.base_url).path
+            message += (
+                ": is this a chat-completions server?"
+                if path.endswith("/v1")
+                else ": is OPENAI_BASE_URL the API's base URL? Most servers want it to end in /v1"
+            )
+        if status != 501 and _should_retry(status, response.headers):  # 501: never will be
+            return _RetryableError(message, status, _retry_after(response.headers))
+        return ApiError(message, status, None)
 
 
 def _stale(sock: socket.socket) -> bool:
@@ -2002,11 +2025,27 @@ def _error_code(body: bytes) -> str | None:
 
 
 def _should_retry(status: int, headers: Message) -> bool:
-    """408, 409, 429 and 5xx are worth another try, unless the server says otherwise."""
+    """408, 409, 429 and 5xx are worth another try, unless the server says otherwise; but
+    501 (Not Implemented) and 505 (HTTP Version Not Supported) never pass."""
     verdict = (headers.get("x-should-retry") or "").strip().lower()
     if verdict in ("true", "false"):
         return verdict == "true"
-    return status in (408, 409, 429) or status >= 500
+    return status in (408, 409, 429) or (status >= 500 and status not in (501, 505))
+
+
+def _is_a_page(response: http.client.HTTPResponse, body: bytes) -> bool:
+    """Whether an error body is an HTML page rather than an API's error."""
+    kind = (response.getheader("Content-Type") or "").lower()
+    return "html" in kind or body.lstrip()[:1] == b"<"
+
+
+def _shown_endpoint(base_url: str) -> str:
+    """The URL requests go to, as a failure names it: without user:password@, a query or a
+    fragment (either may hold a key)."""
+    parts = urllib.parse.urlsplit(base_url + "/chat/completions")
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 def _retry_after(headers: Message) -> float | None:
@@ -4761,7 +4800,7 @@ def _cmd_ask(args: argparse.Namespace, app: App) -> int:
         loop, workspace = _conversation(args, app, stack)
         saved = _saved(args, app, workspace, args.conversation) if args.conversation else None
         result, printer = _turn(loop, question, args, saved)
-    code = _report(result, printer)
+    code = _report(result, printer, _shown_endpoint(loop.client.settings.base_url))
     return EXIT_FAILED if saved and saved.unsaved and code == EXIT_OK else code
 
 
@@ -4788,7 +4827,7 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
             continue
         unsaved = saved.unsaved
         result, printer = _turn(loop, question, args, saved)  # a guard ends one turn only
-        code = _report(result, printer)
+        code = _report(result, printer, _shown_endpoint(loop.client.settings.base_url))
         code = EXIT_FAILED if saved.unsaved > unsaved and code == EXIT_OK else code
         worst = max(worst, code, key=_EXIT_SEVERITY.__getitem__)
     return worst
@@ -4904,8 +4943,10 @@ class _Printer:
             print(flush=True)
 
 
-def _report(result: TurnResult, printer: _Printer | None = None) -> int:
-    """Print what the user should see of a turn and choose the exit code."""
+def _report(result: TurnResult, printer: _Printer | None = None, endpoint: str = "") -> int:
+    """Print what the user should see of a turn and choose the exit code. A failure to talk
+    to the model API names `endpoint`, the URL the user set, which the turn's error (that an
+    application may show its own users) never holds."""
     streamed = printer is not None and result.stop_reason in ("answered", *_CUT_SHORT)
     if printer:
         if printer.broken:
@@ -4928,7 +4969,10 @@ def _report(result: TurnResult, printer: _Printer | None = None) -> int:
         print(result.answer, flush=True)
         print(f"stopped: {result.error}", file=sys.stderr)
         return EXIT_BUDGET
-    _say_error(str(result.error))
+    error = str(result.error)
+    if result.stop_reason == "api_error" and endpoint:
+        error = error.replace("the model API", f"the model API at {endpoint}", 1)
+    _say_error(error)
     return EXIT_FAILED
 
 

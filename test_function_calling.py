@@ -4478,7 +4478,63 @@ class CliTest(LoopTestCase):
         done, _ = self.ask([ScriptedReply(b'{"error":"boom"}', status=500)], "--retries", "0")
         self.assertEqual(done.returncode, 1)
         self.assertEqual(done.stderr.count("\n"), 1)
-        self.assertIn("error: the model API answered HTTP 500", done.stderr)
+        self.assertRegex(done.stderr, r"error: the model API at http://127\.0\.0\.1:\d+/v1/chat/"
+                         r"completions answered HTTP 500")
+
+    def test_a_server_that_is_not_there_is_named(self) -> None:
+        done = self.cli(
+            "ask", "hi", "--retries", "0", env={"OPENAI_BASE_URL": "http://u:pw@127.0.0.1:9/v1"}
+        )
+        self.assertEqual(done.returncode, 1)
+        self.assertIn(
+            "could not reach the model API at http://127.0.0.1:9/v1/chat/completions:",
+            done.stderr,
+        )
+        self.assertNotIn("pw", done.stderr)  # a password in the URL is never shown
+
+    def test_a_server_that_is_no_chat_api_is_named_once_not_retried_and_not_quoted(self) -> None:
+        # `python3 -m http.server` answers every POST with 501 and an HTML page
+        posts = []
+
+        class Files(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def send_error(self, code: int, *args: Any, **kwargs: Any) -> None:
+                posts.append(code)
+                super().send_error(code, *args, **kwargs)
+
+        files = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(Files, directory=str(self.data_dir))
+        )
+        threading.Thread(target=files.serve_forever, daemon=True).start()
+        self.addCleanup(files.server_close)
+        self.addCleanup(files.shutdown)
+        port = files.server_address[1]
+        done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": f"http://127.0.0.1:{port}"})
+        self.assertEqual((done.returncode, posts), (1, [501]))  # not transient: asked once
+        self.assertEqual(done.stderr.count("\n"), 1, done.stderr)
+        self.assertIn(f"at http://127.0.0.1:{port}/chat/completions answered HTTP 501", done.stderr)
+        self.assertIn("an HTML page", done.stderr)
+        self.assertIn("Most servers want it to end in /v1", done.stderr)
+        self.assertNotIn("DOCTYPE", done.stderr)
+        self.assertNotIn("Unsupported method", done.stderr)
+
+    def test_a_404_page_suggests_the_path_and_a_404_error_is_quoted(self) -> None:
+        page = ScriptedReply(
+            b"<html><body><h1>Not Found</h1></body></html>",
+            status=404,
+            headers=(("Content-Type", "text/html"),),
+        )
+        done, requests = self.ask([page])
+        self.assertEqual((done.returncode, len(requests)), (1, 1))
+        self.assertIn("answered HTTP 404 (an HTML page", done.stderr)
+        self.assertIn("/v1", done.stderr)
+        self.assertNotIn("Not Found", done.stderr)
+        error = b'{"error": {"message": "The model m does not exist", "code": "model_not_found"}}'
+        done, _ = self.ask([ScriptedReply(error, status=404)])
+        self.assertIn("The model m does not exist", done.stderr)  # its own words, no hint
+        self.assertNotIn("HTML", done.stderr)
 
     def test_ask_exits_1_on_a_body_that_is_not_json(self) -> None:
         done, _ = self.ask([b"Service Unavailable"])
