@@ -5003,7 +5003,10 @@ def _cmd_pending(args: argparse.Namespace, app: App) -> int:
 def _cmd_approve(args: argparse.Namespace, app: App) -> int:
     workspace = _open(args, app, create=False)
     with ExitStack() as stack:
-        extra = _source_tools(args, workspace.audit, stack)
+        # look before starting anything: an action that is not open (decided, expired, not
+        # there) is refused as it is, without starting a tool source's servers first
+        waiting = any(a.action_id == args.action_id for a in workspace.approvals.pending())
+        extra = _source_tools(args, workspace.audit, stack) if waiting else []
         tools = tool_table([*app.tools(workspace.database), *extra])
         try:
             outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
@@ -6933,6 +6936,13 @@ class McpServer:
         how = "stopped" if code is None else f"exited with status {code}"
         said = self._stderr_said()
         ends = f"; its stderr ends: {said}" if said else ""
+        if "PATH" not in self.env and (code == 127 or "not found" in said):
+            # subtle: a server gets no variable of ours; a launcher (npx, uvx) then finds
+            # neither the server it installed nor a cache to install it in
+            ends += (
+                "; it was given no PATH: pass --mcp-env PATH --mcp-env HOME (npx and uvx need"
+                " both) to give it ours"
+            )
         return McpError(f"MCP server {self.label} {how} before it answered{ends}")
 
     def _stderr_said(self) -> str:

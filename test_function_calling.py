@@ -6850,10 +6850,12 @@ class McpToolsTest(McpCase):
         self.assertEqual(refused["outcome"], "refused")  # the first try, without its server
         self.assertEqual(decision["outcome"], "approved")
         self.assertIn("orders/cancel", decision["result"]["content"])
+        started = [m for m in self.received() if "started" in m]
         again = self.cli("approve", action_id, "--mcp", self.command())
         self.assertEqual(again.returncode, 1)
         self.assertIn("already approved", again.stderr)
         self.assertEqual(len(self.calls()), 1)
+        self.assertEqual([m for m in self.received() if "started" in m], started)  # looked first
         without = self.cli("approve", action_id)  # the server is not there to carry it out
         self.assertEqual(without.returncode, 1)
         self.assertEqual(self.cli("verify-audit").returncode, 0)
@@ -7332,6 +7334,19 @@ class McpHostileServerTest(McpCase):
         (stopped,) = [r for r in self.audit_records("mcp_server") if r["state"] == "stopped"]
         self.assertEqual(stopped["stderr_bytes"], 300000)
         self.assertEqual(len(stopped["stderr"]), fc.MAX_MCP_STDERR_BYTES)
+
+    def test_a_server_its_environment_could_not_start_says_which_flags_to_add(self) -> None:
+        # what npx says when its child finds no PATH: status 127 and "not found"
+        said = "echo 'sh: 1: mcp-server-memory: not found' >&2; exit 127"
+        command = shlex.join(["sh", "-c", said])
+        local = {"OPENAI_BASE_URL": "http://127.0.0.1:9"}
+        done = self.cli("ask", "hi", "--mcp", command, env=local)
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("exited with status 127", done.stderr)
+        self.assertIn("--mcp-env PATH --mcp-env HOME", done.stderr)
+        given = self.cli("ask", "hi", "--mcp", command, "--mcp-env", "PATH", env=local)
+        self.assertIn("exited with status 127", given.stderr)
+        self.assertNotIn("--mcp-env PATH", given.stderr)  # given: the hint would mislead
 
     def test_a_command_that_is_not_there_or_not_a_server(self) -> None:
         missing = self.cli(
