@@ -4788,10 +4788,26 @@ def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: st
 def _resume_command(args: argparse.Namespace, workspace: _Workspace, conversation_id: str) -> str:
     """The command that carries a conversation on, as it works pasted anywhere: this one as
     typed (its tool sources' flags included), then --resume and the data directory's absolute
-    path, which argparse takes over any given before them."""
+    path (in place of the one typed, if one was)."""
     directory = str(workspace.directory.resolve())
-    typed = [*args.typed, "--resume", conversation_id, "--data-dir", directory]
-    return "python3 " + shlex.join([sys.argv[0], *typed])
+    typed = [*_without_option(args.typed, "--data-dir"), "--resume", conversation_id]
+    return "python3 " + shlex.join([sys.argv[0], *typed, "--data-dir", directory])
+
+
+def _without_option(typed: Sequence[str], option: str) -> list[str]:
+    """`typed` without `option` and its value, however argparse took them: `--opt VALUE`,
+    `--opt=VALUE`, or an abbreviation of either (argparse takes a unique prefix)."""
+    kept: list[str] = []
+    skip_value = False
+    for word in typed:
+        name = word.partition("=")[0]
+        if skip_value:
+            skip_value = False
+        elif len(name) > 2 and name.startswith("--") and option.startswith(name):
+            skip_value = "=" not in word
+        else:
+            kept.append(word)
+    return kept
 
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
@@ -5145,7 +5161,17 @@ def _run_demo(args: argparse.Namespace, app: App, kept: bool) -> int:
         failed = _demo_human_decides(workspace, tool_table(tools)) or failed
     where = f"in {workspace.audit.path}" if kept else "(in a temporary directory, now removed)"
     print(f"\nEach call and decision above was audited as one JSON line {where}.")
+    if not kept:
+        run = f"python3 {shlex.quote(sys.argv[0])}"
+        print(f"To decide yourself, keep what it files: {run} demo --data-dir DIR")
+        for command, what in DECIDING_COMMANDS:
+            print(f"and {what}: {run} {command} --data-dir DIR")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+# Other ways a person decides, as (command, what it offers): a section that has one adds it
+# here (the inbox), so a copy without that section never names it.
+DECIDING_COMMANDS: list[tuple[str, str]] = []
 
 
 def _banner(title: str) -> str:
@@ -5167,6 +5193,8 @@ def _demo_hands_over(workspace: _Workspace) -> None:
     for action in actions:
         print(f"   {run} approve {action.action_id} {data_dir}")
         print(f"   {run} reject {action.action_id} {data_dir}")
+    for command, what in DECIDING_COMMANDS:
+        print(f"Or {what}: {run} {command} {data_dir}")
 
 
 def _demo_human_decides(workspace: _Workspace, tools: Mapping[str, Tool]) -> bool:
@@ -8611,6 +8639,7 @@ def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
 
 
 COMMANDS.append(_add_inbox_command)
+DECIDING_COMMANDS.append(("inbox", "decide on a page in a browser"))
 # <<< INBOX
 
 

@@ -4659,6 +4659,18 @@ class CliTest(LoopTestCase):
             ["system", "user", "assistant", "tool", "assistant", "user"],
         )
 
+    def test_the_command_to_continue_names_the_data_directory_once(self) -> None:
+        for typed in (["--data-dir", str(self.data_dir)], [f"--data-dir={self.data_dir}"]):
+            with self.subTest(typed=typed), ScriptedChatServer([text_reply("Hi.")]) as server:
+                env = {"OPENAI_BASE_URL": server.base_url}
+                done = self.cli("chat", *typed, "--customer", "c", env=env, stdin="hi\n")
+                said = re.search(r"\(continue it: (.*)\)", done.stderr)
+                assert said is not None, done.stderr
+                again = shlex.split(said.group(1))
+                self.assertEqual(sum(a.startswith("--data-dir") for a in again), 1, again)
+                self.assertEqual(again[again.index("--data-dir") + 1], str(self.data_dir.resolve()))
+                self.assertEqual(again[-4:-2], ["--resume", again[-3]])
+
     def test_a_guard_ends_one_turn_not_the_chat(self) -> None:
         same = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         done, requests = self.chat(
@@ -4735,6 +4747,9 @@ class CliTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stderr), (0, ""))
         self.assertIn("this demo's data directory is removed when it ends", done.stdout)
         self.assertIn("again     refused", done.stdout)
+        self.assertIn("function_calling.py demo --data-dir DIR\n", done.stdout)  # what is next
+        self.assertIn("on a page in a browser: python3 ", done.stdout)
+        self.assertTrue(done.stdout.endswith(" inbox --data-dir DIR\n"))
 
     def demo_commands(self, stdout: str) -> list[list[str]]:
         """The commands a kept demo tells a person to run, ready to run with this Python."""
@@ -4760,6 +4775,14 @@ class CliTest(LoopTestCase):
         self.assertIn("approved", ran.stdout)
         with closing(sqlite3.connect(kept / SHOP.database)) as db:
             self.assertEqual(db.execute("SELECT order_id FROM refunds").fetchall(), [("ORD-1003",)])
+        other = self.data_dir / "other dir"  # a second demo, its write decided on the page
+        done = self.cli("demo", "--data-dir", str(other))
+        (page,) = [line for line in done.stdout.splitlines() if line.startswith("Or ")]
+        inbox = [sys.executable, *shlex.split(page.split(": ", 1)[1])[1:]]
+        self.assertEqual(inbox[2:], ["inbox", "--data-dir", str(other.resolve())])
+        (action_id,) = re.findall(r"pending   (appr-[0-9a-f]{20})", done.stdout)
+        shown = decided_in_an_inbox(inbox, elsewhere, {}, action_id, "approve")
+        self.assertIn(f"approved {action_id}", shown)
 
     def test_a_kept_demo_run_again_carries_on_from_what_is_there(self) -> None:
         first = self.cli("demo", "--data-dir", "kept")
@@ -5069,6 +5092,17 @@ class MakeItYoursTest(HelpDeskCase):
         unknown, _ = self.my_app("inbox")
         self.assertEqual(unknown.returncode, 2)
         self.assertIn("invalid choice: 'inbox'", unknown.stderr)
+        module = self.folder / "function_calling.py"
+        for kept in ([], ["--data-dir", str(self.folder / "kept")]):
+            demo = subprocess.run(
+                [sys.executable, str(module), "demo", *kept],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
+            self.assertEqual(demo.returncode, 0, demo.stderr)
+            self.assertNotIn("inbox", demo.stdout)  # a command the copy has not
 
     def test_the_recipes_inbox_approves_with_the_recipes_own_tool(self) -> None:
         action_id = self.propose_close()
