@@ -80,17 +80,28 @@ $(LINT_VENV)/.installed:
 	touch $@
 
 # The README's MCP servers (on stdio, and over Streamable HTTP with a token) on the official
-# Python SDK, both majors (2: the 2026-07-28 revision, 1: the 2025-11-25 handshake),
-# downloaded into .venv-mcp/; the module itself never needs them.
+# Python SDK, both majors (2: the 2026-07-28 revision, 1: the 2025-11-25 handshake), and on
+# the TypeScript SDK beside its reference server (server-everything, with npm where there is
+# node), downloaded into .venv-mcp/; the module itself never needs them.
 interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
+	@$(MAKE) --no-print-directory $(MCP_VENV)/ts/.installed || echo "no npm: the TypeScript servers are skipped"
 	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
 	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
-	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest 2>&1
+	FUNCTION_CALLING_MCP_TS=$(abspath $(MCP_VENV))/ts \
+	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest \
+		RealTypeScriptMcpServerTest 2>&1
 
 $(MCP_VENV)/2/.installed:
 	rm -rf $(MCP_VENV)/2
 	$(PYTHON) -m venv $(MCP_VENV)/2
 	$(MCP_VENV)/2/bin/pip install --quiet --disable-pip-version-check mcp==2.3.0
+	touch $@
+
+$(MCP_VENV)/ts/.installed:
+	rm -rf $(MCP_VENV)/ts
+	mkdir -p $(MCP_VENV)/ts
+	npm install --prefix $(MCP_VENV)/ts --silent --no-audit --no-fund \
+		@modelcontextprotocol/server-everything@2026.8.31
 	touch $@
 
 $(MCP_VENV)/1/.installed:

@@ -7514,58 +7514,9 @@ class RealMcpServerTest(LoopTestCase):
         self.assertEqual(self.cli("verify-audit").returncode, 0)
 
 
-@unittest.skipUnless(any(REAL_MCP_PYTHONS.values()), "no Python with `mcp` given (make interop)")
-class RealRemoteMcpServerTest(LoopTestCase):
-    """The README's remote server, on the official Python SDK's streamable-http transport,
-    with its token verifier: a refusal without the token, then a checked read and a write
-    filed and approved, in both answer forms."""
-
-    def test_the_readme_remote_server_works_as_documented(self) -> None:
-        (code,) = [code for name, code in readme_examples() if name == "my_remote_mcp_server.py"]
-        for revision, python in REAL_MCP_PYTHONS.items():
-            for answer in ("sse", "json"):
-                if python:
-                    with self.subTest(revision=revision, answer=answer):
-                        self.run_the_remote_server(code, python, revision, answer)
-
-    def run_the_remote_server(self, code: str, python: str, revision: str, answer: str) -> None:
-        run = 'server.run("streamable-http", host="127.0.0.1", port=PORT)'
-        made = 'server = MCPServer("stock", token_verifier=OneToken(), auth=auth)'
-        if revision == "2025-11-25":  # version 1 of the SDK: FastMCP, its settings made at once
-            code = code.replace(
-                "from mcp.server.mcpserver import MCPServer",
-                "from mcp.server.fastmcp import FastMCP as MCPServer",
-            )
-            settings = ', host="127.0.0.1", port=PORT' + (
-                ", json_response=True" * (answer == "json")
-            )
-            code = code.replace(made, made[:-1] + settings + ")").replace(
-                run, 'server.run("streamable-http")'
-            )
-        elif answer == "json":
-            code = code.replace(run, run[:-1] + ", json_response=True)")
-        (self.data_dir / "my_remote_mcp_server.py").write_text(code)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        token = "tok-" + secrets.token_hex(12)
-        env = {"PATH": os.environ.get("PATH", ""), "STOCK_TOKEN": token}
-        server = subprocess.Popen(
-            [python, "my_remote_mcp_server.py", str(port)],
-            cwd=self.data_dir,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            for _ in range(300):  # up to 30 s for uvicorn to listen
-                with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-                time.sleep(0.1)
-            self.use_the_remote_server(f"http://127.0.0.1:{port}/mcp", token, revision)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+class StockServerChecks(LoopTestCase):
+    """What the README's remote stock server must do, on whichever SDK it runs: refuse a
+    request without its token, then a checked read, and a write filed and approved."""
 
     def use_the_remote_server(self, url: str, token: str, revision: str) -> None:
         earlier = len(self.audit_records("mcp_server")) if self.audit_path.exists() else 0
@@ -7603,6 +7554,218 @@ class RealRemoteMcpServerTest(LoopTestCase):
         started = [r for r in ours if r["state"] == "started"]
         self.assertEqual({r["protocol"] for r in started}, {revision})
         self.assertNotIn(token, self.audit_path.read_text())
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+
+
+@unittest.skipUnless(any(REAL_MCP_PYTHONS.values()), "no Python with `mcp` given (make interop)")
+class RealRemoteMcpServerTest(StockServerChecks):
+    """The README's remote server, on the official Python SDK's streamable-http transport,
+    with its token verifier: a refusal without the token, then a checked read and a write
+    filed and approved, in both answer forms."""
+
+    def test_the_readme_remote_server_works_as_documented(self) -> None:
+        (code,) = [code for name, code in readme_examples() if name == "my_remote_mcp_server.py"]
+        for revision, python in REAL_MCP_PYTHONS.items():
+            for answer in ("sse", "json"):
+                if python:
+                    with self.subTest(revision=revision, answer=answer):
+                        self.run_the_remote_server(code, python, revision, answer)
+
+    def run_the_remote_server(self, code: str, python: str, revision: str, answer: str) -> None:
+        run = 'server.run("streamable-http", host="127.0.0.1", port=PORT)'
+        made = 'server = MCPServer("stock", token_verifier=OneToken(), auth=auth)'
+        if revision == "2025-11-25":  # version 1 of the SDK: FastMCP, its settings made at once
+            code = code.replace(
+                "from mcp.server.mcpserver import MCPServer",
+                "from mcp.server.fastmcp import FastMCP as MCPServer",
+            )
+            settings = ', host="127.0.0.1", port=PORT' + (
+                ", json_response=True" * (answer == "json")
+            )
+            code = code.replace(made, made[:-1] + settings + ")").replace(
+                run, 'server.run("streamable-http")'
+            )
+        elif answer == "json":
+            code = code.replace(run, run[:-1] + ", json_response=True)")
+        (self.data_dir / "my_remote_mcp_server.py").write_text(code)
+        port, token = free_port(), "tok-" + secrets.token_hex(12)
+        command = [python, "my_remote_mcp_server.py", str(port)]
+        with listening(command, port, self.data_dir, {"STOCK_TOKEN": token}):
+            self.use_the_remote_server(f"http://127.0.0.1:{port}/mcp", token, revision)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (a server started next may take it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def listening(command: list[str], port: int, cwd: Path, env: dict[str, str]) -> Iterator[None]:
+    """A server started from `command`, once it listens on `port` (up to 300 s: a busy
+    machine starts uvicorn or node slowly); stopped at the end."""
+    server = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while server.poll() is None and time.monotonic() < deadline:
+            with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.1)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+# The TypeScript SDK's side (make interop): the reference server, server-everything, and the
+# SDK it brings, installed by npm into this folder.
+REAL_MCP_TS = Path(os.environ.get("FUNCTION_CALLING_MCP_TS") or "/nonexistent")
+EVERYTHING = REAL_MCP_TS / "node_modules/@modelcontextprotocol/server-everything/dist/index.js"
+TS_SDK = REAL_MCP_TS / "node_modules/@modelcontextprotocol/sdk"
+# The README's stock server, written on the TypeScript SDK: a session per client, the answer
+# as JSON or as an event stream (argv), a bearer token from STOCK_TOKEN.
+TS_STOCK_SERVER = """
+import { createServer } from "node:http";
+import { randomUUID } from "node:crypto";
+import { pathToFileURL } from "node:url";
+
+const [sdk, port, answer] = process.argv.slice(2);
+const load = (path) => import(pathToFileURL(`${sdk}/dist/esm/${path}`).href);
+const { Server } = await load("server/index.js");
+const { StreamableHTTPServerTransport } = await load("server/streamableHttp.js");
+const { CallToolRequestSchema, ListToolsRequestSchema } = await load("types.js");
+
+const tools = [
+  {
+    name: "lookup",
+    description: "How many of an item are in stock.",
+    inputSchema: { type: "object", properties: { sku: { type: "string" } }, required: ["sku"] },
+    outputSchema: {
+      type: "object", properties: { result: { type: "integer" } }, required: ["result"],
+    },
+  },
+  {
+    name: "reserve",
+    description: "Reserve some of an item.",
+    inputSchema: {
+      type: "object",
+      properties: { sku: { type: "string" }, count: { type: "integer" } },
+      required: ["sku", "count"],
+    },
+  },
+];
+
+function stockServer() {
+  const server = new Server({ name: "stock", version: "1" }, { capabilities: { tools: {} } });
+  server.setRequestHandler(ListToolsRequestSchema, async () => ({ tools }));
+  server.setRequestHandler(CallToolRequestSchema, async ({ params }) => {
+    const { sku, count } = params.arguments ?? {};
+    if (params.name === "lookup") {
+      return { content: [{ type: "text", text: "7" }], structuredContent: { result: 7 } };
+    }
+    return { content: [{ type: "text", text: `reserved ${count} of ${sku}` }] };
+  });
+  return server;
+}
+
+const sessions = new Map();
+createServer(async (req, res) => {
+  if (req.headers.authorization !== `Bearer ${process.env.STOCK_TOKEN}`) {
+    res.writeHead(401, { "WWW-Authenticate": 'Bearer error="invalid_token"' }).end();
+    return;
+  }
+  const chunks = [];
+  for await (const chunk of req) chunks.push(chunk);
+  const body = chunks.length ? JSON.parse(Buffer.concat(chunks)) : undefined;
+  let transport = sessions.get(req.headers["mcp-session-id"]);
+  if (!transport && body?.method === "initialize") {
+    transport = new StreamableHTTPServerTransport({
+      sessionIdGenerator: () => randomUUID(),
+      enableJsonResponse: answer === "json",
+      onsessioninitialized: (id) => sessions.set(id, transport),
+    });
+    await stockServer().connect(transport);
+  }
+  if (!transport) {
+    res.writeHead(400, { "Content-Type": "application/json" });
+    const error = { code: -32000, message: "Bad Request: No valid session ID provided" };
+    res.end(JSON.stringify({ jsonrpc: "2.0", error, id: null }));
+    return;
+  }
+  await transport.handleRequest(req, res, body);
+}).listen(Number(port), "127.0.0.1");
+"""
+
+
+@unittest.skipUnless(
+    EVERYTHING.is_file() and shutil.which("node"), "no TypeScript MCP servers given (make interop)"
+)
+class RealTypeScriptMcpServerTest(StockServerChecks):
+    """The TypeScript reference server, server-everything, on stdio and over Streamable HTTP
+    (where each stream opens with a priming event, and a session it forgot after a restart is
+    refused with 400), then the README's stock server on the TypeScript SDK, in both answer
+    forms: reads, a write filed, and approve."""
+
+    def test_the_reference_server_on_stdio(self) -> None:
+        node = str(shutil.which("node"))
+        self.read_write_approve(["--mcp", shlex.join([node, str(EVERYTHING), "stdio"])])
+
+    def test_the_reference_server_over_streamable_http(self) -> None:
+        port = free_port()
+        command = [str(shutil.which("node")), str(EVERYTHING), "streamableHttp"]
+        url, env = f"http://127.0.0.1:{port}/mcp", {"PORT": str(port)}
+        with listening(command, port, self.data_dir, env):
+            self.read_write_approve(["--mcp-url", url])
+        remote = fc.McpHttpServer(url)
+        try:
+            with listening(command, port, self.data_dir, env):
+                remote.start()
+                before = remote.call_tool("echo", {"message": "before"})
+            with listening(command, port, self.data_dir, env):  # restarted: no session known
+                after = remote.call_tool("echo", {"message": "after"})  # 400, then a new one
+        finally:
+            remote.close()
+        self.assertEqual(before["content"], [{"type": "text", "text": "Echo: before"}])
+        self.assertEqual(after["content"], [{"type": "text", "text": "Echo: after"}])
+
+    def test_the_readme_server_on_the_typescript_sdk(self) -> None:
+        (self.data_dir / "stock_server.mjs").write_text(TS_STOCK_SERVER)
+        for answer in ("sse", "json"):
+            with self.subTest(answer=answer):
+                port, token = free_port(), "tok-" + secrets.token_hex(12)
+                node = str(shutil.which("node"))
+                command = [node, "stock_server.mjs", str(TS_SDK), str(port), answer]
+                with listening(command, port, self.data_dir, {"STOCK_TOKEN": token}):
+                    url = f"http://127.0.0.1:{port}/mcp"
+                    self.use_the_remote_server(url, token, "2025-11-25")
+
+    def read_write_approve(self, flags: list[str]) -> None:
+        """echo as a read, get-sum as a write the model files and a person approves."""
+        script = [
+            tool_call_reply([("echo", '{"message": "hi"}')]),
+            tool_call_reply([("get-sum", '{"a": 2, "b": 3}')]),
+            text_reply("A person will confirm the sum."),
+        ]
+        with ScriptedChatServer(script) as server:
+            env = {"OPENAI_BASE_URL": server.base_url}
+            done = self.cli("ask", "Echo hi, then add 2 and 3.", *flags, "--mcp-read-only",
+                            "echo", env=env)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(server.requests[1])[0]["content"], "Echo: hi")
+        filed = tool_results(server.requests[2])[-1]
+        self.assertEqual(filed["status"], "requires_approval")
+        approved = self.cli("approve", filed["approvalId"], *flags)
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        self.assertIn("The sum of 2 and 3 is 5.", approved.stdout)
+        started = [r for r in self.audit_records("mcp_server") if r["state"] == "started"]
+        self.assertEqual({r["protocol"] for r in started}, {"2025-11-25"})
         self.assertEqual(self.cli("verify-audit").returncode, 0)
 
 
