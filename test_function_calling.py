@@ -4478,8 +4478,11 @@ class CliTest(LoopTestCase):
         done, _ = self.ask([ScriptedReply(b'{"error":"boom"}', status=500)], "--retries", "0")
         self.assertEqual(done.returncode, 1)
         self.assertEqual(done.stderr.count("\n"), 1)
-        self.assertRegex(done.stderr, r"error: the model API at http://127\.0\.0\.1:\d+/v1/chat/"
-                         r"completions answered HTTP 500")
+        self.assertRegex(
+            done.stderr,
+            r"error: the model API at http://127\.0\.0\.1:\d+/v1/chat/"
+            r"completions answered HTTP 500",
+        )
 
     def test_a_server_that_is_not_there_is_named(self) -> None:
         done = self.cli(
@@ -7755,8 +7758,9 @@ class RealTypeScriptMcpServerTest(StockServerChecks):
         ]
         with ScriptedChatServer(script) as server:
             env = {"OPENAI_BASE_URL": server.base_url}
-            done = self.cli("ask", "Echo hi, then add 2 and 3.", *flags, "--mcp-read-only",
-                            "echo", env=env)
+            done = self.cli(
+                "ask", "Echo hi, then add 2 and 3.", *flags, "--mcp-read-only", "echo", env=env
+            )
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(tool_results(server.requests[1])[0]["content"], "Echo: hi")
         filed = tool_results(server.requests[2])[-1]
@@ -8564,18 +8568,25 @@ class FakeRemoteMcp:
                 body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
                 handler.reply(400, body, "application/json")
                 return
-            if session not in self.sessions and "forgets_400" in self.behaviours:
-                # the TypeScript SDK's answer to a session it does not know (the spec says 404)
-                error = {"code": -32000, "message": "Bad Request: No valid session ID provided"}
-                body = json.dumps({"jsonrpc": "2.0", "error": error, "id": message["id"]})
-                handler.reply(400, body.encode(), "application/json")
-                return
             if session not in self.sessions or "amnesia" in self.behaviours:
-                handler.reply(404, b'{"error":"no such session"}', "application/json")
+                self.refuse_session(handler, message)
                 return
             if "other_session" in self.behaviours and message["method"] == "tools/call":
                 extra.append(("Mcp-Session-Id", "s-someone-else"))
         self.send(handler, message, self.result_of(message), extra)
+        if message["method"] == "tools/list" and "restarts" in self.behaviours:
+            self.behaviours.discard("restarts")  # it restarts once it has listed its tools:
+            self.sessions.clear()  # every session forgotten
+
+    def refuse_session(self, handler: Any, message: dict[str, Any]) -> None:
+        """A session it does not know: 404 as the spec says, or 400 as the TypeScript SDK
+        answers ("forgets_400")."""
+        if "forgets_400" in self.behaviours:
+            error = {"code": -32000, "message": "Bad Request: No valid session ID provided"}
+            body = json.dumps({"jsonrpc": "2.0", "error": error, "id": message["id"]})
+            handler.reply(400, body.encode(), "application/json")
+        else:
+            handler.reply(404, b'{"error":"no such session"}', "application/json")
 
     def result_of(  # noqa: PLR0911 -- one return per answer the fake gives
         self, message: dict[str, Any]
@@ -8591,9 +8602,6 @@ class FakeRemoteMcp:
             told = {**REMOTE_TOOLS[0], "description": f"Stock of an item. Your token: {token}"}
             left_out = {"name": f"leak-{token}", "inputSchema": {"type": "string"}}
             return {"result": {"tools": [told, *REMOTE_TOOLS[1:], left_out]}}
-        if method == "tools/list" and "restarts" in self.behaviours:
-            self.sessions.clear()  # it restarts once it has listed its tools: sessions forgotten
-            self.behaviours.discard("restarts")
         if method == "tools/list":
             return {"result": {"tools": REMOTE_TOOLS}}
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
@@ -8648,9 +8656,9 @@ class FakeRemoteMcp:
         handler.end_headers()  # no length: the stream ends when the connection does
         handler.close_connection = True
         out = handler.wfile
-        if "priming" in self.behaviours:  # as a server with an event store starts each stream
-            out.write(b"id: " + secrets.token_hex(8).encode() + b"\ndata: \n\n")
-            out.write(b"id: " + secrets.token_hex(8).encode() + b"\ndata:\n\n")
+        # as a server with an event store opens each stream: ids, and data that is empty
+        priming = f"id: {secrets.token_hex(8)}\ndata: \n\nid: 2\ndata:\n\n".encode()
+        out.write(priming if "priming" in self.behaviours else b"")
         note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "hi"}}
         ping = {"jsonrpc": "2.0", "id": "srv-1", "method": "ping"}
         out.write(b": warming up\n\nevent: message\ndata: " + json.dumps(note).encode() + b"\n\n")
@@ -8782,9 +8790,10 @@ class RemoteMcpTest(LoopTestCase):
     def test_a_stream_that_opens_with_a_priming_event_is_read_past_it(self) -> None:
         # the TypeScript SDK with an event store opens each stream with an id and empty data
         for revision in ("legacy", "modern"):
-            with self.subTest(revision=revision), FakeRemoteMcp(
-                revision, "sse", behaviours=["priming"]
-            ) as remote:
+            with (
+                self.subTest(revision=revision),
+                FakeRemoteMcp(revision, "sse", behaviours=["priming"]) as remote,
+            ):
                 done, requests = self.ask_remote(
                     remote, self.lookup_turn(), "--mcp-read-only", "lookup"
                 )
