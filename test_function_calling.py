@@ -5480,8 +5480,11 @@ class ClearOutcomeTest(LoopTestCase):
         done = self.cli("ask", "hi", env={"OPENAI_BASE_URL": url, "OPENAI_API_KEY": FAKE_KEY})
         self.assertEqual(done.returncode, 1)
         self.assertIn("TLS certificate could not be verified", done.stderr)
-        for internal in ("_ssl.c", "127.0.0.1", "CERTIFICATE_VERIFY_FAILED"):
+        for internal in ("_ssl.c", "CERTIFICATE_VERIFY_FAILED", "IP address mismatch"):
             self.assertNotIn(internal, done.stderr)
+        # the host only in the URL the user set, which the line names; never in ssl's words
+        self.assertIn(f"could not reach the model API at {url}/chat/completions: ", done.stderr)
+        self.assertEqual(done.stderr.count("127.0.0.1"), 1)
         self.assertEqual(done.stderr.count("\n"), 1)
 
     def test_a_tls_handshake_sent_a_byte_at_a_time_ends_at_the_deadline(self) -> None:
@@ -8790,21 +8793,23 @@ class RemoteMcpTest(LoopTestCase):
     def test_a_stream_that_opens_with_a_priming_event_is_read_past_it(self) -> None:
         # the TypeScript SDK with an event store opens each stream with an id and empty data
         for revision in ("legacy", "modern"):
-            with (
-                self.subTest(revision=revision),
-                FakeRemoteMcp(revision, "sse", behaviours=["priming"]) as remote,
-            ):
-                done, requests = self.ask_remote(
-                    remote, self.lookup_turn(), "--mcp-read-only", "lookup"
-                )
-                self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
-                self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
-                script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("ok")]
-                done, requests = self.ask_remote(remote, script)
-                told = tool_results(requests[1])[0]
-                approved = self.cli("approve", told["approvalId"], "--mcp-url", remote.url)
-                self.assertEqual(approved.returncode, 0, approved.stderr)
-                self.assertEqual([c["name"] for c in remote.calls()], ["lookup", "cancel"])
+            with self.subTest(revision=revision):
+                self.read_and_approve(FakeRemoteMcp(revision, "sse", behaviours=["priming"]))
+
+    def read_and_approve(self, remote: FakeRemoteMcp) -> None:
+        """A read in one turn, a write filed in the next, then approved: all through `remote`."""
+        with remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+            )
+            self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+            self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
+            script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("ok")]
+            done, requests = self.ask_remote(remote, script)
+            told = tool_results(requests[1])[0]
+            approved = self.cli("approve", told["approvalId"], "--mcp-url", remote.url)
+            self.assertEqual(approved.returncode, 0, approved.stderr)
+        self.assertEqual([c["name"] for c in remote.calls()], ["lookup", "cancel"])
 
     def test_a_session_refused_with_400_is_started_again_once(self) -> None:
         # the TypeScript SDK answers a session it forgot (a restart) with 400, not 404
