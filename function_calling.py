@@ -1999,7 +1999,7 @@ class ChatClient:
                 if path.endswith("/v1")
                 else ": is OPENAI_BASE_URL the API's base URL? Most servers want it to end in /v1"
             )
-        if status != 501 and _should_retry(status, response.headers):  # 501: never will be
+        if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
         return ApiError(message, status, None)
 
@@ -7518,8 +7518,8 @@ class McpHttpServer(McpServer):
             broken = self._broken
         self._hang_up()
         with suppress(AuditError):
-            shown = self._unsaid_window(said[:MCP_SAID_BYTES]) if said else None
-            self.record("mcp_error", error=reason, **({"said": shown} if said else {}))
+            shown = {"said": self._unsaid_window(said[:MCP_SAID_BYTES])} if said else {}
+            self.record("mcp_error", error=reason, **shown)
         return broken
 
 
