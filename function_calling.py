@@ -1973,35 +1973,15 @@ class ChatClient:
                 "it would send the API key to another address. Check OPENAI_BASE_URL",
                 status,
             )
-        code = _error_code(body)
-        no_json = body.lstrip()[:1] != b"{"
-        if _is_a_page(response, body) or (status in (404, 405, 501) and no_json):
-            return self._no_chat_api(status, response, body)
         text = _redacted(_printable(body), self.settings.api_key)
-        message = f"the model API answered HTTP {status}: {_cut(text, 300)}"
+        # subtle: a page of markup flattened into one line tells the user nothing
+        said = "(an HTML page)" if _is_a_page(response, body) else _cut(text, 300)
+        message = f"the model API answered HTTP {status}: {said}"
+        if status in (404, 405, 501) and not _is_json_error(body):  # no such path, no API
+            message += _path_hint(self.settings.base_url)
         if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
-        return ApiError(message, status, code)
-
-    def _no_chat_api(
-        self, status: int, response: http.client.HTTPResponse, body: bytes
-    ) -> ApiError:
-        """A refusal no chat-completions API gives: an HTML page (a web server, a proxy's
-        error page), or "no such path" with no JSON error. Its page is not quoted (a page of
-        markup flattened into one line tells the user nothing); where the base URL has no
-        /v1, the path most servers want is suggested. A 5xx page is still worth a retry."""
-        what = "an HTML page" if _is_a_page(response, body) else "not a JSON error"
-        message = f"the model API answered HTTP {status} ({what})"
-        if status in (404, 405, 501):
-            path = urllib.parse.urlsplit(self.settings.base_url).path
-            message += (
-                ": is this a chat-completions server?"
-                if path.endswith("/v1")
-                else ": is OPENAI_BASE_URL the API's base URL? Most servers want it to end in /v1"
-            )
-        if _should_retry(status, response.headers):
-            return _RetryableError(message, status, _retry_after(response.headers))
-        return ApiError(message, status, None)
+        return ApiError(message, status, _error_code(body))
 
 
 def _stale(sock: socket.socket) -> bool:
@@ -2037,6 +2017,21 @@ def _is_a_page(response: http.client.HTTPResponse, body: bytes) -> bool:
     """Whether an error body is an HTML page rather than an API's error."""
     kind = (response.getheader("Content-Type") or "").lower()
     return "html" in kind or body.lstrip()[:1] == b"<"
+
+
+def _is_json_error(body: bytes) -> bool:
+    """Whether a body is an API's JSON error ({"error": …}), as every chat API sends."""
+    with suppress(ValueError, RecursionError):
+        parsed = json.loads(body)
+        return isinstance(parsed, dict) and "error" in parsed
+    return False
+
+
+def _path_hint(base_url: str) -> str:
+    """What to check when the server has no chat-completions API at the URL asked."""
+    if urllib.parse.urlsplit(base_url).path.endswith("/v1"):
+        return "; is this a chat-completions server?"
+    return "; is OPENAI_BASE_URL the API's base URL? Most servers want it to end in /v1"
 
 
 def _shown_endpoint(base_url: str) -> str:

@@ -4531,13 +4531,16 @@ class CliTest(LoopTestCase):
         )
         done, requests = self.ask([page])
         self.assertEqual((done.returncode, len(requests)), (1, 1))
-        self.assertIn("answered HTTP 404 (an HTML page", done.stderr)
-        self.assertIn("/v1", done.stderr)
+        self.assertIn("HTTP 404: (an HTML page); is this a chat-completions server?", done.stderr)
         self.assertNotIn("Not Found", done.stderr)
         error = b'{"error": {"message": "The model m does not exist", "code": "model_not_found"}}'
         done, _ = self.ask([ScriptedReply(error, status=404)])
         self.assertIn("The model m does not exist", done.stderr)  # its own words, no hint
         self.assertNotIn("HTML", done.stderr)
+        self.assertNotIn("/v1", done.stderr.split("completions", 1)[1])
+        fastapi = ScriptedReply(b'{"detail":"Not Found"}', status=404)  # vLLM, at a wrong path
+        done, _ = self.ask([fastapi])
+        self.assertIn('HTTP 404: {"detail":"Not Found"}; is this a chat-completions', done.stderr)
 
     def test_ask_exits_1_on_a_body_that_is_not_json(self) -> None:
         done, _ = self.ask([b"Service Unavailable"])
