@@ -1771,6 +1771,12 @@ class ChatClient:
         if self._kept is not None:
             self._kept.close()
 
+    def __enter__(self) -> ChatClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def complete(
         self,
         messages: Sequence[str],

@@ -5009,9 +5009,10 @@ class MakeItYoursTest(HelpDeskCase):
         )
 
     def test_the_readme_test_file_passes(self) -> None:
-        done = self.in_folder("-m", "unittest", "-q", "test_my_app")
+        done = self.in_folder("-W", "always::ResourceWarning", "-m", "unittest", "test_my_app")
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertIn("Ran 3 tests", done.stderr)
+        self.assertNotIn("ResourceWarning", done.stderr)  # its client closed its connection
 
     def test_every_other_python_example_in_the_readme_runs(self) -> None:
         self.my_app("ask", "Is T-000123 open?", script=LOOKUP_THEN_FIX)  # a log to look at
