@@ -5014,6 +5014,15 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertIn("Ran 3 tests", done.stderr)
         self.assertNotIn("ResourceWarning", done.stderr)  # its client closed its connection
 
+    def test_the_readme_try_script_runs_the_apps_own_command_line(self) -> None:
+        data = self.folder / "try"
+        done = self.in_folder("try_my_app.py", "--data-dir", str(data))
+        self.assertEqual((done.returncode, done.stdout), (0, "T-000123 is open.\n"), done.stderr)
+        self.assertIn("the model was asked 2 times", done.stderr)
+        lines = (data / "audit.log").read_text(encoding="ascii").splitlines()
+        (call,) = [r for r in map(json.loads, lines) if r["event"] == "tool_call"]
+        self.assertEqual((call["tool"], call["outcome"]), ("getTicket", "ok"))
+
     def test_every_other_python_example_in_the_readme_runs(self) -> None:
         self.my_app("ask", "Is T-000123 open?", script=LOOKUP_THEN_FIX)  # a log to look at
         scripts = [code for name, code in readme_examples() if name is None]
