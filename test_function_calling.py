@@ -4541,6 +4541,10 @@ class CliTest(LoopTestCase):
         fastapi = ScriptedReply(b'{"detail":"Not Found"}', status=404)  # vLLM, at a wrong path
         done, _ = self.ask([fastapi])
         self.assertIn('HTTP 404: {"detail":"Not Found"}; is this a chat-completions', done.stderr)
+        for status in (405, 505):  # never passes: asked once, though retries are allowed
+            refusal = ScriptedReply(b"no", status=status, headers=(("Content-Type", "text/plain"),))
+            done, requests = self.ask([refusal, refusal, refusal])
+            self.assertEqual((done.returncode, len(requests)), (1, 1), done.stderr)
 
     def test_ask_exits_1_on_a_body_that_is_not_json(self) -> None:
         done, _ = self.ask([b"Service Unavailable"])
@@ -8853,8 +8857,9 @@ class RemoteMcpTest(LoopTestCase):
         self.assertEqual((methods.count("initialize"), methods.count("tools/call")), (1, 1))
 
     def test_a_server_that_breaks_the_protocol_leaves_what_it_sent_in_the_log(self) -> None:
-        done, _, _ = self.ask_with_secret(["garbage"], "X-Api-Key", "k-0123456789abcdef")
+        done, _, remote = self.ask_with_secret(["garbage"], "X-Api-Key", "k-0123456789abcdef")
         self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(len(remote.calls()), 1)  # what broke is never sent again by itself
         (broke,) = [r for r in self.audit_records("mcp_error") if "said" in r]
         self.assertIn("not JSON-RPC", broke["error"])
         self.assertEqual(broke["said"], "this is not json [redacted]")  # the token said back
