@@ -84,7 +84,7 @@ $(LINT_VENV)/.installed:
 # the TypeScript SDK beside its reference server (server-everything, with npm where there is
 # node), downloaded into .venv-mcp/; the module itself never needs them.
 interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
-	@$(MAKE) --no-print-directory $(MCP_VENV)/ts/.installed || echo "no npm: the TypeScript servers are skipped"
+	@$(MAKE) --no-print-directory $(MCP_VENV)/ts/.installed || echo "npm could not install the TypeScript servers: they are skipped"
 	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
 	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
 	FUNCTION_CALLING_MCP_TS=$(abspath $(MCP_VENV))/ts \

@@ -4817,7 +4817,7 @@ def _cmd_ask(args: argparse.Namespace, app: App) -> int:
         loop, workspace = _conversation(args, app, stack)
         saved = _saved(args, app, workspace, args.conversation) if args.conversation else None
         result, printer = _turn(loop, question, args, saved)
-    code = _report(result, printer, _shown_endpoint(loop.client.settings.base_url))
+    code = _report(result, printer, loop.client.settings.base_url)
     return EXIT_FAILED if saved and saved.unsaved and code == EXIT_OK else code
 
 
@@ -4844,7 +4844,7 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
             continue
         unsaved = saved.unsaved
         result, printer = _turn(loop, question, args, saved)  # a guard ends one turn only
-        code = _report(result, printer, _shown_endpoint(loop.client.settings.base_url))
+        code = _report(result, printer, loop.client.settings.base_url)
         code = EXIT_FAILED if saved.unsaved > unsaved and code == EXIT_OK else code
         worst = max(worst, code, key=_EXIT_SEVERITY.__getitem__)
     return worst
@@ -4960,10 +4960,10 @@ class _Printer:
             print(flush=True)
 
 
-def _report(result: TurnResult, printer: _Printer | None = None, endpoint: str = "") -> int:
+def _report(result: TurnResult, printer: _Printer | None = None, base_url: str = "") -> int:
     """Print what the user should see of a turn and choose the exit code. A failure to talk
-    to the model API names `endpoint`, the URL the user set, which the turn's error (that an
-    application may show its own users) never holds."""
+    to the model API names the URL it went to, from `base_url`, the one the user set, which
+    the turn's error (that an application may show its own users) never holds."""
     streamed = printer is not None and result.stop_reason in ("answered", *_CUT_SHORT)
     if printer:
         if printer.broken:
@@ -4987,8 +4987,9 @@ def _report(result: TurnResult, printer: _Printer | None = None, endpoint: str =
         print(f"stopped: {result.error}", file=sys.stderr)
         return EXIT_BUDGET
     error = str(result.error)
-    if result.stop_reason == "api_error" and endpoint:
-        error = error.replace("the model API", f"the model API at {endpoint}", 1)
+    if result.stop_reason == "api_error" and base_url:
+        where = _shown_endpoint(base_url)
+        error = error.replace("the model API", f"the model API at {where}", 1)
     _say_error(error)
     return EXIT_FAILED
 
