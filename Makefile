@@ -48,25 +48,20 @@ $(BENCH_VENV)/.installed:
 	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check openai==3.57.0
 	touch $@
 
-# The same checks on a copy with the example cut out, as README's "Cut the example" says,
-# on one with the MCP section cut out too, and on one with the inbox cut out as well.
+# The same checks on every copy `copy --without` can make: each choice of parts left out.
+PART_CUTS := example mcp inbox mcp,example inbox,example mcp,inbox mcp,inbox,example
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(SOURCES)
 	$(LINT_VENV)/bin/ruff format --check --line-length 100 $(SOURCES)
 	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache $(SOURCES)
-	mkdir -p $(LINT_VENV)/cut
-	sed '/^# >>> EXAMPLE/,/^# <<< EXAMPLE/d' function_calling.py > $(LINT_VENV)/cut/function_calling.py
-	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/function_calling.py
-	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
-		$(LINT_VENV)/cut/function_calling.py
-	sed '/^# >>> MCP/,/^# <<< MCP/d' $(LINT_VENV)/cut/function_calling.py > $(LINT_VENV)/cut/both.py
-	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/both.py
-	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
-		$(LINT_VENV)/cut/both.py
-	sed '/^# >>> INBOX/,/^# <<< INBOX/d' $(LINT_VENV)/cut/both.py > $(LINT_VENV)/cut/all.py
-	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(LINT_VENV)/cut/all.py
-	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
-		$(LINT_VENV)/cut/all.py
+	@for cut in $(PART_CUTS); do \
+		rm -rf $(LINT_VENV)/cut && mkdir -p $(LINT_VENV)/cut && \
+		$(PYTHON) function_calling.py copy $(LINT_VENV)/cut/function_calling.py --without $$cut \
+			>/dev/null && echo "lint: a copy without $$cut" && \
+		$(LINT_VENV)/bin/ruff check --quiet $(RUFF_RULES) $(LINT_VENV)/cut/function_calling.py && \
+		$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
+			--no-error-summary $(LINT_VENV)/cut/function_calling.py || exit 1; \
+	done
 
 # The inbox in a real headless Chromium (FUNCTION_CALLING_CHROMIUM, else one on PATH; Debian's
 # package `chromium`, which .ci/run installs where missing). `make test` runs it too, when found.

@@ -1,3 +1,4 @@
+# function_calling.py, version 2026-12-03+b68781a: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -16,30 +17,36 @@ writes an audit line and sends the result back. One *round* on the wire:
     then {"role":"tool","tool_call_id":"call_1","content":"{\\"city\\":\\"Oslo\\",…}"};
     a reply without tool_calls is the answer.
 
-Glossary: a *round* is one model call plus the tool calls it asked for; a *turn* is one user
-message and all its rounds. A turn ends when a reply asks for no tool, or at the round cap.
+Words: a *round* is one model call and the tool calls its reply asks for; a *turn* is one user
+message and all its rounds. A turn ends when a reply asks for no tool, or when a *guard* stops
+it: the round cap, the same calls asked twice in a row, or a budget. The *echo* is the
+assistant message sent back byte for byte as it came (the reply). A tool that writes only
+*files* its change: a pending action waits until a person approves it (approvals). Each filing
+and decision keeps a journal row, *in_flight*, from before its first audit line until after its
+last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
+each customer and conversation spent, across turns and processes (budgets).
 
-Run:  python function_calling.py demo            (offline: a scripted model on 127.0.0.1)
-      python function_calling.py ask "QUESTION"   [--stream] [--conversation ID]
-      python function_calling.py chat [--resume ID] | conversations | pending | approve ID |
-                                 reject ID | inbox | verify-audit | stats
+First reading: Part I, the mechanism, is lines 1 to 1,453 of this file, and a reader may stop
+at its end marker: settings · errors · tools and validation · audit · the request · the reply
+(the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
+together. Part II, hardening (about 2,380 lines), makes each of its promises hold against real
+servers and faults: the transport · the stream · the workers · budgets · server quirks ·
+start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
+it (about 1,790 lines): the audit log's figures · conversations · the CLI · the scripted server.
+
+Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
+(README: "Make it yours"); `copy` writes this file without the parts you do not want.
+
+Commands: python3 function_calling.py COMMAND (--help for each; --version)
+  ask "QUESTION" [--stream] [--conversation ID]   one turn; chat [--resume ID]: one per line
+  conversations · pending · approve ID · reject ID · verify-audit · stats
+  copy OUT [--without PART,…]                     this file, without the parts named
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
-Yours: write Tool subclasses, put them in an App, and call main(app=…) (README: "Make it
-      yours").
 
-First reading: Part I, the mechanism, is lines 1 to 1,499 of this file, and a reader may stop
-at its end marker: settings · errors · tools and validation · audit · the request · the reply
-(the verbatim echo) · dispatch (the trust boundary) · the loop · approvals. Part II,
-hardening (about 2,160 lines), makes each of its promises hold against real servers and
-faults: the transport · the stream · the workers · budgets · server quirks · start-up checks
-· the audit chain · the approvals' journal · the database. Part III, operating it (about
-1,650 lines): the audit log's figures · conversations · the CLI · the scripted server. Last come
-three parts between markers, when this copy still has them, that nothing before depends on
-and one cut removes each: MCP tools (from Model Context Protocol servers, on stdio or over
-HTTP, under the same policy), the inbox (a web page where a person decides what waits) and a
-worked example.
+After Part III come the parts between markers this copy still has, each adding its paragraph
+below; nothing before depends on them, and one cut removes each (`copy --without`).
 """
 
 from __future__ import annotations
@@ -94,6 +101,24 @@ if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a ti
 else:
     import fcntl
 
+
+class _OnFirstUse:
+    """A module imported at its first use, not with this file: `import function_calling`
+    costs a program no sqlite3, argparse or thread pool it never uses (README: "Import")."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+if not TYPE_CHECKING:  # the checker sees the modules themselves (the imports above)
+    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
+    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
+    argparse = _OnFirstUse("argparse")  # the command line: not for a program that imports us
+    getpass, shlex, tempfile = map(_OnFirstUse, ("getpass", "shlex", "tempfile"))  # the CLI's
+
 if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback further down
     sys.exit("function_calling.py needs Python 3.10 or newer")
 
@@ -110,9 +135,45 @@ __all__ = [
     "text_reply", "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
+# The day and commit this file was stamped at (`make version`), as line 1 says too: what a
+# copier looks up later to know what they took.
+__version__ = "2026-12-03+b68781a"
 
 
 # ===================================================================== Part I: the mechanism
+#
+# What Part I relies on from later parts, by the promise each makes (how it keeps it is at
+# its definition; a reader may take these on trust and stop at the end marker):
+#
+#   ChatClient(settings).complete(…)  one whole Reply by the deadline, or ApiError; only the
+#       HTTP request is retried, never a tool (the transport, the stream)
+#   Budget, Spend, _token_count  what a turn may spend and has; a limit a request or a reply
+#       would pass is named before anything it would pay for happens (budgets)
+#   tool_table  the tools by exact name, refusing names and schemas a server would reject;
+#       _tool_choice_json  tool_choice as JSON text (start-up checks, server quirks)
+#   _start_calls, _runs_inline  calls start on daemon threads, one future each, in order, or
+#       a lone call to an inline tool on the loop's thread; timed_out_call, skip_calls,
+#       _not_run_content  a call that does not run is answered and audited all the same
+#       (the workers)
+#   _arguments_text, _asks_again, _api_failure, _call_written_as_text, _TEXT_CALL_HINT,
+#       _CUT_CALLS, portable_history  what real servers send that the protocol does not
+#       say, made into plain cases (server quirks)
+#   AuditFile, _one_fsync  a record is one hash-chained line, on disk when `record` returns
+#       or a batch ends; _scrubbed, _FREE_TEXT  what looks like a secret in free text is
+#       redacted first (the audit chain)
+#   Database  the data directory's SQLite file: reading() is read-only, write_transaction()
+#       commits whole or not at all (the database)
+#   _APPROVALS_SCHEMA, _file_action, _open_actions, _open_action, _mark, _about  pending
+#       actions in SQLite: one open action per exact request; a decision finds its action
+#       still pending and unexpired and marks it in its own transaction, so it runs once
+#   _IN_FLIGHT_SCHEMA, _taking_turns, _intend, _conclude, _step_finished, _withdraw,
+#       _settle, _settle_if_free  a step's journal row is written before its first line and
+#       removed after its last; a row a crash left is settled before the next step (the
+#       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome  a decision's result, kept
+#       in the decision's own transaction (conversations)
+#
+# sqlite3 and concurrent.futures are imported where they are first used (_OnFirstUse, at the
+# imports), which is why no import line names them.
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -1169,30 +1230,6 @@ class ApprovalError(Exception):
         self.detail = detail
 
 
-# Kept in the data directory's database, so that a tool whose data lives there commits its
-# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
-# table had a version row of its own (when it shared the example's schema) is taken as it is.
-_APPROVALS_SCHEMA = """
--- What a model proposed and a human must decide. One open action per exact request.
-CREATE TABLE IF NOT EXISTS pending_actions (
-    action_id      TEXT PRIMARY KEY,
-    customer_id    TEXT NOT NULL,
-    tool           TEXT NOT NULL,
-    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
-    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
-    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
-    created_at     TEXT NOT NULL,
-    expires_at     TEXT NOT NULL,
-    status         TEXT NOT NULL DEFAULT 'pending'
-                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
-    decided_at     TEXT,
-    decided_by     TEXT
-);
-CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
-    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
-"""
-
-
 def _require_approval_step(tools: Iterable[Tool], approvals: Approvals | None) -> None:
     """Fail closed, at start-up: a tool that writes must have a step for a human to approve."""
     for tool in tools:
@@ -1264,7 +1301,7 @@ class Approvals:
         Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
         with _taking_turns(self):
-            told = self._file(action_id, tool, args, context, summary)
+            told = _file_action(self, action_id, tool, args, context, summary)
             try:
                 if record is None:
                     self.audit.record(
@@ -1288,21 +1325,13 @@ class Approvals:
         """Open actions, oldest first: filed with their audit line, and not expired. Settles
         what a crash left half done first, unless a filing or decision is under way."""
         _settle_if_free(self)
-        with self.database.reading() as db:
-            rows = db.execute(
-                f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
-                " WHERE status = 'pending' AND expires_at > ?"
-                " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
-                " ORDER BY created_at, action_id",
-                (_iso(self.clock()),),
-            ).fetchall()
-        return [_pending_action(row) for row in rows]
+        return _open_actions(self)
 
     def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
         """Re-check everything, then apply the write and mark the action used, atomically."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = self._open_action(db, action_id)
+            action = _open_action(self, db, action_id)
             tool = tools.get(action.tool)
             if tool is None or not tool.writes:
                 raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
@@ -1318,7 +1347,7 @@ class Approvals:
                     f"{action_id}: not carried out: the tool failed; details are in the audit log",
                     detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
                 ) from None
-            self._mark(db, action, "approved", operator)
+            _mark(self, db, action, "approved", operator)
             _record_outcome(db, action_id, result=canonical_json(outcome))
             return action, outcome
 
@@ -1328,61 +1357,12 @@ class Approvals:
         """Close an open action without running it; `reason` is what the model will be told."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = self._open_action(db, action_id)
-            self._mark(db, action, "rejected", operator)
+            action = _open_action(self, db, action_id)
+            _mark(self, db, action, "rejected", operator)
             _record_outcome(db, action_id, reason=reason)
             return action, {"reason": reason} if reason else {}
 
         self._decide(action_id, "reject", operator, carry_out)
-
-    def _file(
-        self,
-        action_id: str,
-        tool: Tool,
-        args: Mapping[str, Any],
-        context: ToolContext,
-        summary: Mapping[str, Any],
-    ) -> dict[str, Any]:
-        """The action and its in_flight row, in one transaction; what the model will be told."""
-        arguments_json = canonical_json(args)
-        now = self.clock()
-        with self.database.write_transaction() as db:
-            db.execute(
-                "UPDATE pending_actions SET status = 'expired'"
-                " WHERE status = 'pending' AND expires_at <= ?",
-                (_iso(now),),
-            )
-            try:
-                db.execute(
-                    "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
-                    " binding_sha256, summary_json, created_at, expires_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        action_id,
-                        context.customer_id,
-                        tool.name,
-                        arguments_json,
-                        _binding(context.customer_id, tool.name, arguments_json),
-                        canonical_json(summary),
-                        _iso(now),
-                        _iso(now + self.ttl_seconds),
-                    ),
-                )
-            except sqlite3.IntegrityError:  # the one-open-action index
-                raise ToolError(
-                    "this request is already waiting for a person to approve it"
-                ) from None
-            db.execute(  # its journal row, from before its first line
-                "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
-                (action_id, action_id),
-            )
-        expires = _iso(now + self.ttl_seconds)
-        return {
-            "status": "requires_approval",
-            "approvalId": action_id,
-            **summary,
-            "expiresAt": expires,
-        }
 
     def _decide(
         self,
@@ -1416,21 +1396,6 @@ class Approvals:
             _conclude(self, intent, operator, _DECIDED[step], **_about(action), result=result)
         return result
 
-    def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
-        row = db.execute(
-            f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
-            (action_id,),
-        ).fetchone()
-        if row is None:
-            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
-            raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
-        action = _pending_action(row)
-        if action.status != "pending":
-            raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
-        if action.expires_at <= _iso(self.clock()):
-            raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
-        return action
-
     def _bound_arguments(self, action: PendingAction) -> dict[str, Any]:
         """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
         try:
@@ -1442,43 +1407,8 @@ class Approvals:
             raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
         return args
 
-    def _mark(
-        self, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
-    ) -> None:
-        """Mark the action decided, in the decision's transaction: no second use."""
-        marked = db.execute(
-            "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
-            " WHERE action_id = ? AND status = 'pending'",
-            (status, _iso(self.clock()), operator, action.action_id),
-        )
-        if marked.rowcount != 1:
-            raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
-
 
 _DECIDED = {"approve": "approved", "reject": "rejected"}
-_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
-
-
-def _about(action: PendingAction) -> dict[str, str]:
-    """What a decision line says of its action."""
-    return {
-        "customer_id": action.customer_id,
-        "tool": action.tool,
-        "arguments": action.arguments_json,
-    }
-
-
-_ACTION_COLUMNS = (
-    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
-    " created_at, expires_at, status"
-)
-
-
-def _pending_action(row: Sequence[Any]) -> PendingAction:
-    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
-    values = list(row)
-    values[5] = json.loads(values[5])
-    return PendingAction(*values)
 
 
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
@@ -1491,31 +1421,39 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
     return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
 
 
-def _iso(timestamp: float) -> str:
-    """UTC, to the second, in a form whose text order is its time order."""
-    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+# ---------------------------------------------------------------- a tool and a turn, together
+# One tool of yours and one turn, as a program that imports this file writes them. The suite
+# runs these lines as written. ScriptedChatServer (Part III) plays the model on 127.0.0.1;
+# Settings() with OPENAI_API_KEY set would reach the real one.
+#
+#     class GetWeather(Tool):
+#         name = "getWeather"
+#         description = "Today's weather in one city. city: its name in English, e.g. Oslo."
+#         parameters = {
+#             "type": "object",
+#             "properties": {"city": {"type": "string", "description": "a city, e.g. Oslo"}},
+#             "required": ["city"],
+#             "additionalProperties": False,
+#         }
+#         inline = True  # no network, no wait: it may run on the loop's own thread
+#
+#         def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+#             city_name = re.compile("[A-Z][a-z]{1,30}")  # ASCII classes, matched whole
+#             city = require_pattern(args, "city", city_name, "a city, e.g. Oslo")
+#             return {"city": city, "rain": city in ("Oslo", "Bergen")}
+#
+#     script = [tool_call_reply([("getWeather", '{"city":"Oslo"}')]), text_reply("Yes, rain.")]
+#     with ScriptedChatServer(script) as model:
+#         with ChatClient(Settings(base_url=model.base_url)) as client:
+#             loop = ToolLoop(client, [GetWeather()], AuditLog(Path("audit.log")))
+#             result = loop.run("Rain in Oslo today?", ToolContext(customer_id="c-1"))
+#     print(result.stop_reason, result.answer)  # answered Yes, rain.
 
 
 # ============================================================== end of Part I: the mechanism
 
 # ======================================================================== Part II: hardening
 
-
-class _OnFirstUse:
-    """A module imported at its first use, not with this file (README: "Import")."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self._name), attribute)
-
-
-if not TYPE_CHECKING:  # the checker sees the modules themselves (the imports at the top)
-    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
-    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
-    argparse = _OnFirstUse("argparse")  # the command line: not for a program that imports us
-    getpass, shlex, tempfile = map(_OnFirstUse, ("getpass", "shlex", "tempfile"))  # the CLI's
 
 # ----------------------------------------------------------------------------- the transport
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
@@ -3365,6 +3303,150 @@ def _record_or_none(line: bytes) -> dict[str, Any] | None:
 # database, so that settling never takes another process's step in progress for a crash,
 # and the lock dies with its process.
 
+# Kept in the data directory's database, so that a tool whose data lives there commits its
+# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
+# table had a version row of its own (when it shared the example's schema) is taken as it is.
+_APPROVALS_SCHEMA = """
+-- What a model proposed and a human must decide. One open action per exact request.
+CREATE TABLE IF NOT EXISTS pending_actions (
+    action_id      TEXT PRIMARY KEY,
+    customer_id    TEXT NOT NULL,
+    tool           TEXT NOT NULL,
+    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
+    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
+    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
+    created_at     TEXT NOT NULL,
+    expires_at     TEXT NOT NULL,
+    status         TEXT NOT NULL DEFAULT 'pending'
+                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
+    decided_at     TEXT,
+    decided_by     TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
+    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+"""
+
+
+def _file_action(
+    approvals: Approvals,
+    action_id: str,
+    tool: Tool,
+    args: Mapping[str, Any],
+    context: ToolContext,
+    summary: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The action and its in_flight row, in one transaction; what the model will be told."""
+    arguments_json = canonical_json(args)
+    now = approvals.clock()
+    with approvals.database.write_transaction() as db:
+        db.execute(
+            "UPDATE pending_actions SET status = 'expired'"
+            " WHERE status = 'pending' AND expires_at <= ?",
+            (_iso(now),),
+        )
+        try:
+            db.execute(
+                "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
+                " binding_sha256, summary_json, created_at, expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    action_id,
+                    context.customer_id,
+                    tool.name,
+                    arguments_json,
+                    _binding(context.customer_id, tool.name, arguments_json),
+                    canonical_json(summary),
+                    _iso(now),
+                    _iso(now + approvals.ttl_seconds),
+                ),
+            )
+        except sqlite3.IntegrityError:  # the one-open-action index
+            raise ToolError("this request is already waiting for a person to approve it") from None
+        db.execute(  # its journal row, from before its first line
+            "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
+            (action_id, action_id),
+        )
+    expires = _iso(now + approvals.ttl_seconds)
+    return {
+        "status": "requires_approval",
+        "approvalId": action_id,
+        **summary,
+        "expiresAt": expires,
+    }
+
+
+def _open_action(approvals: Approvals, db: sqlite3.Connection, action_id: str) -> PendingAction:
+    row = db.execute(
+        f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+        (action_id,),
+    ).fetchone()
+    if row is None:
+        shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
+        raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
+    action = _pending_action(row)
+    if action.status != "pending":
+        raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
+    if action.expires_at <= _iso(approvals.clock()):
+        raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
+    return action
+
+
+def _mark(
+    approvals: Approvals, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
+) -> None:
+    """Mark the action decided, in the decision's transaction: no second use."""
+    marked = db.execute(
+        "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
+        " WHERE action_id = ? AND status = 'pending'",
+        (status, _iso(approvals.clock()), operator, action.action_id),
+    )
+    if marked.rowcount != 1:
+        raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
+
+
+_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
+
+
+def _open_actions(approvals: Approvals) -> list[PendingAction]:
+    """Approvals.pending's rows: pending, not expired, and not a filing still under way."""
+    with approvals.database.reading() as db:
+        rows = db.execute(
+            f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
+            " WHERE status = 'pending' AND expires_at > ?"
+            " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
+            " ORDER BY created_at, action_id",
+            (_iso(approvals.clock()),),
+        ).fetchall()
+    return [_pending_action(row) for row in rows]
+
+
+def _about(action: PendingAction) -> dict[str, str]:
+    """What a decision line says of its action."""
+    return {
+        "customer_id": action.customer_id,
+        "tool": action.tool,
+        "arguments": action.arguments_json,
+    }
+
+
+_ACTION_COLUMNS = (
+    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
+    " created_at, expires_at, status"
+)
+
+
+def _pending_action(row: Sequence[Any]) -> PendingAction:
+    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
+    values = list(row)
+    values[5] = json.loads(values[5])
+    return PendingAction(*values)
+
+
+def _iso(timestamp: float) -> str:
+    """UTC, to the second, in a form whose text order is its time order."""
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 _IN_FLIGHT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS in_flight (
     intent_id   TEXT PRIMARY KEY,    -- named by this step's audit lines
@@ -4384,6 +4466,9 @@ class App:
     demo: Sequence[DemoTurn] = ()
 
 
+SCRIPT_APP = App()  # what `python3 function_calling.py` runs; the example's part sets its own
+
+
 def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # noqa: PLR0911
     """Run the command line for `app` (App() if None: no tools); returns the exit code and
     never lets a traceback out."""
@@ -4465,6 +4550,7 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     parser = argparse.ArgumentParser(
         description="LLM tool calling by hand: the model proposes, this code disposes.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument(
         "--data-dir",
@@ -4565,7 +4651,10 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     chat.set_defaults(command=_cmd_chat)
     listing = commands.add_parser("conversations", parents=[data], help="list saved conversations")
     listing.set_defaults(command=_cmd_conversations)
-    demo = commands.add_parser("demo", parents=[data], help="scripted turns offline, on 127.0.0.1")
+    if app.demo:
+        demo = commands.add_parser("demo", parents=[data], help="scripted turns, offline")
+    else:  # kept, to say why there is none, but not offered by --help (no help= given)
+        demo = commands.add_parser("demo", parents=[data])
     demo.set_defaults(command=_cmd_demo)
     pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
     pending.set_defaults(command=_cmd_pending)
@@ -4589,6 +4678,16 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     verify.set_defaults(command=_cmd_verify_audit)
     stats = commands.add_parser("stats", parents=[log, data], help="turns, rounds, errors, tokens")
     stats.set_defaults(command=_cmd_stats)
+    copy = commands.add_parser("copy", help="write this file without the parts named")
+    copy.add_argument("out", metavar="OUT", type=Path, help="the new file; it must not exist")
+    copy.add_argument(
+        "--without",
+        metavar="PART,…",
+        type=_part_names,
+        default=(),
+        help="the parts to leave out, by their `# >>> NAME` markers (mcp,inbox,example)",
+    )
+    copy.set_defaults(command=_cmd_copy)
     _add_section_commands(commands, {"data": data, "sources": sources})
     return parser
 
@@ -5128,6 +5227,69 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     return EXIT_OK
 
 
+def _cmd_copy(args: argparse.Namespace, app: App) -> int:
+    """This file without the parts named: the same lines the README's sed recipe keeps, but
+    for line 1, which says the version and what the copy kept."""
+    lines = Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
+    parts = _parts(lines)
+    unknown = [name for name in args.without if name not in parts]
+    if unknown:
+        have = ", ".join(parts) or "none"
+        raise ConfigError(f"no part named {', '.join(unknown)} here; this file's parts: {have}")
+    cut = {n for name in args.without for n in range(parts[name][0], parts[name][1] + 1)}
+    kept_parts = [name for name in parts if name not in args.without]
+    kept = [line for n, line in enumerate(lines) if n not in cut]
+    if kept[0].startswith("# function_calling.py, version"):
+        what = f"parts kept: {', '.join(kept_parts)}" if kept_parts else "no part kept"
+        kept[0] = f"# function_calling.py, version {__version__}: a copy, {what}\n"
+    _write_new(args.out, "".join(kept))
+    left_out = f" (without {', '.join(args.without)})" if args.without else ""
+    print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")
+    print(f"check it: python3 {shlex.quote(str(args.out))} --help")
+    return EXIT_OK
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write a file that must not exist yet: someone's edited copy is never written over,
+    and a write that fails (a full disk) leaves no half file to be taken for a whole one."""
+    try:
+        with open(path, "x", encoding="utf-8") as out:  # "x": exists → error, even in a race
+            try:
+                out.write(text)
+                out.flush()
+            except OSError:
+                path.unlink(missing_ok=True)
+                raise
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; copy writes a new file only") from None
+    except OSError as exc:
+        raise ConfigError(f"could not write {path} ({exc.strerror or exc})") from None
+
+
+_PART_MARKER = re.compile(r"# (>>>|<<<) ([A-Z][A-Z0-9_]*)\b")
+
+
+def _parts(lines: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The parts between `# >>> NAME` and `# <<< NAME` lines: name (lower case) to the
+    indexes of those two lines, as sed's range finds them."""
+    opened: dict[str, int] = {}
+    parts: dict[str, tuple[int, int]] = {}
+    for number, line in enumerate(lines):
+        marker = _PART_MARKER.match(line)
+        if marker and marker.group(1) == ">>>":
+            opened.setdefault(marker.group(2), number)
+        elif marker and marker.group(2) in opened:
+            parts[marker.group(2).lower()] = (opened.pop(marker.group(2)), number)
+    return parts
+
+
+def _part_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip().lower() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected part names, comma-separated")
+    return names
+
+
 def _cmd_demo(args: argparse.Namespace, app: App) -> int:
     if not app.demo:
         raise ConfigError("this app has no scripted demo: give App(demo=…) some turns")
@@ -5473,6 +5635,11 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "mcp_tools",
     "mcp_wire_name",
 ]
+__doc__ += """
+MCP ("# >>> MCP" to "# <<< MCP"): ask, chat and approve also take tools from Model Context
+Protocol servers, started as child processes (--mcp) or remote (--mcp-url), under this
+file's policy: arguments checked against each tool's schema, writes behind a person.
+"""
 
 from collections.abc import Generator  # noqa: E402 -- the MCP section's own imports: the cut takes them
 from contextlib import closing  # noqa: E402
@@ -8081,6 +8248,11 @@ TOOL_SOURCES.append(_McpFlags())
 # every form carries the session's CSRF token, and a request naming another Host is refused
 # (DNS rebinding). The operator is the one the inbox was started for, never a form field.
 
+__doc__ += """
+The inbox ("# >>> INBOX" to "# <<< INBOX"): the `inbox` command, a page on 127.0.0.1 where
+a person approves or rejects the writes that wait.
+"""
+
 INBOX_MAX_BODY = 16 * 1024  # bytes in one POST: a decision is an id and a reason
 INBOX_REQUEST_S = 10.0  # every byte of one request (its line, headers and body) by this
 INBOX_DECIDED_SHOWN = 50  # decided actions listed, newest first
@@ -8659,6 +8831,11 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "RequestShippingRefund",
     "shop_tools",
 ]
+__doc__ += """
+The example ("# >>> EXAMPLE" to "# <<< EXAMPLE"): a small shop, three tools over SQLite (one a
+write behind a person), and the `demo` it plays offline; run as a script, this file is the
+shop: python3 function_calling.py demo.
+"""
 
 SHOP_CUSTOMER = "CUST-0001"
 SHOP_PROMPT = (
@@ -9015,6 +9192,9 @@ SHOP = App(
     demo=SHOP_DEMO,
 )
 
-if __name__ == "__main__":
-    sys.exit(main(app=SHOP))
+SCRIPT_APP = SHOP
 # <<< EXAMPLE
+
+
+if __name__ == "__main__":  # last: every part above has added its commands by now
+    sys.exit(main(app=SCRIPT_APP))

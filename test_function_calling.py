@@ -12,6 +12,7 @@ import ast
 import base64
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import email.utils
@@ -48,7 +49,13 @@ import unittest
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager, redirect_stderr, redirect_stdout, suppress
+from contextlib import (
+    closing,
+    contextmanager,
+    redirect_stderr,
+    redirect_stdout,
+    suppress,
+)
 from pathlib import Path
 from typing import Any, ClassVar
 from unittest import mock
@@ -5203,6 +5210,127 @@ class ImportTest(unittest.TestCase):
         self.assertEqual(reply.content, "ok")
 
 
+class CopyTest(unittest.TestCase):
+    """`copy OUT --without …` makes a copy that is whole on its own: for every choice of parts
+    left out, the lines the README's sed recipe keeps (line 1 aside, which says what the copy
+    is), a --help and a docstring that name only what is there, and a demo where the example
+    stayed."""
+
+    PARTS = ("mcp", "inbox", "example")
+
+    def run_python(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, *args],
+            cwd=cwd,
+            env={"PATH": os.environ.get("PATH", ""), "NO_PROXY": "127.0.0.1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        self.assertNotIn("Traceback", done.stderr)
+        return done
+
+    def test_each_choice_of_parts_left_out_makes_a_whole_copy(self) -> None:
+        original = MODULE.read_text().splitlines(keepends=True)
+        self.assertTrue(
+            original[0].startswith(f"# function_calling.py, version {fc.__version__}: ")
+        )
+        for size in range(len(self.PARTS) + 1):
+            for without in itertools.combinations(self.PARTS, size):
+                with self.subTest(without=without), tempfile.TemporaryDirectory() as scratch:
+                    self.check_copy(Path(scratch), without, original)
+
+    def check_copy(self, folder: Path, without: tuple[str, ...], original: list[str]) -> None:
+        options = ["--without", ",".join(without)] if without else []
+        made = self.run_python(str(MODULE), "copy", "function_calling.py", *options, cwd=folder)
+        self.assertEqual(made.returncode, 0, made.stderr)
+        copy = (folder / "function_calling.py").read_text().splitlines(keepends=True)
+        self.assertIn(f"{len(copy):,} of {len(original):,} lines", made.stdout)
+        kept = [part for part in self.PARTS if part not in without]
+        what = f"parts kept: {', '.join(kept)}" if kept else "no part kept"
+        header = f"# function_calling.py, version {fc.__version__}: a copy, {what}\n"
+        self.assertEqual(copy[0], header)
+        expected = original
+        for part in without:
+            first = next(
+                n for n, line in enumerate(expected) if line.startswith(f"# >>> {part.upper()}")
+            )
+            last = next(
+                n for n, line in enumerate(expected) if line.startswith(f"# <<< {part.upper()}")
+            )
+            expected = expected[:first] + expected[last + 1 :]
+        self.assertEqual(copy[1:], expected[1:], "the lines sed keeps, line 1 aside")
+        if without and shutil.which("sed"):  # the README's recipe, one range per part
+            recipe = "; ".join(f"/^# >>> {p.upper()}/,/^# <<< {p.upper()}/d" for p in without)
+            sed = subprocess.run(
+                ["sed", recipe, str(MODULE)], capture_output=True, text=True, check=True
+            )
+            self.assertEqual(copy[1:], sed.stdout.splitlines(keepends=True)[1:])
+        helped = self.run_python("function_calling.py", "--help", cwd=folder)
+        commands = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
+        core = {
+            "ask",
+            "chat",
+            "conversations",
+            "pending",
+            "approve",
+            "reject",
+            "verify-audit",
+            "stats",
+            "copy",
+        }
+        self.assertEqual(
+            commands - core,
+            {"inbox"} - set(without) | {"demo"} - ({"demo"} if "example" in without else set()),
+        )
+        looked = self.run_python(
+            "-c",
+            "import json, function_calling as f; print(json.dumps([f.__doc__, f.__all__,"
+            " all(hasattr(f, n) for n in f.__all__), len(f.TOOL_SOURCES), f.__version__]))",
+            cwd=folder,
+        )
+        doc, names, defined, sources, version = json.loads(looked.stdout)
+        self.assertTrue(defined, "every name in __all__ is defined")
+        self.assertEqual(version, fc.__version__)
+        self.assertEqual(sources, 0 if "mcp" in without else 1)
+        for part, word, name in (
+            ("mcp", "MCP", "McpTool"),
+            ("inbox", "inbox", None),
+            ("example", "demo", "SHOP"),
+        ):
+            named = re.search(rf"\b{word}\b", doc) is not None
+            self.assertEqual(named, part not in without, f"the docstring and {part}")
+            if name:
+                self.assertEqual(name in names, part not in without, f"__all__ and {part}")
+        if "example" not in without:
+            demo = self.run_python("function_calling.py", "demo", cwd=folder)
+            self.assertEqual(demo.returncode, 0, demo.stderr)
+        else:
+            ran = self.run_python("function_calling.py", "demo", cwd=folder)
+            self.assertEqual(ran.returncode, 2)
+            self.assertIn("no scripted demo", ran.stderr)
+
+    def test_copy_never_writes_over_a_file_and_refuses_a_part_it_does_not_have(self) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = Path(scratch)
+            (folder / "mine.py").write_text("# my edited copy\n")
+            over = self.run_python(str(MODULE), "copy", "mine.py", cwd=folder)
+            self.assertEqual(over.returncode, 2)
+            self.assertIn("exists", over.stderr)
+            self.assertEqual((folder / "mine.py").read_text(), "# my edited copy\n")
+            odd = self.run_python(
+                str(MODULE), "copy", "new.py", "--without", "mcp,shop", cwd=folder
+            )
+            self.assertEqual(odd.returncode, 2)
+            self.assertIn(
+                "no part named shop here; this file's parts: mcp, inbox, example", odd.stderr
+            )
+            self.assertFalse((folder / "new.py").exists())
+            shown = self.run_python(str(MODULE), "--version", cwd=folder)
+            self.assertEqual(shown.stdout, f"function_calling.py {fc.__version__}\n")
+
+
 class ShapeTest(unittest.TestCase):
     """The file reads as a reference: Part I, the mechanism, first, whole and at most 1,500
     lines; the hardening and the operating after it."""
@@ -5219,7 +5347,8 @@ class ShapeTest(unittest.TestCase):
             "Part III: operating it",
         ]
         self.assertEqual(titles, expected, "each part's marker once, in order")
-        self.part_one_end, self.part_two, self.part_three = found[1][0], found[2][0], found[3][0]
+        self.part_one, self.part_one_end = found[0][0], found[1][0]
+        self.part_two, self.part_three = found[2][0], found[3][0]
         cut = next(n for n, line in enumerate(self.lines, 1) if line.startswith("# >>> "))
         self.part_three_end = cut - 1
         self.tree = ast.parse(MODULE.read_text())
@@ -5244,7 +5373,7 @@ class ShapeTest(unittest.TestCase):
             (self.part_two, self.part_three, "II, hardening"),
             (self.part_three, self.part_three_end, "III, operating it"),
         ):
-            named = re.search(rf"Part {part}[^:]*: (.*?)\.(?: Part| Last)", doc)
+            named = re.search(rf"Part {part}[^:]*: (.*?)\.(?: Part| Yours)", doc)
             assert named is not None, f"the docstring names the sections of Part {part}"
             listed = [re.sub(r" \(.*", "", name) for name in named.group(1).split(" · ")]
             banners = [m.group(1) for m in map(sections.match, self.lines[first:last]) if m]
@@ -5284,6 +5413,58 @@ class ShapeTest(unittest.TestCase):
                 for name in re.findall(r"`([A-Za-z_][\w.]*)`", hardening):
                     if name not in ("http", "https"):
                         self.assertTrue(self.has(later, name), f"{name} is not defined in Part II")
+
+    def test_every_name_part_one_uses_from_later_parts_is_in_its_contracts(self) -> None:
+        first_banner = next(
+            n for n in range(self.part_one, self.part_one_end) if self.lines[n].startswith("# --")
+        )
+        contracts = "\n".join(self.lines[self.part_one : first_banner])
+        part_one = [node for node in self.tree.body if node.lineno <= self.part_one_end]
+        defined = set(self.defined_in(1, self.part_one_end)) | {
+            alias.asname or alias.name.split(".")[0]
+            for node in part_one
+            for statement in ast.walk(node)
+            if isinstance(statement, ast.Import | ast.ImportFrom)
+            for alias in statement.names
+        }
+        later = set(self.defined_in(self.part_two, len(self.lines))) | {"sqlite3", "concurrent"}
+        used = {
+            node.id
+            for statement in part_one
+            for node in ast.walk(statement)
+            if isinstance(node, ast.Name) and node.id not in defined and node.id in later
+        }
+        self.assertGreater(len(used), 20, "Part I leans on Part II: the check sees it")
+        for name in sorted(used):
+            with self.subTest(name=name):
+                self.assertRegex(contracts, rf"\b{re.escape(name)}\b", "not in the contracts")
+
+    def test_part_one_runs_its_own_tool_and_turn_as_written(self) -> None:
+        banner = next(
+            n for n, line in enumerate(self.lines) if line.endswith(" a tool and a turn, together")
+        )
+        self.assertLess(banner, self.part_one_end, "the tool and the turn are in Part I")
+        code: list[str] = []
+        for line in self.lines[banner + 1 : self.part_one_end]:
+            if line.startswith("#     ") or (code and line == "#"):
+                code.append(line[6:])
+        self.assertIn("class GetWeather(Tool):", code)
+        namespace = dict(vars(fc))
+        printed = io.StringIO()
+        with tempfile.TemporaryDirectory() as scratch:
+            cwd = os.getcwd()
+            os.chdir(scratch)
+            try:
+                with contextlib.redirect_stdout(printed):
+                    source = "from __future__ import annotations\n" + "\n".join(code)
+                    exec(compile(source, "Part I", "exec"), namespace)
+            finally:
+                os.chdir(cwd)
+            audit = (Path(scratch) / "audit.log").read_text().splitlines()
+        self.assertEqual(printed.getvalue(), "answered Yes, rain.\n")
+        call = next(json.loads(line) for line in audit if '"tool_call"' in line)
+        self.assertEqual((call["tool"], call["outcome"]), ("getWeather", "ok"))
+        self.assertEqual(len(namespace["model"].requests), 2, "the model was asked twice")
 
     def has(self, defined: dict[str, ast.stmt], dotted: str) -> bool:
         """Is `name` (or `Class.member`) defined by these statements?"""
