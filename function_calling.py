@@ -26,10 +26,10 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,453 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,467 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,380 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,370 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
 it (about 1,790 lines): the audit log's figures · conversations · the CLI · the scripted server.
@@ -85,7 +85,7 @@ from pathlib import Path
 from queue import Empty, SimpleQueue
 from types import SimpleNamespace
 
-TYPE_CHECKING = False  # typing's flag, without importing typing (2 ms); checkers take it as True
+TYPE_CHECKING = False  # typing's flag, without importing typing; checkers take it as True
 if TYPE_CHECKING:  # for the checker only: annotations, and what Part II imports at first use
     import argparse
     import concurrent.futures
@@ -392,8 +392,8 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
         raise ArgumentError(
             "arguments: expected numbers of sane length; got a huge integer"
         ) from None
-    # subtle: what json.loads accepted, json.dumps may not write back (the tripwire, a message,
-    # an approval all re-encode it): a depth cap here keeps every later step safe
+    # subtle: what json.loads accepted, json.dumps may not write back, and the repeated-calls
+    # guard, a message and an approval all re-encode it: a depth cap here keeps them safe
     if _nested_deeper_than(args, MAX_ARGUMENT_DEPTH):
         raise ArgumentError(
             f"arguments: expected at most {MAX_ARGUMENT_DEPTH} levels of nesting; got more"
@@ -560,7 +560,7 @@ def _utc_now() -> str:
 # ------------------------------------------------------------------------------- the request
 
 
-_compact = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps makes one per call
+_compact = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per dumps
 
 
 def _message(role: str, content: str) -> str:
@@ -581,8 +581,8 @@ def _request_body(
 ) -> bytearray:
     """The request body, built from JSON texts rather than from dicts.
 
-    The messages are spliced in as the texts they already are: that is what keeps an echoed
-    assistant message byte for byte as the server sent it. `tool_choice` is JSON text.
+    The messages are spliced in as the texts they already are (the echo: the reply).
+    `tool_choice` is JSON text.
     """
     pieces = ['{"model":', json.dumps(model), ',"messages":[']
     for message in messages:
@@ -594,16 +594,28 @@ def _request_body(
             pieces += (',"parallel_tool_calls":', json.dumps(parallel_tool_calls))
     if stream:  # include_usage: without it OpenAI sends no token counts in a stream
         pieces.append(',"stream":true,"stream_options":{"include_usage":true}')
-    body = bytearray()  # grown in place: the body of 100,000 answers is not held twice
+    body = bytearray()  # grown in place, not joined: the body is never held twice
     for piece in [*pieces, "}"]:
         body += piece.encode("utf-8")
     return body
 
 
 # --------------------------------------------------------------------------------- the reply
+# The echo: the assistant message goes back in the next request exactly as it came, because
+# providers verify fields in it (reasoning signatures), and a re-serialization that reorders
+# keys or re-escapes "\u00e9" breaks them. So the reply's text is kept, the message is cut
+# out of it as a span of characters (_members, _items), and every value is read from the span
+# it sits in; the request splices the text back in (_request_body). Other pages name "the
+# echo" and point here.
+#
+# What it costs: a broken or hostile server may send a reply of 8 MiB with 100,000 calls, and
+# reading it must cost what the bytes do, once. The text is checked by a decoder that builds
+# no objects (_SKIMMER); each call is decoded on its own, never all as dicts at once, with
+# one string per tool name; records use slots; parse_reply lets the whole text go once the
+# message is cut out; a request body grows in place. `make bench` measures each of these.
 
 
-@dataclass(frozen=True, slots=True)  # slots: a reply may carry 100,000 of them
+@dataclass(frozen=True, slots=True)
 class ToolCall:
     """One call the model asked for, as it asked: id, tool name and arguments text."""
 
@@ -614,7 +626,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Reply:
-    """One model reply: its message's raw JSON text (for the echo) and what we read from it."""
+    """One model reply: its message's JSON text as it came (the echo) and what we read in it."""
 
     message_json: str
     content: str | None
@@ -629,7 +641,7 @@ def parse_reply(body: bytes) -> Reply:
     """Read choices[0] from a chat-completions body; ApiError if it is not usable."""
     try:
         text = body.decode("utf-8")
-        _SKIMMER.decode(text)  # JSON or not, as json.loads decides; it builds no objects
+        _SKIMMER.decode(text)  # JSON or not, as json.loads decides
     except (ValueError, RecursionError):
         snippet = _cut(_printable(body), 120)
         raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
@@ -646,7 +658,7 @@ def parse_reply(body: bytes) -> Reply:
     message_json = text[slice(*message)] if message else ""  # "": none, refused below
     usage = _value(text, document.get("usage"))
     finish_reason = _value(text, choice.get("finish_reason"))
-    del text  # only the message is kept: 8 MiB of calls are not held three times
+    del text  # only the message is kept (what it costs: above)
     try:
         return _reply_from(message_json, finish_reason, usage if isinstance(usage, dict) else {})
     except RecursionError:
@@ -689,13 +701,13 @@ def _parse_tool_calls(message_json: str, span: Span | None) -> tuple[ToolCall, .
         return ()
     if not message_json.startswith("[", span[0]):
         raise ApiError("the model API sent tool_calls that is not a list")
-    names: dict[str, str] = {}  # one string per name: 100,000 calls name a few tools
+    names: dict[str, str] = {}  # one string per tool name
     items = _items(message_json, span)
     return tuple(_parse_tool_call(message_json, item, names) for item in items)
 
 
 def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> ToolCall:
-    """One call, decoded on its own: a reply's 100,000 calls are never all dicts at once."""
+    """One call, decoded on its own (what it costs: above)."""
     item = _value(message_json, span)
     function = item.get("function") if isinstance(item, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -712,21 +724,20 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
     return ToolCall(id=call_id, name=name, arguments_json=arguments_json)
 
 
-# Where a value sits in a JSON text, as (start, end): the echo and the parse read the same.
+# Where a value sits in a JSON text, as (start, end) indexes: in '{"a": [1, 2], "b": "x"}',
+# _members gives {"a": (6, 12), "b": (19, 22)} and _items(text, (6, 12)) yields (7, 8) and
+# (10, 11); text[6:12] is '[1, 2]' as written. The echo and the parse read the same text.
 Span: TypeAlias = tuple[int, int]
 _GAP = re.compile(r"[ \t\n\r]*[:,]?[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
-_SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # reads, and keeps no object
+_SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # checks; builds no object
 
 
 def _members(text: str, span: Span | None) -> dict[str, Span] | None:
     """Where each member's value of the object at `span` sits; None if it is not an object.
-
-    Why: the assistant message must go back exactly as it came (providers verify fields such
-    as reasoning signatures; a re-serialization that reorders keys or re-escapes "\\u00e9"
-    breaks them), and json.loads gives no positions. So the stdlib's scanner steps over each
-    key and value of a text known to be JSON, and a value is read from the span echoed. Of a
-    key given twice the last counts, as in json.loads ("ch\\u006fices" is "choices" too)."""
+    json.loads gives no positions, so the stdlib's scanner steps over each key and value of a
+    text known to be JSON. Of a key given twice the last counts, as in json.loads (and
+    "ch\\u006fices" is "choices" too)."""
     if span is None or not text.startswith("{", span[0]):
         return None
     members: dict[str, Span] = {}
@@ -873,7 +884,7 @@ def _audit_call(
     detail: Mapping[str, str],
     durable: bool = False,
 ) -> None:
-    """A call's line; inside the loop's batch, on disk with the reply's one fsync."""
+    """A call's line (inside the loop's batch: AuditLog.batch)."""
     write = audit.record if durable else audit.record_in_batch
     write(
         "tool_call",
@@ -1002,7 +1013,9 @@ class ToolLoop:
     ) -> TurnResult | None:
         """One round; the TurnResult if it ends the turn (a function, so a reply is let go)."""
         turn.rounds += 1
-        choice = self.tool_choice if turn.rounds == 1 else '"auto"'  # forced once, not forever
+        # a tool_choice that forces a call applies to the first round only: forced in every
+        # round, the model could never answer, and the turn would end at the round cap
+        choice = self.tool_choice if turn.rounds == 1 else '"auto"'
         over = self.budget.before_request(turn.messages, self._tools_json, turn.spend, context)
         if over:  # never sent: as estimated, it would pass a limit
             return self._finish(turn, context, "budget", self.budget.answer, over)
@@ -1024,7 +1037,7 @@ class ToolLoop:
             return self._finish(turn, context, *self._ending(reply))
         # a plan the model did not finish writing is not a plan: none of it runs
         guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
-        try:  # the reply's lines, then one fsync, and only then can a result go back
+        try:  # no result goes back before the batch's lines are on disk (AuditLog.batch)
             with self.audit.batch():
                 results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
         except AuditError as exc:  # fail closed: no unaudited result goes back
@@ -1061,9 +1074,11 @@ class ToolLoop:
             return "repeated_calls"
         if turn.rounds == self.max_rounds:  # a result now could never reach the model
             return "round_cap"
-        # last: the calls that can run are counted (and charged) only if they will run
+        # the budget is asked last, because it charges the calls that will run: a call the
+        # guards above stop must not be paid for. It names the limit that the reply's usage,
+        # or its calls, would pass; None means every limit holds.
         turn.over = self.budget.after_reply(turn.spend, len(turn.calls_now))
-        return "budget" if turn.over else None  # what the reply reported, or asks for, passes
+        return "budget" if turn.over else None
 
     def _run_calls(
         self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
@@ -1159,7 +1174,7 @@ class _Turn:
     over: str | None = None  # the limit a reply passed (Budget.after_reply)
 
     def add_reply(self, reply: Reply, can_run: int) -> None:
-        self.messages.append(reply.message_json)  # verbatim: the raw text, not a re-encoding
+        self.messages.append(reply.message_json)  # the echo (the reply)
         self.open_calls = collections.deque(reply.tool_calls)
         # the calls that can run: asked again, they are a repeat (the rest were told to ask)
         runnable = reply.tool_calls[:can_run]
@@ -1181,7 +1196,7 @@ class _Turn:
 
     def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
         """Append each result as it comes, so a failure midway loses none that ran; returns
-        those of the calls that ran (100,000 that did not are answered, and not kept)."""
+        those of the calls that ran (the rest are answered, and not kept)."""
         added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
@@ -1371,8 +1386,7 @@ class Approvals:
         operator: str,
         carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
     ) -> dict[str, Any]:
-        """One decision, written ahead: its intent line; the change, the action's status and
-        the result in one transaction; its decision line (each step's journal: Part II)."""
+        """One decision, in the steps Approvals lists."""
         intent_id = "dec-" + secrets.token_hex(8)
         intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
         with _taking_turns(self):
@@ -3293,9 +3307,8 @@ def _record_or_none(line: bytes) -> dict[str, Any] | None:
 
 
 # -------------------------------------------------------------------- the approvals' journal
-# The write-ahead steps of filings and decisions, and what settles them after a crash. A
-# step keeps an in_flight row from before its first audit line until after its last, so a
-# row still there while nothing is under way is what a crash left. The next filing or
+# The tables behind Approvals, and what settles its steps (listed there) after a crash: an
+# in_flight row still there while nothing is under way is what a crash left. The next filing or
 # decision settles it against the audit log first: a filing whose line is not in the log is
 # withdrawn; a decision whose transaction committed (result_json is set) gets its missing
 # line now, marked recovered; one that did not commit gets a line saying nothing was
@@ -4685,7 +4698,7 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         metavar="PART,…",
         type=_part_names,
         default=(),
-        help="the parts to leave out, by their `# >>> NAME` markers (mcp,inbox,example)",
+        help="the parts to leave out, comma-separated, as their `# >>> NAME` lines name them",
     )
     copy.set_defaults(command=_cmd_copy)
     _add_section_commands(commands, {"data": data, "sources": sources})
