@@ -1,4 +1,4 @@
-# function_calling: make run · make test · make test-all · make lint
+# function_calling: make run · make test · make test-all · make lint · make version
 # Only Python 3 and make are needed; `make lint` alone downloads its checkers (into .venv-lint/).
 
 PYTHON ?= python3
@@ -11,7 +11,7 @@ RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint bench interop browser
+.PHONY: run demo test test-all lint bench interop browser version
 
 # With a key or a base URL (a local server needs no key), ask that model; with neither,
 # run the offline scripted demo.
@@ -47,6 +47,14 @@ $(BENCH_VENV)/.installed:
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check openai==3.57.0
 	touch $@
+
+# The day and the commit this file is stamped at, in __version__ and on line 1 (what `copy`
+# and --version show); commit the stamp after it.
+version:
+	@stamp="$$(git log -1 --date=short --format=%cd+%h)" && \
+	sed -i -e "1s/, version [^:]*:/, version $$stamp:/" \
+		-e "s/^__version__ = \"[^\"]*\"/__version__ = \"$$stamp\"/" function_calling.py && \
+	grep -n "version $$stamp\|^__version__" function_calling.py
 
 # The same checks on every copy `copy --without` can make: each choice of parts left out.
 PART_CUTS := example mcp inbox mcp,example inbox,example mcp,inbox mcp,inbox,example

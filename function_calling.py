@@ -1,4 +1,4 @@
-# function_calling.py, version 2026-12-03+b68781a: the whole file, every part kept
+# function_calling.py, version 2026-12-03+4df5e37: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -137,7 +137,7 @@ __all__ = [
 # fmt: on
 # The day and commit this file was stamped at (`make version`), as line 1 says too: what a
 # copier looks up later to know what they took.
-__version__ = "2026-12-03+b68781a"
+__version__ = "2026-12-03+4df5e37"
 
 
 # ===================================================================== Part I: the mechanism
@@ -7280,7 +7280,8 @@ def _unreadable_to_children() -> None:
     subtle: a server runs as the same user, and on Linux may read /proc/<our pid>/environ,
     OPENAI_API_KEY and all: a process that is not "dumpable" has those files owned by root,
     as ssh-agent does (prctl PR_SET_DUMPABLE 0; it also means no core dump). Elsewhere, and
-    for root, who reads everything, nothing changes; README: "What a server can do to you"."""
+    for root, who reads everything, nothing changes (README: "What a server can and cannot do
+    to you")."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes  # noqa: PLC0415 -- here only: loading it costs every run that starts no server

@@ -5041,6 +5041,16 @@ class MakeItYoursTest(HelpDeskCase):
                 done = self.in_folder("-c", code)
                 self.assertEqual(done.returncode, 0, done.stderr)
 
+    def test_every_readme_section_the_file_points_to_is_there(self) -> None:
+        flat = re.sub(r"\n\s*#?\s*", " ", MODULE.read_text())  # a reference may wrap
+        named = set(re.findall(r'README:? "([^"]+)"', flat))
+        self.assertGreater(len(named), 5)
+        readme = README.read_text()
+        for section in sorted(named):
+            with self.subTest(section=section):
+                heading = rf"^#+ {re.escape(section)}|\*\*{re.escape(section)}"
+                self.assertRegex(readme, re.compile(heading, re.MULTILINE))
+
     def test_the_readme_uses_only_the_public_surface(self) -> None:
         used: set[str] = set()
         for _, code in readme_examples():
@@ -5309,6 +5319,20 @@ class CopyTest(unittest.TestCase):
             ran = self.run_python("function_calling.py", "demo", cwd=folder)
             self.assertEqual(ran.returncode, 2)
             self.assertIn("no scripted demo", ran.stderr)
+
+    def test_the_version_is_a_day_and_a_commit_of_this_repository(self) -> None:
+        day, _, commit = fc.__version__.partition("+")
+        datetime.date.fromisoformat(day)
+        self.assertRegex(commit, r"^[0-9a-f]{7,12}$")
+        if not (HERE / ".git").exists() or not shutil.which("git"):
+            self.skipTest("not in a git checkout: the commit cannot be looked up here")
+        found = subprocess.run(
+            ["git", "-C", str(HERE), "cat-file", "-t", commit],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        self.assertEqual(found.stdout.strip(), "commit", f"{commit} is no commit here")
 
     def test_copy_never_writes_over_a_file_and_refuses_a_part_it_does_not_have(self) -> None:
         with tempfile.TemporaryDirectory() as scratch:
