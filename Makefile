@@ -57,7 +57,10 @@ version:
 	grep -n "version $$stamp\|^__version__" function_calling.py
 
 # The same checks on every copy `copy --without` can make: each choice of parts left out.
-PART_CUTS := example mcp inbox mcp,example inbox,example mcp,inbox mcp,inbox,example
+PART_CUTS := $(shell $(PYTHON) -c 'import itertools, re; \
+	parts = re.findall(r"(?m)^\# >>> ([A-Z]+)", open("function_calling.py").read()); \
+	print(*(",".join(c).lower() for n in range(1, len(parts) + 1) \
+		for c in itertools.combinations(parts, n)))')
 lint: $(LINT_VENV)/.installed
 	$(LINT_VENV)/bin/ruff check $(RUFF_RULES) $(SOURCES)
 	$(LINT_VENV)/bin/ruff format --check --line-length 100 $(SOURCES)

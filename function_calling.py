@@ -26,20 +26,20 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,467 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,466 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,370 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,410 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,790 lines): the audit log's figures · conversations · the CLI · the scripted server.
+it (about 1,240 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
 
 Commands: python3 function_calling.py COMMAND (--help for each; --version)
-  ask "QUESTION" [--stream] [--conversation ID]   one turn; chat [--resume ID]: one per line
-  conversations · pending · approve ID · reject ID · verify-audit · stats
+  ask "QUESTION" [--stream]                       one turn; chat: one per line, until /quit
+  pending · approve ID · reject ID · verify-audit · stats
   copy OUT [--without PART,…]                     this file, without the parts named
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
@@ -125,9 +125,8 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Conversation",
-    "ConversationConflictError", "ConversationError", "Conversations", "Database", "Ledger",
-    "Limits", "PendingAction", "RecordedRequest", "SavedTurn", "ScriptedChatServer",
+    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Ledger",
+    "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer",
     "ScriptedReply", "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop",
     "ToolSource", "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats",
     "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
@@ -286,7 +285,7 @@ class ToolContext:
     customer_id: str
     turn_id: str = field(default_factory=_new_turn_id)
     approval_id: str | None = None
-    conversation_id: str | None = None  # set by Conversations.turn: a Budget's ledger keeps it
+    conversation_id: str | None = None  # a saved conversation's: a Budget's ledger keeps it
 
 
 class Tool:
@@ -2975,6 +2974,7 @@ def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
 # halfway through a turn.
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NOTICE_TOOL = "application_notice"  # a saved conversation's own call: never a tool's name
 
 
 def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
@@ -3460,6 +3460,43 @@ def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# What each decision produced, written in the decision's own transaction: what a conversation
+# that filed the action is told on its next turn. Its own part: databases made
+# before it get the table the first time they are opened.
+_OUTCOMES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS action_outcomes (
+    action_id   TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
+    result_json TEXT,                -- what apply returned (approved)
+    reason      TEXT                 -- what the person said (rejected), if anything
+);
+"""
+
+
+def _record_outcome(
+    db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
+) -> None:
+    """What a decision produced, in the decision's own transaction (Approvals)."""
+    db.execute(
+        "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
+        (action_id, result, reason),
+    )
+
+
+def _announced_approval(raw: str) -> list[str]:
+    """The approval id a tool message of ours announced (dispatch's requires_approval)."""
+    message = json.loads(raw)
+    if message.get("role") != "tool" or not isinstance(message.get("content"), str):
+        return []
+    try:
+        content = json.loads(message["content"])
+    except ValueError:  # a result cut at the cap, or a tool's own text
+        return []
+    if not isinstance(content, dict) or content.get("status") != "requires_approval":
+        return []
+    action_id = content.get("approvalId")
+    return [action_id] if isinstance(action_id, str) and _ACTION_ID.fullmatch(action_id) else []
+
+
 _IN_FLIGHT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS in_flight (
     intent_id   TEXT PRIMARY KEY,    -- named by this step's audit lines
@@ -3941,476 +3978,6 @@ def _median(histogram: Mapping[int, int]) -> float:
     return (found[0] + found[1]) / 2 if found else 0
 
 
-# ------------------------------------------------------------------------------ conversations
-# Pause and resume. Every turn of a saved conversation is written, whole, in one transaction
-# as it ends: its raw wire messages (byte-exact echoes included) and which server and model
-# wrote them. A crash mid-turn leaves the previous turn's state, never half of one. When an
-# action the conversation filed has been decided since its last turn, the next turn tells
-# the model first, in the one form every chat-completions server accepts from the
-# application and nobody else can write: a tool call of the application's and its result.
-
-MAX_HISTORY_BYTES = 256 * 1024  # of saved turns sent again; past it the oldest whole turns go
-MAX_SAVED_DEPTH = 64  # levels of one saved message: deeper was never saved, so it is damage
-NOTICE_TOOL = "application_notice"  # the application's own call: never a tool the model has
-
-_CONVERSATIONS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    conversation_id TEXT PRIMARY KEY,
-    customer_id     TEXT NOT NULL,    -- a conversation is continued only for its customer
-    created_at      TEXT NOT NULL,
-    system_json     TEXT NOT NULL     -- the system message, as first sent
-);
-CREATE TABLE IF NOT EXISTS conversation_turns (
-    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
-    turn            INTEGER NOT NULL,
-    messages_json   TEXT NOT NULL,    -- the turn's raw messages, a JSON array of strings
-    base_url        TEXT NOT NULL,    -- who wrote them: another server gets them portable
-    model           TEXT NOT NULL,
-    stop_reason     TEXT NOT NULL,
-    told_json       TEXT NOT NULL,    -- the actions whose decisions this turn told the model
-    ended_at        TEXT NOT NULL,
-    PRIMARY KEY (conversation_id, turn)
-);
-"""
-
-
-# Which approvals each conversation's tool results announced, and the turn that told it their
-# decision: an index of its turns' messages (the truth), kept in each turn's own transaction,
-# so a turn asks one indexed question instead of reading every message saved before it. Its
-# own part: a database made before it gets it built from the turns the first time it is opened.
-_CONVERSATION_ACTIONS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversation_actions (
-    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
-    action_id       TEXT NOT NULL,
-    filed_turn      INTEGER NOT NULL,  -- the turn whose tool result announced it
-    told_turn       INTEGER,           -- the turn that told the model its decision; NULL: not yet
-    PRIMARY KEY (conversation_id, action_id)
-);
-"""
-
-
-def _index_saved_turns(db: sqlite3.Connection) -> None:
-    """Build conversation_actions from the turns saved before it existed (once)."""
-    rows = db.execute(
-        "SELECT conversation_id, turn, messages_json, told_json FROM conversation_turns"
-        " ORDER BY conversation_id, turn"
-    ).fetchall()
-    for conversation_id, turn, messages_json, told_json in rows:
-        try:
-            messages, told = json.loads(messages_json), json.loads(told_json)
-            _index_turn(db, conversation_id, turn, messages, told)
-        except (ValueError, TypeError, AttributeError, RecursionError):
-            continue  # a damaged row: load says so when it is read
-
-
-def _index_turn(
-    db: sqlite3.Connection, conversation_id: str, turn: int, messages: Any, told: Any
-) -> None:
-    """What one turn filed and told, into conversation_actions (the turn's transaction)."""
-    for raw in messages:
-        for action_id in _announced_approval(raw):
-            db.execute(
-                "INSERT OR IGNORE INTO conversation_actions (conversation_id, action_id,"
-                " filed_turn) VALUES (?, ?, ?)",
-                (conversation_id, action_id, turn),
-            )
-    db.executemany(
-        "UPDATE conversation_actions SET told_turn = ? WHERE conversation_id = ?"
-        " AND action_id = ? AND told_turn IS NULL",
-        [(turn, conversation_id, action_id) for action_id in told],
-    )
-
-
-# What each decision produced, written in the decision's own transaction: what a conversation
-# that filed the action is told on its next turn (Conversations). Its own part: databases made
-# before it get the table the first time they are opened.
-_OUTCOMES_SCHEMA = """
-CREATE TABLE IF NOT EXISTS action_outcomes (
-    action_id   TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
-    result_json TEXT,                -- what apply returned (approved)
-    reason      TEXT                 -- what the person said (rejected), if anything
-);
-"""
-
-
-def _record_outcome(
-    db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
-) -> None:
-    """What a decision produced, in the decision's own transaction (Approvals)."""
-    db.execute(
-        "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
-        (action_id, result, reason),
-    )
-
-
-class ConversationError(Exception):
-    """No such conversation for this customer, or its saved state is damaged; the CLI exits 2."""
-
-
-class ConversationConflictError(ConversationError):
-    """Another process carried the conversation on while this turn ran: the turn was answered
-    (`result`), not saved; `conversation` is the conversation as saved now, to go on from."""
-
-    def __init__(self, message: str, result: TurnResult, conversation: Conversation) -> None:
-        super().__init__(message)
-        self.result = result
-        self.conversation = conversation
-
-
-@dataclass(frozen=True)
-class SavedTurn:
-    """One turn as it was saved: its messages, exactly as sent and received."""
-
-    messages: tuple[str, ...]
-    origin: tuple[str, str]  # (base URL, model)
-    stop_reason: str
-    told: tuple[str, ...]  # approval ids whose decisions this turn told the model
-    ended_at: str
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A saved conversation: whose it is, its system message, and its turns, oldest first."""
-
-    conversation_id: str
-    customer_id: str
-    created_at: str
-    system: str
-    # the newest turns, as many as the next turn sends (MAX_HISTORY_BYTES), oldest first: a
-    # conversation of 3,000 turns costs a turn what the turns it sends cost, no more
-    turns: tuple[SavedTurn, ...] = ()
-    turn_count: int = 0  # turns saved, all of them
-
-    def history(self, max_bytes: int = MAX_HISTORY_BYTES) -> tuple[str, ...]:
-        """What the next turn sends before its own messages: the system message, then as many
-        of the newest turns as fit in `max_bytes`, each whole (a tool call is never sent
-        without its result), oldest of them first."""
-        kept = _newest_within(self.turns, max_bytes)
-        return (self.system, *(message for turn in kept for message in turn.messages))
-
-    @property
-    def origin(self) -> tuple[str, str] | None:
-        return self.turns[-1].origin if self.turns else None
-
-
-def _newest_within(turns: Sequence[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
-    """As many of the newest turns as fit in `max_bytes`, each whole, oldest of them first."""
-    return _fitting(reversed(turns), max_bytes)
-
-
-def _fitting(newest_first: Iterable[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
-    """The turns, taken newest first, until the next would pass `max_bytes` (none is taken
-    after it: a generator is read no further), oldest of them first."""
-    kept: list[SavedTurn] = []
-    size = 0
-    for turn in newest_first:
-        size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
-        if size > max_bytes:
-            break
-        kept.append(turn)
-    return tuple(reversed(kept))
-
-
-def _announced_approval(raw: str) -> list[str]:
-    """The approval id a tool message of ours announced (dispatch's requires_approval)."""
-    message = json.loads(raw)
-    if message.get("role") != "tool" or not isinstance(message.get("content"), str):
-        return []
-    try:
-        content = json.loads(message["content"])
-    except ValueError:  # a result cut at the cap, or a tool's own text
-        return []
-    if not isinstance(content, dict) or content.get("status") != "requires_approval":
-        return []
-    action_id = content.get("approvalId")
-    return [action_id] if isinstance(action_id, str) and _ACTION_ID.fullmatch(action_id) else []
-
-
-def _decisions(
-    approvals: Approvals, action_ids: Sequence[str], customer_id: str
-) -> list[dict[str, Any]]:
-    """What became of those of these actions (of this customer) that are no longer
-    waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
-    a crash left half decided is settled first, so that this agrees with the audit log."""
-    if not action_ids:
-        return []
-    _settle_if_free(approvals)
-    marks = ", ".join("?" for _ in action_ids)
-    with approvals.database.reading() as db:
-        rows = db.execute(
-            "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
-            " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
-            f" LEFT JOIN action_outcomes o USING (action_id)"
-            f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
-            (customer_id, *action_ids),
-        ).fetchall()
-    now, found = _iso(approvals.clock()), {row[0]: row for row in rows}
-    decided = [_decision(found[i], now) for i in action_ids if i in found]
-    return [told for told in decided if told is not None]
-
-
-def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
-    """One action's decision as the model is told it; None while it still waits."""
-    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
-    if status == "pending" and expires_at > now:
-        return None
-    told: dict[str, Any] = {
-        "approvalId": action_id,
-        "tool": tool,
-        "arguments": json.loads(arguments_json),
-    }
-    if status in ("pending", "expired"):
-        return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
-    told |= {"decision": status, "decidedBy": by, "decidedAt": at}
-    if status == "approved":
-        return {**told, "result": json.loads(result_json) if result_json else None}
-    return {**told, "reason": reason, "done": "nothing"}
-
-
-class Conversations:
-    """Saved conversations, in the data directory's database: start, load, list, and turn,
-    which runs one turn of a ToolLoop on a conversation and saves it."""
-
-    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
-        database.install("conversations", 1, _CONVERSATIONS_SCHEMA)
-        database.install(
-            "conversation_actions", 1, _CONVERSATION_ACTIONS_SCHEMA, seed=_index_saved_turns
-        )
-        self.database = database
-        self.clock = clock
-
-    def start(self, customer_id: str, system_prompt: str) -> Conversation:
-        conversation = Conversation(
-            "conv-" + secrets.token_hex(10),
-            customer_id,
-            _iso(self.clock()),
-            _message("system", system_prompt),
-        )
-        with self.database.write_transaction() as db:
-            db.execute(
-                "INSERT INTO conversations (conversation_id, customer_id, created_at, system_json)"
-                " VALUES (?, ?, ?, ?)",
-                (
-                    conversation.conversation_id,
-                    customer_id,
-                    conversation.created_at,
-                    conversation.system,
-                ),
-            )
-        return conversation
-
-    def load(
-        self, conversation_id: str, customer_id: str, max_history_bytes: int = MAX_HISTORY_BYTES
-    ) -> Conversation:
-        """The conversation, if it is this customer's; ConversationError otherwise (another
-        customer's reads exactly like a missing one). Of its turns, the newest that its next
-        turn sends are read (Conversation.turns), newest first, and no further."""
-        with self.database.reading() as db:
-            db.execute(
-                "BEGIN"
-            )  # one snapshot: a turn another process saves meanwhile is not half seen
-            row = db.execute(
-                "SELECT created_at, system_json FROM conversations"
-                " WHERE conversation_id = ? AND customer_id = ?",
-                (conversation_id, customer_id),
-            ).fetchone()
-            if row is None:
-                known = _CONVERSATION_ID.fullmatch(conversation_id)
-                shown = conversation_id if known else "with that id"
-                raise ConversationError(f"no conversation {shown} for customer {customer_id}")
-            try:  # a row edited, cut or lost: said as such, never as an exception of json's
-                system = _saved_message(row[1], "system")
-                count, saved = _newest_turns(db, conversation_id, max_history_bytes)
-            except (ValueError, TypeError, RecursionError):
-                raise ConversationError(
-                    f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
-                ) from None
-        return Conversation(conversation_id, customer_id, row[0], system, saved, count)
-
-    def list(self) -> list[dict[str, Any]]:
-        """Every saved conversation, newest activity first: id, customer, turns, last turn."""
-        with self.database.reading() as db:
-            rows = db.execute(
-                "SELECT c.conversation_id, c.customer_id, c.created_at, COUNT(t.turn),"
-                " MAX(t.ended_at) FROM conversations c"
-                " LEFT JOIN conversation_turns t USING (conversation_id)"
-                " GROUP BY c.conversation_id ORDER BY COALESCE(MAX(t.ended_at), c.created_at)"
-                " DESC, c.conversation_id"
-            ).fetchall()
-        keys = ("conversationId", "customer", "created", "turns", "lastTurn")
-        return [dict(zip(keys, row, strict=True)) for row in rows]
-
-    def turn(
-        self,
-        loop: ToolLoop,
-        conversation: Conversation,
-        question: str,
-        context: ToolContext,
-        approvals: Approvals | None = None,
-        on_text: Callable[[str], None] | None = None,
-        max_history_bytes: int = MAX_HISTORY_BYTES,
-    ) -> tuple[TurnResult, Conversation]:
-        """One turn of `conversation`, saved as it ends. Decisions made since its last turn
-        on actions it filed are told first (and audited). A turn that raises (Ctrl-C) is not
-        saved: the conversation stays at its previous turn."""
-        if context.customer_id != conversation.customer_id:
-            raise ConversationError(
-                f"no conversation {conversation.conversation_id} for customer {context.customer_id}"
-            )
-        history = conversation.history(max_history_bytes)
-        context = replace(context, conversation_id=conversation.conversation_id)  # its ledger's
-        notice, told = self._notice(conversation, approvals, loop.audit, context)
-        result = loop.run(
-            question,
-            context,
-            (*history, *notice),
-            on_text=on_text,
-            history_origin=conversation.origin,
-        )
-        new = result.messages[len(history) :]
-        return result, self._save(conversation, new, result, told, max_history_bytes)
-
-    def _notice(
-        self,
-        conversation: Conversation,
-        approvals: Approvals | None,
-        audit: AuditLog,
-        context: ToolContext,
-    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The application's call and its result telling the decisions, or nothing."""
-        waiting = self._waiting(conversation.conversation_id) if approvals else ()
-        decisions = _decisions(approvals, waiting, conversation.customer_id) if approvals else []
-        if not decisions:
-            return (), ()
-        call_id = "call_app_" + secrets.token_hex(8)
-        content = _compact(
-            {
-                "from": "the application (not the user, not a tool the model called)",
-                "about": "decisions people made on requests this conversation filed",
-                "decisions": decisions,
-            }
-        )
-        told = tuple(d["approvalId"] for d in decisions)
-        audit.record(
-            "decision_notice",
-            turn_id=context.turn_id,
-            customer_id=context.customer_id,
-            conversation_id=conversation.conversation_id,
-            approval_ids=list(told),
-            content=content,
-        )
-        call = {
-            "id": call_id,
-            "type": "function",
-            "function": {"name": NOTICE_TOOL, "arguments": "{}"},
-        }
-        asked = _compact({"role": "assistant", "content": None, "tool_calls": [call]})
-        return (asked, _tool_message(call_id, content)), told
-
-    def _waiting(self, conversation_id: str) -> tuple[str, ...]:
-        """The approvals the conversation filed whose decision it has not been told, in the
-        order they were filed."""
-        with self.database.reading() as db:
-            rows = db.execute(
-                "SELECT action_id FROM conversation_actions WHERE conversation_id = ?"
-                " AND told_turn IS NULL ORDER BY filed_turn, rowid",
-                (conversation_id,),
-            ).fetchall()
-        return tuple(action_id for (action_id,) in rows)
-
-    def _save(
-        self,
-        conversation: Conversation,
-        messages: Sequence[str],
-        result: TurnResult,
-        told: tuple[str, ...],
-        max_history_bytes: int = MAX_HISTORY_BYTES,
-    ) -> Conversation:
-        """The turn, whole, in one transaction: a crash before the commit leaves none of it."""
-        turn = SavedTurn(
-            tuple(messages), result.origin, result.stop_reason, told, _iso(self.clock())
-        )
-        try:
-            self._insert(conversation, turn)
-        except sqlite3.IntegrityError:  # two processes continued it at once: the first one won
-            raise ConversationConflictError(
-                f"{conversation.conversation_id} was continued elsewhere meanwhile; this turn"
-                " was answered but not saved",
-                result,
-                self.load(conversation.conversation_id, conversation.customer_id),
-            ) from None
-        turns = _newest_within((*conversation.turns, turn), max_history_bytes)
-        return replace(conversation, turns=turns, turn_count=conversation.turn_count + 1)
-
-    def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
-        number = conversation.turn_count + 1
-        with self.database.write_transaction() as db:
-            db.execute(
-                "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
-                " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    conversation.conversation_id,
-                    number,
-                    json.dumps(list(turn.messages)),
-                    *turn.origin,
-                    turn.stop_reason,
-                    json.dumps(list(turn.told)),
-                    turn.ended_at,
-                ),
-            )
-            _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
-
-
-_CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
-
-
-def _newest_turns(
-    db: sqlite3.Connection, conversation_id: str, max_bytes: int
-) -> tuple[int, tuple[SavedTurn, ...]]:
-    """How many turns are saved (the newest one's number: the next is one more, so a save
-    never collides), and the newest of them that fit in `max_bytes` (read newest first, one
-    row at a time, and no further); ValueError if one read is damaged or not the next older.
-    Not COUNT(*): it reads every turn's index entry, and a turn after 30,000 turns must cost
-    what one after 30 does (`make bench`)."""
-    (count,) = db.execute(
-        "SELECT COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
-        (conversation_id,),
-    ).fetchone()
-    rows = db.execute(
-        "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
-        " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
-        (conversation_id,),
-    )
-    numbered = zip(range(count, 0, -1), rows, strict=False)  # read as far as they fit
-    return count, _fitting((_saved_turn(expected, *row) for expected, row in numbered), max_bytes)
-
-
-def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
-    """A turn as load reads it back, or ValueError if it is not what was saved: a row edited
-    by hand, or one missing before it (turn 1 read after turn 3: what is sent has a hole)."""
-    messages_json, base_url, model, stop_reason, told_json, ended_at = row
-    if turn != expected or not all(isinstance(v, str) for v in row):
-        raise ValueError(turn)
-    messages, told = json.loads(messages_json), json.loads(told_json)
-    if not isinstance(messages, list) or not isinstance(told, list):
-        raise ValueError(turn)
-    if not all(isinstance(action_id, str) for action_id in told):
-        raise ValueError(turn)
-    kept = tuple(_saved_message(message) for message in messages)
-    return SavedTurn(kept, (base_url, model), stop_reason, tuple(told), ended_at)
-
-
-def _saved_message(raw: Any, role: str | None = None) -> str:
-    """A saved wire message, as it was sent (the text itself), or ValueError: a JSON object
-    with a role (`role`, if given), nested no deeper than MAX_SAVED_DEPTH."""
-    message = json.loads(raw)
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ValueError(raw)
-    if (role and message["role"] != role) or _nested_deeper_than(message, MAX_SAVED_DEPTH):
-        raise ValueError(raw)
-    return str(raw)
-
-
 # ----------------------------------------------------------------------------------- the CLI
 # Exit codes: 0 answered · 1 failed (the API or network, a tool's infrastructure, the audit
 # log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
@@ -4498,7 +4065,7 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     try:
         code: int = args.command(args, app)
         return code
-    except (ConfigError, ConversationError) as exc:
+    except ConfigError as exc:
         _say_error(str(exc))
         return EXIT_USAGE
     except (ApprovalError, AuditError, ToolSourceError) as exc:
@@ -4635,12 +4202,6 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         help=f"characters in one question ({MAX_QUESTION_CHARS})",
     )
     talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
-    talk.add_argument(
-        "--max-history",
-        type=_whole(1024, 1_000_000_000),
-        default=MAX_HISTORY_BYTES,
-        help=f"bytes of a saved conversation sent again ({MAX_HISTORY_BYTES})",
-    )
     sources = argparse.ArgumentParser(add_help=False)
     for source in TOOL_SOURCES:
         source.add_arguments(sources)
@@ -4655,15 +4216,11 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         "ask", parents=[talk, data, sources], help="ask one question, print the answer"
     )
     ask.add_argument("question")
-    ask.add_argument("--conversation", metavar="ID", help="add this turn to a saved conversation")
     ask.set_defaults(command=_cmd_ask)
     chat = commands.add_parser(
         "chat", parents=[talk, data, sources], help="talk, one line per turn, until EOF or /quit"
     )
-    chat.add_argument("--resume", metavar="ID", help="carry on a saved conversation")
     chat.set_defaults(command=_cmd_chat)
-    listing = commands.add_parser("conversations", parents=[data], help="list saved conversations")
-    listing.set_defaults(command=_cmd_conversations)
     if app.demo:
         demo = commands.add_parser("demo", parents=[data], help="scripted turns, offline")
     else:  # kept, to say why there is none, but not offered by --help (no help= given)
@@ -4833,9 +4390,7 @@ def _tool_loop(
     )
 
 
-def _conversation(
-    args: argparse.Namespace, app: App, stack: ExitStack
-) -> tuple[ToolLoop, _Workspace]:
+def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoop, _Workspace]:
     """The loop `ask` and `chat` talk through, its tool sources open until `stack` closes.
     The settings come first: a missing key must not leave a fresh data directory behind."""
     settings = Settings.from_env(
@@ -4883,65 +4438,25 @@ def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
     return replace(budget, **chosen)
 
 
-def _saved(args: argparse.Namespace, app: App, workspace: _Workspace, chosen: str | None) -> _Saved:
-    """The conversation `chosen` names (this customer's only), or a new one; said on stderr."""
-    store = Conversations(workspace.database)
-    if chosen is None:
-        conversation = store.start(args.customer, app.system_prompt)
-        shown = conversation.conversation_id
-        again = _resume_command(args, workspace, shown)
-        print(f"conversation {shown} (continue it: {again})", file=sys.stderr)
-    else:
-        conversation = store.load(chosen, args.customer, args.max_history)
-        turns = conversation.turn_count
-        print(f"conversation {chosen}, {turns} turn{'s' * (turns != 1)} so far", file=sys.stderr)
-    return _Saved(store, conversation, workspace.approvals)
-
-
-def _resume_command(args: argparse.Namespace, workspace: _Workspace, conversation_id: str) -> str:
-    """The command that carries a conversation on, as it works pasted anywhere: this one as
-    typed (its tool sources' flags included), then --resume and the data directory's absolute
-    path (in place of the one typed, if one was)."""
-    directory = str(workspace.directory.resolve())
-    typed = [*_without_option(args.typed, "--data-dir"), "--resume", conversation_id]
-    return "python3 " + shlex.join([sys.argv[0], *typed, "--data-dir", directory])
-
-
-def _without_option(typed: Sequence[str], option: str) -> list[str]:
-    """`typed` without `option` and its value, however argparse took them: `--opt VALUE`,
-    `--opt=VALUE`, or an abbreviation of either (argparse takes a unique prefix)."""
-    kept: list[str] = []
-    skip_value = False
-    for word in typed:
-        name = word.partition("=")[0]
-        if skip_value:
-            skip_value = False
-        elif len(name) > 2 and name.startswith("--") and option.startswith(name):
-            skip_value = "=" not in word
-        else:
-            kept.append(word)
-    return kept
-
-
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
     question = _question(args.question, args.max_question)
     with ExitStack() as stack:
-        loop, workspace = _conversation(args, app, stack)
-        saved = _saved(args, app, workspace, args.conversation) if args.conversation else None
-        result, printer = _turn(loop, question, args, saved)
+        loop, workspace = _talk(args, app, stack)
+        turns = _kept_turns(args, app, workspace)
+        result, printer = _turn(loop, question, args, turns)
     code = _report(result, printer, loop.client.settings.base_url)
-    return EXIT_FAILED if saved and saved.unsaved and code == EXIT_OK else code
+    return EXIT_FAILED if turns.unsaved and code == EXIT_OK else code
 
 
 def _cmd_chat(args: argparse.Namespace, app: App) -> int:
-    """One turn per line, each saved as it ends; the history carries every verbatim message
-    into the next turn, and `--resume ID` carries on a saved conversation."""
+    """One turn per line; the history carries every message, echoes included, into the
+    next turn."""
     with ExitStack() as stack:
-        loop, workspace = _conversation(args, app, stack)
-        return _chat(loop, args, _saved(args, app, workspace, args.resume))
+        loop, workspace = _talk(args, app, stack)
+        return _chat(loop, args, _kept_turns(args, app, workspace))
 
 
-def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
+def _chat(loop: ToolLoop, args: argparse.Namespace, turns: _Turns) -> int:
     worst = EXIT_OK
     for line in _read_lines(sys.stdin):
         if line.strip() == "/quit":
@@ -4954,12 +4469,38 @@ def _chat(loop: ToolLoop, args: argparse.Namespace, saved: _Saved) -> int:
             _say_error(str(exc))
             worst = max(worst, EXIT_USAGE, key=_EXIT_SEVERITY.__getitem__)
             continue
-        unsaved = saved.unsaved
-        result, printer = _turn(loop, question, args, saved)  # a guard ends one turn only
+        unsaved = turns.unsaved
+        result, printer = _turn(loop, question, args, turns)  # a guard ends one turn only
         code = _report(result, printer, loop.client.settings.base_url)
-        code = EXIT_FAILED if saved.unsaved > unsaved and code == EXIT_OK else code
+        code = EXIT_FAILED if turns.unsaved > unsaved and code == EXIT_OK else code
         worst = max(worst, code, key=_EXIT_SEVERITY.__getitem__)
     return worst
+
+
+class _Turns:
+    """The turns of one `ask` or `chat`, each carrying the ones before it, kept in memory (a
+    part further down may keep them on disk instead: TURN_KEEPERS)."""
+
+    def __init__(self) -> None:
+        self.history: tuple[str, ...] = ()
+        self.origin: tuple[str, str] | None = None
+        self.unsaved = 0  # turns answered but not kept where they should have been
+
+    def run(
+        self, loop: ToolLoop, question: str, context: ToolContext, on_text: _Printer | None
+    ) -> TurnResult:
+        result = loop.run(question, context, self.history, on_text, self.origin)
+        self.history, self.origin = result.messages, result.origin
+        return result
+
+
+# What keeps the turns of `ask` and `chat`, given the command's arguments, the App and the
+# data directory: a part further down (saved conversations) adds its own; none, in memory.
+TURN_KEEPERS: list[Callable[[argparse.Namespace, App, _Workspace], _Turns]] = []
+
+
+def _kept_turns(args: argparse.Namespace, app: App, workspace: _Workspace) -> _Turns:
+    return TURN_KEEPERS[0](args, app, workspace) if TURN_KEEPERS else _Turns()
 
 
 _EXIT_SEVERITY = {EXIT_OK: 0, EXIT_GUARD: 1, EXIT_BUDGET: 2, EXIT_FAILED: 3, EXIT_USAGE: 4}
@@ -4978,61 +4519,18 @@ def _question(text: str, most: int) -> str:
     return text
 
 
-@dataclass
-class _Saved:
-    """The saved conversation a CLI turn belongs to: where it lives, and its state so far."""
-
-    store: Conversations
-    conversation: Conversation
-    approvals: Approvals
-    unsaved: int = 0  # turns answered but not saved: another process carried it on meanwhile
-
-
 def _turn(
-    loop: ToolLoop, question: str, args: argparse.Namespace, saved: _Saved | None = None
+    loop: ToolLoop, question: str, args: argparse.Namespace, turns: _Turns
 ) -> tuple[TurnResult, _Printer | None]:
-    """One turn for the CLI, streamed if asked, saved if it belongs to a conversation; Ctrl-C
-    still ends the printed line."""
+    """One turn for the CLI, streamed if asked; Ctrl-C still ends the printed line."""
     printer = _Printer() if args.stream else None
-    context = ToolContext(args.customer)
     try:
-        if saved is None:
-            result = loop.run(question, context, on_text=printer)
-        else:
-            result = _carry_on(saved, loop, question, context, args.max_history, printer)
+        result = turns.run(loop, question, ToolContext(args.customer), printer)
     except KeyboardInterrupt:
         if printer:
             printer.end_line()
         raise
     return result, printer
-
-
-def _carry_on(
-    saved: _Saved,
-    loop: ToolLoop,
-    question: str,
-    context: ToolContext,
-    max_history: int,
-    printer: _Printer | None,
-) -> TurnResult:
-    """One turn of a saved conversation. When another process carried it on meanwhile, the
-    answer is still the user's (it was paid for): it is shown, with a note that it was not
-    saved, and the conversation goes on from what was saved, so that it stays one history."""
-    try:
-        result, saved.conversation = saved.store.turn(
-            loop,
-            saved.conversation,
-            question,
-            context,
-            saved.approvals,
-            on_text=printer,
-            max_history_bytes=max_history,
-        )
-    except ConversationConflictError as lost:
-        result, saved.conversation = lost.result, lost.conversation
-        saved.unsaved += 1
-        print(f"note: {lost}; what was saved meanwhile is carried on", file=sys.stderr)
-    return result
 
 
 def _read_lines(stream: TextIO) -> Iterator[str]:
@@ -5160,20 +4658,6 @@ def _missing_tool_hint(workspace: _Workspace, action_id: str, tools: Mapping[str
 def _cmd_reject(args: argparse.Namespace, app: App) -> int:
     _open(args, app, create=False).approvals.reject(args.action_id, args.operator, args.reason)
     print(f"rejected {args.action_id} by {args.operator}; nothing was run")
-    return EXIT_OK
-
-
-def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
-    listed = Conversations(_open(args, app, create=False).database).list()
-    log = _data_dir(args) / "audit.log"
-    spent = audit_stats(log)["spend"]["conversations"] if log.is_file() else {}
-    for item in listed:
-        last = item["lastTurn"] or "no turn yet"
-        tokens = spent.get(item["conversationId"], 0)  # the audited usage of its turns
-        shown = f"{item['turns']} turns  {tokens} tokens  {last}"
-        print(f"{item['conversationId']}  {item['customer']}  {shown}")
-    if not listed:
-        print("no saved conversations")
     return EXIT_OK
 
 
@@ -5628,6 +5112,577 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
     }
     return json.dumps(body).encode("utf-8")
+
+
+# >>> CONVERSATIONS: saved conversations. Everything from this line to the "<<< CONVERSATIONS"
+# line keeps the turns of `chat` (and of `ask --conversation ID`) in the data directory's
+# database, so that a conversation can pause, be carried on by another process, and hear of
+# the decisions people made on what it filed. Nothing above depends on it; without it, `chat`
+# keeps its turns in memory. To do without it, delete it in one cut (README: "Pause and
+# resume"):
+#     sed '/^# >>> CONVERSATIONS/,/^# <<< CONVERSATIONS/d' function_calling.py > cut.py
+
+__all__ += [  # extended here, so that the cut takes these names with it
+    "Conversation",
+    "ConversationConflictError",
+    "ConversationError",
+    "Conversations",
+    "SavedTurn",
+]
+__doc__ += """
+Saved conversations ("# >>> CONVERSATIONS" to "# <<< CONVERSATIONS"): each chat is saved, turn
+by turn; chat --resume ID carries one on, ask --conversation ID adds a turn to one, and the
+`conversations` command lists them. A conversation is told the decisions made meanwhile.
+"""
+
+# ------------------------------------------------------------------- saving and resuming
+# Pause and resume. Every turn of a saved conversation is written, whole, in one transaction
+# as it ends: its raw wire messages (byte-exact echoes included) and which server and model
+# wrote them. A crash mid-turn leaves the previous turn's state, never half of one. When an
+# action the conversation filed has been decided since its last turn, the next turn tells
+# the model first, in the one form every chat-completions server accepts from the
+# application and nobody else can write: a tool call of the application's and its result.
+
+MAX_HISTORY_BYTES = 256 * 1024  # of saved turns sent again; past it the oldest whole turns go
+MAX_SAVED_DEPTH = 64  # levels of one saved message: deeper was never saved, so it is damage
+
+_CONVERSATIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation_id TEXT PRIMARY KEY,
+    customer_id     TEXT NOT NULL,    -- a conversation is continued only for its customer
+    created_at      TEXT NOT NULL,
+    system_json     TEXT NOT NULL     -- the system message, as first sent
+);
+CREATE TABLE IF NOT EXISTS conversation_turns (
+    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
+    turn            INTEGER NOT NULL,
+    messages_json   TEXT NOT NULL,    -- the turn's raw messages, a JSON array of strings
+    base_url        TEXT NOT NULL,    -- who wrote them: another server gets them portable
+    model           TEXT NOT NULL,
+    stop_reason     TEXT NOT NULL,
+    told_json       TEXT NOT NULL,    -- the actions whose decisions this turn told the model
+    ended_at        TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, turn)
+);
+"""
+
+
+# Which approvals each conversation's tool results announced, and the turn that told it their
+# decision: an index of its turns' messages (the truth), kept in each turn's own transaction,
+# so a turn asks one indexed question instead of reading every message saved before it. Its
+# own part: a database made before it gets it built from the turns the first time it is opened.
+_CONVERSATION_ACTIONS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversation_actions (
+    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
+    action_id       TEXT NOT NULL,
+    filed_turn      INTEGER NOT NULL,  -- the turn whose tool result announced it
+    told_turn       INTEGER,           -- the turn that told the model its decision; NULL: not yet
+    PRIMARY KEY (conversation_id, action_id)
+);
+"""
+
+
+def _index_saved_turns(db: sqlite3.Connection) -> None:
+    """Build conversation_actions from the turns saved before it existed (once)."""
+    rows = db.execute(
+        "SELECT conversation_id, turn, messages_json, told_json FROM conversation_turns"
+        " ORDER BY conversation_id, turn"
+    ).fetchall()
+    for conversation_id, turn, messages_json, told_json in rows:
+        try:
+            messages, told = json.loads(messages_json), json.loads(told_json)
+            _index_turn(db, conversation_id, turn, messages, told)
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            continue  # a damaged row: load says so when it is read
+
+
+def _index_turn(
+    db: sqlite3.Connection, conversation_id: str, turn: int, messages: Any, told: Any
+) -> None:
+    """What one turn filed and told, into conversation_actions (the turn's transaction)."""
+    for raw in messages:
+        for action_id in _announced_approval(raw):
+            db.execute(
+                "INSERT OR IGNORE INTO conversation_actions (conversation_id, action_id,"
+                " filed_turn) VALUES (?, ?, ?)",
+                (conversation_id, action_id, turn),
+            )
+    db.executemany(
+        "UPDATE conversation_actions SET told_turn = ? WHERE conversation_id = ?"
+        " AND action_id = ? AND told_turn IS NULL",
+        [(turn, conversation_id, action_id) for action_id in told],
+    )
+
+
+class ConversationError(ConfigError):
+    """No such conversation for this customer, or its saved state is damaged; the CLI exits 2."""
+
+
+class ConversationConflictError(ConversationError):
+    """Another process carried the conversation on while this turn ran: the turn was answered
+    (`result`), not saved; `conversation` is the conversation as saved now, to go on from."""
+
+    def __init__(self, message: str, result: TurnResult, conversation: Conversation) -> None:
+        super().__init__(message)
+        self.result = result
+        self.conversation = conversation
+
+
+@dataclass(frozen=True)
+class SavedTurn:
+    """One turn as it was saved: its messages, exactly as sent and received."""
+
+    messages: tuple[str, ...]
+    origin: tuple[str, str]  # (base URL, model)
+    stop_reason: str
+    told: tuple[str, ...]  # approval ids whose decisions this turn told the model
+    ended_at: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A saved conversation: whose it is, its system message, and its turns, oldest first."""
+
+    conversation_id: str
+    customer_id: str
+    created_at: str
+    system: str
+    # the newest turns, as many as the next turn sends (MAX_HISTORY_BYTES), oldest first: a
+    # conversation of 3,000 turns costs a turn what the turns it sends cost, no more
+    turns: tuple[SavedTurn, ...] = ()
+    turn_count: int = 0  # turns saved, all of them
+
+    def history(self, max_bytes: int = MAX_HISTORY_BYTES) -> tuple[str, ...]:
+        """What the next turn sends before its own messages: the system message, then as many
+        of the newest turns as fit in `max_bytes`, each whole (a tool call is never sent
+        without its result), oldest of them first."""
+        kept = _newest_within(self.turns, max_bytes)
+        return (self.system, *(message for turn in kept for message in turn.messages))
+
+    @property
+    def origin(self) -> tuple[str, str] | None:
+        return self.turns[-1].origin if self.turns else None
+
+
+def _newest_within(turns: Sequence[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
+    """As many of the newest turns as fit in `max_bytes`, each whole, oldest of them first."""
+    return _fitting(reversed(turns), max_bytes)
+
+
+def _fitting(newest_first: Iterable[SavedTurn], max_bytes: int) -> tuple[SavedTurn, ...]:
+    """The turns, taken newest first, until the next would pass `max_bytes` (none is taken
+    after it: a generator is read no further), oldest of them first."""
+    kept: list[SavedTurn] = []
+    size = 0
+    for turn in newest_first:
+        size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
+        if size > max_bytes:
+            break
+        kept.append(turn)
+    return tuple(reversed(kept))
+
+
+def _decisions(
+    approvals: Approvals, action_ids: Sequence[str], customer_id: str
+) -> list[dict[str, Any]]:
+    """What became of those of these actions (of this customer) that are no longer
+    waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
+    a crash left half decided is settled first, so that this agrees with the audit log."""
+    if not action_ids:
+        return []
+    _settle_if_free(approvals)
+    marks = ", ".join("?" for _ in action_ids)
+    with approvals.database.reading() as db:
+        rows = db.execute(
+            "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
+            " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
+            f" LEFT JOIN action_outcomes o USING (action_id)"
+            f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
+            (customer_id, *action_ids),
+        ).fetchall()
+    now, found = _iso(approvals.clock()), {row[0]: row for row in rows}
+    decided = [_decision(found[i], now) for i in action_ids if i in found]
+    return [told for told in decided if told is not None]
+
+
+def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
+    """One action's decision as the model is told it; None while it still waits."""
+    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
+    if status == "pending" and expires_at > now:
+        return None
+    told: dict[str, Any] = {
+        "approvalId": action_id,
+        "tool": tool,
+        "arguments": json.loads(arguments_json),
+    }
+    if status in ("pending", "expired"):
+        return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
+    told |= {"decision": status, "decidedBy": by, "decidedAt": at}
+    if status == "approved":
+        return {**told, "result": json.loads(result_json) if result_json else None}
+    return {**told, "reason": reason, "done": "nothing"}
+
+
+class Conversations:
+    """Saved conversations, in the data directory's database: start, load, list, and turn,
+    which runs one turn of a ToolLoop on a conversation and saves it."""
+
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
+        database.install("conversations", 1, _CONVERSATIONS_SCHEMA)
+        database.install(
+            "conversation_actions", 1, _CONVERSATION_ACTIONS_SCHEMA, seed=_index_saved_turns
+        )
+        self.database = database
+        self.clock = clock
+
+    def start(self, customer_id: str, system_prompt: str) -> Conversation:
+        conversation = Conversation(
+            "conv-" + secrets.token_hex(10),
+            customer_id,
+            _iso(self.clock()),
+            _message("system", system_prompt),
+        )
+        with self.database.write_transaction() as db:
+            db.execute(
+                "INSERT INTO conversations (conversation_id, customer_id, created_at, system_json)"
+                " VALUES (?, ?, ?, ?)",
+                (
+                    conversation.conversation_id,
+                    customer_id,
+                    conversation.created_at,
+                    conversation.system,
+                ),
+            )
+        return conversation
+
+    def load(
+        self, conversation_id: str, customer_id: str, max_history_bytes: int = MAX_HISTORY_BYTES
+    ) -> Conversation:
+        """The conversation, if it is this customer's; ConversationError otherwise (another
+        customer's reads exactly like a missing one). Of its turns, the newest that its next
+        turn sends are read (Conversation.turns), newest first, and no further."""
+        with self.database.reading() as db:
+            db.execute(
+                "BEGIN"
+            )  # one snapshot: a turn another process saves meanwhile is not half seen
+            row = db.execute(
+                "SELECT created_at, system_json FROM conversations"
+                " WHERE conversation_id = ? AND customer_id = ?",
+                (conversation_id, customer_id),
+            ).fetchone()
+            if row is None:
+                known = _CONVERSATION_ID.fullmatch(conversation_id)
+                shown = conversation_id if known else "with that id"
+                raise ConversationError(f"no conversation {shown} for customer {customer_id}")
+            try:  # a row edited, cut or lost: said as such, never as an exception of json's
+                system = _saved_message(row[1], "system")
+                count, saved = _newest_turns(db, conversation_id, max_history_bytes)
+            except (ValueError, TypeError, RecursionError):
+                raise ConversationError(
+                    f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
+                ) from None
+        return Conversation(conversation_id, customer_id, row[0], system, saved, count)
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every saved conversation, newest activity first: id, customer, turns, last turn."""
+        with self.database.reading() as db:
+            rows = db.execute(
+                "SELECT c.conversation_id, c.customer_id, c.created_at, COUNT(t.turn),"
+                " MAX(t.ended_at) FROM conversations c"
+                " LEFT JOIN conversation_turns t USING (conversation_id)"
+                " GROUP BY c.conversation_id ORDER BY COALESCE(MAX(t.ended_at), c.created_at)"
+                " DESC, c.conversation_id"
+            ).fetchall()
+        keys = ("conversationId", "customer", "created", "turns", "lastTurn")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    def turn(
+        self,
+        loop: ToolLoop,
+        conversation: Conversation,
+        question: str,
+        context: ToolContext,
+        approvals: Approvals | None = None,
+        on_text: Callable[[str], None] | None = None,
+        max_history_bytes: int = MAX_HISTORY_BYTES,
+    ) -> tuple[TurnResult, Conversation]:
+        """One turn of `conversation`, saved as it ends. Decisions made since its last turn
+        on actions it filed are told first (and audited). A turn that raises (Ctrl-C) is not
+        saved: the conversation stays at its previous turn."""
+        if context.customer_id != conversation.customer_id:
+            raise ConversationError(
+                f"no conversation {conversation.conversation_id} for customer {context.customer_id}"
+            )
+        history = conversation.history(max_history_bytes)
+        context = replace(context, conversation_id=conversation.conversation_id)  # its ledger's
+        notice, told = self._notice(conversation, approvals, loop.audit, context)
+        result = loop.run(
+            question,
+            context,
+            (*history, *notice),
+            on_text=on_text,
+            history_origin=conversation.origin,
+        )
+        new = result.messages[len(history) :]
+        return result, self._save(conversation, new, result, told, max_history_bytes)
+
+    def _notice(
+        self,
+        conversation: Conversation,
+        approvals: Approvals | None,
+        audit: AuditLog,
+        context: ToolContext,
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The application's call and its result telling the decisions, or nothing."""
+        waiting = self._waiting(conversation.conversation_id) if approvals else ()
+        decisions = _decisions(approvals, waiting, conversation.customer_id) if approvals else []
+        if not decisions:
+            return (), ()
+        call_id = "call_app_" + secrets.token_hex(8)
+        content = _compact(
+            {
+                "from": "the application (not the user, not a tool the model called)",
+                "about": "decisions people made on requests this conversation filed",
+                "decisions": decisions,
+            }
+        )
+        told = tuple(d["approvalId"] for d in decisions)
+        audit.record(
+            "decision_notice",
+            turn_id=context.turn_id,
+            customer_id=context.customer_id,
+            conversation_id=conversation.conversation_id,
+            approval_ids=list(told),
+            content=content,
+        )
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": NOTICE_TOOL, "arguments": "{}"},
+        }
+        asked = _compact({"role": "assistant", "content": None, "tool_calls": [call]})
+        return (asked, _tool_message(call_id, content)), told
+
+    def _waiting(self, conversation_id: str) -> tuple[str, ...]:
+        """The approvals the conversation filed whose decision it has not been told, in the
+        order they were filed."""
+        with self.database.reading() as db:
+            rows = db.execute(
+                "SELECT action_id FROM conversation_actions WHERE conversation_id = ?"
+                " AND told_turn IS NULL ORDER BY filed_turn, rowid",
+                (conversation_id,),
+            ).fetchall()
+        return tuple(action_id for (action_id,) in rows)
+
+    def _save(
+        self,
+        conversation: Conversation,
+        messages: Sequence[str],
+        result: TurnResult,
+        told: tuple[str, ...],
+        max_history_bytes: int = MAX_HISTORY_BYTES,
+    ) -> Conversation:
+        """The turn, whole, in one transaction: a crash before the commit leaves none of it."""
+        turn = SavedTurn(
+            tuple(messages), result.origin, result.stop_reason, told, _iso(self.clock())
+        )
+        try:
+            self._insert(conversation, turn)
+        except sqlite3.IntegrityError:  # two processes continued it at once: the first one won
+            raise ConversationConflictError(
+                f"{conversation.conversation_id} was continued elsewhere meanwhile; this turn"
+                " was answered but not saved",
+                result,
+                self.load(conversation.conversation_id, conversation.customer_id),
+            ) from None
+        turns = _newest_within((*conversation.turns, turn), max_history_bytes)
+        return replace(conversation, turns=turns, turn_count=conversation.turn_count + 1)
+
+    def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
+        number = conversation.turn_count + 1
+        with self.database.write_transaction() as db:
+            db.execute(
+                "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
+                " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    conversation.conversation_id,
+                    number,
+                    json.dumps(list(turn.messages)),
+                    *turn.origin,
+                    turn.stop_reason,
+                    json.dumps(list(turn.told)),
+                    turn.ended_at,
+                ),
+            )
+            _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
+
+
+_CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
+def _newest_turns(
+    db: sqlite3.Connection, conversation_id: str, max_bytes: int
+) -> tuple[int, tuple[SavedTurn, ...]]:
+    """How many turns are saved (the newest one's number: the next is one more, so a save
+    never collides), and the newest of them that fit in `max_bytes` (read newest first, one
+    row at a time, and no further); ValueError if one read is damaged or not the next older.
+    Not COUNT(*): it reads every turn's index entry, and a turn after 30,000 turns must cost
+    what one after 30 does (`make bench`)."""
+    (count,) = db.execute(
+        "SELECT COALESCE(MAX(turn), 0) FROM conversation_turns WHERE conversation_id = ?",
+        (conversation_id,),
+    ).fetchone()
+    rows = db.execute(
+        "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
+        " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
+        (conversation_id,),
+    )
+    numbered = zip(range(count, 0, -1), rows, strict=False)  # read as far as they fit
+    return count, _fitting((_saved_turn(expected, *row) for expected, row in numbered), max_bytes)
+
+
+def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
+    """A turn as load reads it back, or ValueError if it is not what was saved: a row edited
+    by hand, or one missing before it (turn 1 read after turn 3: what is sent has a hole)."""
+    messages_json, base_url, model, stop_reason, told_json, ended_at = row
+    if turn != expected or not all(isinstance(v, str) for v in row):
+        raise ValueError(turn)
+    messages, told = json.loads(messages_json), json.loads(told_json)
+    if not isinstance(messages, list) or not isinstance(told, list):
+        raise ValueError(turn)
+    if not all(isinstance(action_id, str) for action_id in told):
+        raise ValueError(turn)
+    kept = tuple(_saved_message(message) for message in messages)
+    return SavedTurn(kept, (base_url, model), stop_reason, tuple(told), ended_at)
+
+
+def _saved_message(raw: Any, role: str | None = None) -> str:
+    """A saved wire message, as it was sent (the text itself), or ValueError: a JSON object
+    with a role (`role`, if given), nested no deeper than MAX_SAVED_DEPTH."""
+    message = json.loads(raw)
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(raw)
+    if (role and message["role"] != role) or _nested_deeper_than(message, MAX_SAVED_DEPTH):
+        raise ValueError(raw)
+    return str(raw)
+
+
+# ------------------------------------------------------------- the conversations' commands
+
+
+class _SavedTurns(_Turns):
+    """The turns of `chat`, or of `ask --conversation ID`, each saved as it ends."""
+
+    def __init__(
+        self, store: Conversations, conversation: Conversation, approvals: Approvals, most: int
+    ) -> None:
+        super().__init__()
+        self.store, self.conversation = store, conversation
+        self.approvals, self.max_history = approvals, most
+
+    def run(
+        self, loop: ToolLoop, question: str, context: ToolContext, on_text: _Printer | None
+    ) -> TurnResult:
+        """One turn of the conversation. When another process carried it on meanwhile, the
+        answer is still the user's (it was paid for): it is shown, with a note that it was not
+        saved, and the conversation goes on from what was saved, so that it stays one history."""
+        try:
+            result, self.conversation = self.store.turn(
+                loop,
+                self.conversation,
+                question,
+                context,
+                self.approvals,
+                on_text=on_text,
+                max_history_bytes=self.max_history,
+            )
+        except ConversationConflictError as lost:
+            result, self.conversation = lost.result, lost.conversation
+            self.unsaved += 1
+            print(f"note: {lost}; what was saved meanwhile is carried on", file=sys.stderr)
+        return result
+
+
+def _saved_turns(args: argparse.Namespace, app: App, workspace: _Workspace) -> _Turns:
+    """The conversation `chat --resume` or `ask --conversation` names (this customer's only),
+    or a new one for `chat`, said on stderr; a plain `ask` saves nothing."""
+    if args.command is _cmd_ask and args.conversation is None:
+        return _Turns()
+    chosen = args.conversation if args.command is _cmd_ask else args.resume
+    store = Conversations(workspace.database)
+    if chosen is None:
+        conversation = store.start(args.customer, app.system_prompt)
+        shown = conversation.conversation_id
+        again = _resume_command(args, workspace, shown)
+        print(f"conversation {shown} (continue it: {again})", file=sys.stderr)
+    else:
+        conversation = store.load(chosen, args.customer, args.max_history)
+        turns = conversation.turn_count
+        print(f"conversation {chosen}, {turns} turn{'s' * (turns != 1)} so far", file=sys.stderr)
+    return _SavedTurns(store, conversation, workspace.approvals, args.max_history)
+
+
+def _add_conversation_commands(
+    commands: Any, shared: Mapping[str, argparse.ArgumentParser]
+) -> None:
+    ask, chat = commands.choices["ask"], commands.choices["chat"]
+    ask.add_argument("--conversation", metavar="ID", help="add this turn to a saved conversation")
+    chat.add_argument("--resume", metavar="ID", help="carry on a saved conversation")
+    for parser in (ask, chat):
+        parser.add_argument(
+            "--max-history",
+            type=_whole(1024, 1_000_000_000),
+            default=MAX_HISTORY_BYTES,
+            help=f"bytes of a saved conversation sent again ({MAX_HISTORY_BYTES})",
+        )
+    listing = commands.add_parser(
+        "conversations", parents=[shared["data"]], help="list saved conversations"
+    )
+    listing.set_defaults(command=_cmd_conversations)
+
+
+def _resume_command(args: argparse.Namespace, workspace: _Workspace, conversation_id: str) -> str:
+    """The command that carries a conversation on, as it works pasted anywhere: this one as
+    typed (its tool sources' flags included), then --resume and the data directory's absolute
+    path (in place of the one typed, if one was)."""
+    directory = str(workspace.directory.resolve())
+    typed = [*_without_option(args.typed, "--data-dir"), "--resume", conversation_id]
+    return "python3 " + shlex.join([sys.argv[0], *typed, "--data-dir", directory])
+
+
+def _without_option(typed: Sequence[str], option: str) -> list[str]:
+    """`typed` without `option` and its value, however argparse took them: `--opt VALUE`,
+    `--opt=VALUE`, or an abbreviation of either (argparse takes a unique prefix)."""
+    kept: list[str] = []
+    skip_value = False
+    for word in typed:
+        name = word.partition("=")[0]
+        if skip_value:
+            skip_value = False
+        elif len(name) > 2 and name.startswith("--") and option.startswith(name):
+            skip_value = "=" not in word
+        else:
+            kept.append(word)
+    return kept
+
+
+def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
+    listed = Conversations(_open(args, app, create=False).database).list()
+    log = _data_dir(args) / "audit.log"
+    spent = audit_stats(log)["spend"]["conversations"] if log.is_file() else {}
+    for item in listed:
+        last = item["lastTurn"] or "no turn yet"
+        tokens = spent.get(item["conversationId"], 0)  # the audited usage of its turns
+        shown = f"{item['turns']} turns  {tokens} tokens  {last}"
+        print(f"{item['conversationId']}  {item['customer']}  {shown}")
+    if not listed:
+        print("no saved conversations")
+    return EXIT_OK
+
+
+COMMANDS.append(_add_conversation_commands)
+TURN_KEEPERS.append(_saved_turns)
+# <<< CONVERSATIONS
 
 
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the

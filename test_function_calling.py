@@ -4850,6 +4850,9 @@ README_BLOCK = re.compile(r"^```python(?: file=(\S+))?\n(.*?)^```$", re.DOTALL |
 EXAMPLE_CUT = re.compile(r"^# >>> EXAMPLE.*?^# <<< EXAMPLE\n", re.DOTALL | re.MULTILINE)
 MCP_CUT = re.compile(r"^# >>> MCP.*?^# <<< MCP\n", re.DOTALL | re.MULTILINE)
 INBOX_CUT = re.compile(r"^# >>> INBOX.*?^# <<< INBOX\n", re.DOTALL | re.MULTILINE)
+CONVERSATIONS_CUT = re.compile(
+    r"^# >>> CONVERSATIONS.*?^# <<< CONVERSATIONS\n", re.DOTALL | re.MULTILINE
+)
 
 
 def readme_examples() -> list[tuple[str | None, str]]:
@@ -5120,6 +5123,23 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertEqual(unknown.returncode, 2)
         self.assertIn("unrecognized arguments: --mcp", unknown.stderr)
 
+    def test_a_copy_without_saved_conversations_still_chats_in_memory(self) -> None:
+        self.cut_section("CONVERSATIONS", CONVERSATIONS_CUT)
+        script = [text_reply("T-000123 is open."), text_reply("Yes, still open.")]
+        done, requests = self.my_app("chat", script=script, stdin="Is T-000123 open?\nAnd now?\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout, "T-000123 is open.\nYes, still open.\n")
+        self.assertNotIn("conversation", done.stderr)  # nothing is saved, nothing said of it
+        second = [m["content"] for m in requests[1].json()["messages"]]
+        self.assertEqual(second[1:], ["Is T-000123 open?", "T-000123 is open.", "And now?"])
+        for command in (["conversations"], ["chat", "--resume", "conv-1"]):
+            refused, _ = self.my_app(*command)
+            self.assertEqual(refused.returncode, 2, command)
+        action_id = self.propose_close()
+        self.assertEqual(self.my_app("approve", action_id)[0].returncode, 0)
+        self.assertEqual(self.ticket_state("T-000123"), "closed")
+        self.assertEqual(self.my_app("verify-audit")[0].returncode, 0)
+
     def test_a_copy_with_the_inbox_section_cut_out_still_runs_the_recipe(self) -> None:
         self.cut_section("INBOX", INBOX_CUT)
         action_id = self.propose_close()
@@ -5182,7 +5202,7 @@ HARDENING_PIECES = {
     "verify_audit",
     "_settle",  # crash recovery
     "audit_disagreements",
-    "Conversations",  # operating it
+    "App",  # operating it
     "main",
     "ScriptedChatServer",
 }
@@ -5225,7 +5245,7 @@ class CopyTest(unittest.TestCase):
     is), a --help and a docstring that name only what is there, and a demo where the example
     stayed."""
 
-    PARTS = ("mcp", "inbox", "example")
+    PARTS = ("conversations", "mcp", "inbox", "example")
 
     def run_python(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
@@ -5277,22 +5297,14 @@ class CopyTest(unittest.TestCase):
             )
             self.assertEqual(copy[1:], sed.stdout.splitlines(keepends=True)[1:])
         helped = self.run_python("function_calling.py", "--help", cwd=folder)
-        commands = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
-        core = {
-            "ask",
-            "chat",
-            "conversations",
-            "pending",
-            "approve",
-            "reject",
-            "verify-audit",
-            "stats",
-            "copy",
-        }
-        self.assertEqual(
-            commands - core,
-            {"inbox"} - set(without) | {"demo"} - ({"demo"} if "example" in without else set()),
-        )
+        offered = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
+        core = {"ask", "chat", "pending", "approve", "reject", "verify-audit", "stats", "copy"}
+        by_part = {"conversations": "conversations", "inbox": "inbox", "example": "demo"}
+        kept_commands = {command for part, command in by_part.items() if part not in without}
+        self.assertEqual(offered, core | kept_commands)
+        asked = self.run_python("function_calling.py", "chat", "--help", cwd=folder).stdout
+        self.assertEqual("--resume" in asked, "conversations" not in without)
+        self.assertEqual("--mcp" in asked, "mcp" not in without)
         looked = self.run_python(
             "-c",
             "import json, function_calling as f; print(json.dumps([f.__doc__, f.__all__,"
@@ -5304,6 +5316,7 @@ class CopyTest(unittest.TestCase):
         self.assertEqual(version, fc.__version__)
         self.assertEqual(sources, 0 if "mcp" in without else 1)
         for part, word, name in (
+            ("conversations", "resume", "Conversations"),
             ("mcp", "MCP", "McpTool"),
             ("inbox", "inbox", None),
             ("example", "demo", "SHOP"),
@@ -5347,7 +5360,8 @@ class CopyTest(unittest.TestCase):
             )
             self.assertEqual(odd.returncode, 2)
             self.assertIn(
-                "no part named shop here; this file's parts: mcp, inbox, example", odd.stderr
+                "no part named shop here; this file's parts: conversations, mcp, inbox, example",
+                odd.stderr,
             )
             self.assertFalse((folder / "new.py").exists())
             shown = self.run_python(str(MODULE), "--version", cwd=folder)
