@@ -70,6 +70,7 @@ lint: $(LINT_VENV)/.installed
 		$(PYTHON) function_calling.py copy $(LINT_VENV)/cut/function_calling.py --without $$cut \
 			>/dev/null && echo "lint: a copy without $$cut" && \
 		$(LINT_VENV)/bin/ruff check --quiet $(RUFF_RULES) $(LINT_VENV)/cut/function_calling.py && \
+		$(LINT_VENV)/bin/ruff format --check --quiet --line-length 100 $(LINT_VENV)/cut/function_calling.py && \
 		$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
 			--no-error-summary $(LINT_VENV)/cut/function_calling.py || exit 1; \
 	done

@@ -26,13 +26,13 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,466 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,463 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,410 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,400 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,240 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,230 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -126,12 +126,12 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Ledger",
-    "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer",
-    "ScriptedReply", "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop",
-    "ToolSource", "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats",
-    "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
-    "portable_history", "require_choice", "require_integer", "require_pattern", "stream_reply",
-    "text_reply", "tool_call_reply", "tool_table", "verify_audit",
+    "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
+    "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource",
+    "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
+    "check_argument_names", "delta_chunk", "main", "parse_arguments", "portable_history",
+    "require_choice", "require_integer", "require_pattern", "stream_reply", "text_reply",
+    "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
 # The day and commit this file was stamped at (`make version`), as line 1 says too: what a
@@ -140,7 +140,6 @@ __version__ = "2026-12-03+4df5e37"
 
 
 # ===================================================================== Part I: the mechanism
-#
 # What Part I relies on from later parts, by the promise each makes (how it keeps it is at
 # its definition; a reader may take these on trust and stop at the end marker):
 #
@@ -169,10 +168,8 @@ __version__ = "2026-12-03+4df5e37"
 #       _settle, _settle_if_free  a step's journal row is written before its first line and
 #       removed after its last; a row a crash left is settled before the next step (the
 #       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome  a decision's result, kept
-#       in the decision's own transaction (conversations)
-#
-# sqlite3 and concurrent.futures are imported where they are first used (_OnFirstUse, at the
-# imports), which is why no import line names them.
+#       in the decision's own transaction (the same)
+# sqlite3 and concurrent.futures are imported at their first use (_OnFirstUse, at the top).
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -1484,9 +1481,7 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
     timeout: float = REQUEST_TIMEOUT_S
     stream_idle: float = STREAM_IDLE_S
-    # A request that timed out once the server had it may be generating still: sent again,
-    # its tokens are paid for twice and the work done twice. Off unless asked for.
-    retry_timeouts: bool = False
+    retry_timeouts: bool = False  # a request the server took may still run: _unanswered
     max_retries: int = MAX_RETRIES
     max_retry_wait: float = MAX_RETRY_WAIT_S
     max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
@@ -1775,13 +1770,8 @@ class ChatClient:
                     note = tries if attempt else "not retried: retries are set to 0"
                     raise ApiError(f"{failure} ({note})", failure.status) from None
                 wait = self._retry_wait(failure, attempt, turn_deadline)
-                _log.warning(
-                    "%s; retry %d of %d in %.1f s",
-                    failure,
-                    attempt + 1,
-                    self.settings.max_retries,
-                    wait,
-                )
+                most = self.settings.max_retries
+                _log.warning("%s; retry %d of %d in %.1f s", failure, attempt + 1, most, wait)
                 self._sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -3380,12 +3370,7 @@ def _file_action(
             (action_id, action_id),
         )
     expires = _iso(now + approvals.ttl_seconds)
-    return {
-        "status": "requires_approval",
-        "approvalId": action_id,
-        **summary,
-        "expiresAt": expires,
-    }
+    return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
 
 
 def _open_action(approvals: Approvals, db: sqlite3.Connection, action_id: str) -> PendingAction:
@@ -3979,8 +3964,8 @@ def _median(histogram: Mapping[int, int]) -> float:
 
 
 # ----------------------------------------------------------------------------------- the CLI
-# Exit codes: 0 answered · 1 failed (the API or network, a tool's infrastructure, the audit
-# log, or a refused approve/reject) · 2 usage or configuration · 3 a guard stopped the turn.
+# Exit codes: 0 answered · 1 failed · 2 usage or configuration · 3 a guard stopped the turn ·
+# 4 a spending limit · 130 interrupted · 141 stdout's reader left (README: "The command line").
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_GUARD, EXIT_BUDGET = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141  # as a shell reports SIGINT and SIGPIPE
@@ -4939,19 +4924,10 @@ ScriptItem: TypeAlias = bytes | ScriptedReply | Callable[[RecordedRequest], "byt
 
 
 class ScriptedChatServer:
-    """A chat-completions server on 127.0.0.1 that plays a script and records every request.
-
-    Test your own tools and loops with it, no model needed:
-
-        with ScriptedChatServer([tool_call_reply([("getWeather", '{"city":"Oslo"}')]),
-                                 text_reply("Rain until noon.")]) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="scripted"))
-            ...
-        server.requests[1].body   # the exact bytes of the second request
-
-    A script item is a body (bytes, sent with 200), a ScriptedReply, or a function of the
-    recorded request returning either. Past the end of the script the server answers 500.
-    """
+    """A chat-completions server on 127.0.0.1 that plays a script and records every request
+    (`requests[1].body`: the exact bytes of the second); Part I's last section uses it. A
+    script item is a body (bytes, sent with 200), a ScriptedReply, or a function of the
+    recorded request returning either. Past the end of the script the server answers 500."""
 
     def __init__(self, script: Sequence[ScriptItem]) -> None:
         self.script = list(script)
@@ -5683,8 +5659,6 @@ def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
 COMMANDS.append(_add_conversation_commands)
 TURN_KEEPERS.append(_saved_turns)
 # <<< CONVERSATIONS
-
-
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
 # "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
 # spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every
@@ -8301,8 +8275,6 @@ def _holds_the_key(value: str, environ: Mapping[str, str]) -> bool:
 
 TOOL_SOURCES.append(_McpFlags())
 # <<< MCP
-
-
 # >>> INBOX: the operator's inbox, a web page. Everything from this line to the "<<< INBOX"
 # line adds the `inbox` command: the writes waiting for a person, shown in a browser and
 # approved or rejected through Approvals exactly as `approve` and `reject` do. Nothing above
@@ -8884,8 +8856,6 @@ def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
 COMMANDS.append(_add_inbox_command)
 DECIDING_COMMANDS.append(("inbox", "decide on a page in a browser"))
 # <<< INBOX
-
-
 # >>> EXAMPLE: a small shop. Everything from this line to the "<<< EXAMPLE" line is the worked
 # example (three tools over SQLite, one of them a write behind a human, the prompt, the demo
 # turns) and nothing above depends on it. To make this file yours, delete it in one cut,
@@ -9263,7 +9233,5 @@ SHOP = App(
 
 SCRIPT_APP = SHOP
 # <<< EXAMPLE
-
-
 if __name__ == "__main__":  # last: every part above has added its commands by now
     sys.exit(main(app=SCRIPT_APP))

@@ -5333,6 +5333,26 @@ class CopyTest(unittest.TestCase):
             self.assertEqual(ran.returncode, 2)
             self.assertIn("no scripted demo", ran.stderr)
 
+    def test_a_copy_the_disk_cannot_hold_leaves_no_half_file(self) -> None:
+        def small_files() -> None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(
+                [sys.executable, str(MODULE), "copy", "mine.py"],
+                cwd=scratch,
+                preexec_fn=small_files,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
+            self.assertEqual(done.returncode, 2, done.stderr)
+            self.assertIn("could not write mine.py", done.stderr)
+            self.assertNotIn("Traceback", done.stderr)
+            self.assertEqual(os.listdir(scratch), [], "no half copy is left")
+
     def test_the_version_is_a_day_and_a_commit_of_this_repository(self) -> None:
         day, _, commit = fc.__version__.partition("+")
         datetime.date.fromisoformat(day)
