@@ -5334,15 +5334,11 @@ class CopyTest(unittest.TestCase):
             self.assertIn("no scripted demo", ran.stderr)
 
     def test_a_copy_the_disk_cannot_hold_leaves_no_half_file(self) -> None:
-        def small_files() -> None:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
-            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-
         with tempfile.TemporaryDirectory() as scratch:
             done = subprocess.run(
                 [sys.executable, str(MODULE), "copy", "mine.py"],
                 cwd=scratch,
-                preexec_fn=small_files,
+                preexec_fn=lambda: limit_file_size(64 * 1024),  # a copy is some 400 KiB
                 capture_output=True,
                 text=True,
                 timeout=600,
