@@ -1,4 +1,4 @@
-# function_calling.py, version 2026-12-03+4df5e37: the whole file, every part kept
+# function_calling.py, version 2026-12-03+61c955f: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -136,7 +136,7 @@ __all__ = [
 # fmt: on
 # The day and commit this file was stamped at (`make version`), as line 1 says too: what a
 # copier looks up later to know what they took.
-__version__ = "2026-12-03+4df5e37"
+__version__ = "2026-12-03+61c955f"
 
 
 # ===================================================================== Part I: the mechanism
