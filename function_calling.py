@@ -2537,6 +2537,9 @@ class Limits:
     tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
     cost: float | None = None  # in the prices' currency
 
+    def __post_init__(self) -> None:
+        _check_limits(self)
+
     def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
         """The limit `spent` (and what it costs) passes, and the figure that passes it."""
         for name, limit, figure in (
@@ -2554,6 +2557,31 @@ class Limits:
     @property
     def any(self) -> bool:
         return any(v is not None for v in vars(self).values())
+
+
+def _check_limits(owner: Limits | Budget) -> None:
+    """Refuse, when a limit is made, a value that is none, in the words of the CLI's flags:
+    NaN or inf would turn a limit off, and a string would fail in the middle of a turn."""
+    for name in ("input_tokens", "output_tokens", "total_tokens", "tool_calls"):
+        value = getattr(owner, name)
+        if value is not None:
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if not (_is_number(value) and whole and 1 <= value < 10**9):
+                raise ConfigError(
+                    f"{name}: expected a whole number from 1 to 999999999; got {value!r}"
+                )
+            object.__setattr__(owner, name, int(value))  # 5.0 is 5
+    for name in ("cost", "input_price", "output_price"):
+        value = getattr(owner, name, None)
+        if value is not None and not (_is_number(value) and 0 <= value < 1e12):
+            raise ConfigError(f"{name}: expected a number of 0 or more; got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float, not a bool (math.isfinite would overflow on 10**400)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -2587,12 +2615,11 @@ class Budget:
     answer: str = BUDGET_ANSWER  # what the user reads when a limit stops a turn
 
     def __post_init__(self) -> None:
+        _check_limits(self)
         prices = (self.input_price, self.output_price)
         costs = (self.cost, self.daily.cost, self.conversation.cost)
         if any(cost is not None for cost in costs) and None in prices:
             raise ConfigError("a cost limit needs the price of input and of output tokens")
-        if any(not (p is None or (math.isfinite(p) and p >= 0)) for p in (*costs, *prices)):
-            raise ConfigError("a cost and a price are numbers of 0 or more")
 
     @property
     def turn(self) -> Limits:

@@ -25,6 +25,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import pwd
 import random
@@ -2036,6 +2037,45 @@ class BudgetTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stdout), (4, fc.BUDGET_ANSWER + "\n"))
         self.assertIn("stopped: the turn's total-token limit (5) would be passed", done.stderr)
         self.assertEqual(server.requests, [])
+
+
+class BudgetValuesTest(unittest.TestCase):
+    """A limit given in Python is checked as the command line checks its flags: a value that
+    is no limit (NaN, inf, a string, a bool, a negative) is refused when the budget is built,
+    never taken as "no limit" or as "nothing at all", and never raised from a turn."""
+
+    WHOLE = "expected a whole number from 1 to 999999999"
+    AMOUNT = "expected a number of 0 or more"
+
+    def test_token_and_call_limits_are_whole_numbers(self) -> None:
+        builds: dict[str, Callable[[Any], object]] = {
+            "Limits.total_tokens": lambda v: fc.Limits(total_tokens=v),
+            "Budget.output_tokens": lambda v: fc.Budget(output_tokens=v),
+            "Budget.tool_calls": lambda v: fc.Budget(tool_calls=v),
+        }
+        bad_values: tuple[Any, ...] = (math.nan, math.inf, 1e308, "100", -5, 0, True, 2.5)
+        for bad in (*bad_values, 10**12, 10**400):
+            for name, build in builds.items():
+                with self.subTest(field=name, value=bad), self.assertRaises(fc.ConfigError) as e:
+                    build(bad)
+                field = name.split(".")[1]
+                self.assertIn(f"{field}: {self.WHOLE}; got {bad!r}", str(e.exception))
+        five: Any = 5.0
+        self.assertEqual(fc.Limits(total_tokens=five).total_tokens, 5)  # 5.0 is a whole number
+
+    def test_costs_and_prices_are_numbers_of_0_or_more(self) -> None:
+        amounts: tuple[Any, ...] = (math.nan, math.inf, -1, "1", True, 1e12, 10**400)
+        for bad in amounts:
+            with self.subTest(value=bad):
+                with self.assertRaises(fc.ConfigError) as caught:
+                    fc.Budget(cost=bad, input_price=1, output_price=1)
+                self.assertIn(f"cost: {self.AMOUNT}; got {bad!r}", str(caught.exception))
+                with self.assertRaises(fc.ConfigError) as caught:
+                    fc.Budget(input_price=bad)
+                self.assertIn(f"input_price: {self.AMOUNT}; got {bad!r}", str(caught.exception))
+                with self.assertRaises(fc.ConfigError):
+                    fc.Limits(cost=bad)
+        self.assertEqual(fc.Budget(cost=0, input_price=0, output_price=2.5).cost, 0)
 
 
 def with_usage(body: bytes, prompt: int, completion: int) -> bytes:
