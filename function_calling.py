@@ -574,11 +574,12 @@ def _request_body(
     stream: bool = False,
     tool_choice: str = '"auto"',
     parallel_tool_calls: bool | None = None,
+    output_bound: tuple[str, int] | None = None,
 ) -> bytearray:
     """The request body, built from JSON texts rather than from dicts.
 
     The messages are spliced in as the texts they already are (the echo: the reply).
-    `tool_choice` is JSON text.
+    `tool_choice` is JSON text; `output_bound` is (field, tokens), a budget's bound.
     """
     pieces = ['{"model":', json.dumps(model), ',"messages":[']
     for message in messages:
@@ -588,6 +589,8 @@ def _request_body(
         pieces += (',"tools":', tools_json, ',"tool_choice":', tool_choice)
         if parallel_tool_calls is not None:
             pieces += (',"parallel_tool_calls":', json.dumps(parallel_tool_calls))
+    if output_bound is not None:
+        pieces.append(f',"{output_bound[0]}":{output_bound[1]}')
     if stream:  # include_usage: without it OpenAI sends no token counts in a stream
         pieces.append(',"stream":true,"stream_options":{"include_usage":true}')
     body = bytearray()  # grown in place, not joined: the body is never held twice
@@ -967,7 +970,6 @@ class ToolLoop:
         self.system_prompt = system_prompt
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
         self.budget = (budget or Budget()).checked()
-        self.fallbacks["budget"] = self.budget.answer
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
@@ -1014,7 +1016,7 @@ class ToolLoop:
         choice = self.tool_choice if turn.rounds == 1 else '"auto"'
         over = self.budget.before_request(turn.messages, self._tools_json, turn.spend, context)
         if over:  # never sent: as estimated, it would pass a limit
-            return self._finish(turn, context, "budget", self.budget.answer, over)
+            return self._finish(turn, context, "budget", self.budget.answer_for(over), over)
         try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
                 turn.messages,
@@ -1023,6 +1025,7 @@ class ToolLoop:
                 on_text,
                 tool_choice=choice,
                 parallel_tool_calls=self.parallel_tool_calls,
+                max_output=turn.spend.bound,
             )
         except ApiError as exc:
             if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
@@ -1030,7 +1033,7 @@ class ToolLoop:
             return self._finish(turn, context, *_api_failure(exc, choice, turn))
         turn.add_reply(reply, self.max_calls_per_reply)
         if not reply.tool_calls:
-            return self._finish(turn, context, *self._ending(reply))
+            return self._finish(turn, context, *self._ending(reply, turn.spend))
         # a plan the model did not finish writing is not a plan: none of it runs
         guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
         try:  # no result goes back before the batch's lines are on disk (AuditLog.batch)
@@ -1040,8 +1043,10 @@ class ToolLoop:
             turn.close_open_calls("audit_failed")
             return self._finish(turn, context, "audit_failed", error=str(exc))
         if guard:  # cut short: the text that came and a note; a guard: its fallback (and why)
-            answer = reply.content if guard == "incomplete" else self.fallbacks[guard]
+            answer = reply.content if guard == "incomplete" else self.fallbacks.get(guard)
             note = _CUT_CALLS if guard == "incomplete" else turn.over
+            if guard == "budget":
+                answer = self.budget.answer_for(turn.over)
             return self._finish(turn, context, guard, answer, note)
         if turn.failed_tool:
             error = f"the tool {turn.failed_tool} failed; details are in the audit log"
@@ -1051,11 +1056,15 @@ class ToolLoop:
             return self._finish(turn, context, "returned_direct", answer=answer)
         return None
 
-    def _ending(self, reply: Reply) -> tuple[str, str | None, str | None]:
+    def _ending(self, reply: Reply, spend: Spend) -> tuple[str, str | None, str | None]:
         """How a reply without tool calls ends the turn: an answer, or plainly not one."""
         written = _call_written_as_text(reply.content, self.tools)
         if written:  # never run: what the model wrote is text, not a request we can trust
             return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
+        # a limit this reply took the turn past is said now, with the answer it paid for
+        over = self.budget.passed_by(spend, reply.finish_reason == "length")
+        if over:
+            return "budget", reply.content, over
         if reply.finish_reason == "length":
             return "incomplete", reply.content, None  # cut at the token limit: not a whole answer
         if reply.finish_reason == "content_filter":
@@ -1486,6 +1495,10 @@ class Settings:
     max_retry_wait: float = MAX_RETRY_WAIT_S
     max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
     max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
+    # Where a request's output bound goes when a budget sets one: OpenAI's reasoning models
+    # refuse max_tokens, and servers that know only max_tokens (Ollama, LM Studio) ignore
+    # max_completion_tokens. None: max_completion_tokens for OpenAI and Azure, else max_tokens.
+    output_field: str | None = None
 
     def __post_init__(self) -> None:
         try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
@@ -1512,6 +1525,11 @@ class Settings:
             )
         if not self.model:
             raise ConfigError("the model name is empty")
+        if self.output_field is None:
+            openai = parts.hostname == "api.openai.com" or parts.hostname.endswith(".azure.com")
+            object.__setattr__(self, "output_field", f"max_{'completion_' * openai}tokens")
+        if self.output_field not in ("max_completion_tokens", "max_tokens"):
+            raise ConfigError("output_field must be max_completion_tokens or max_tokens")
         if (
             min(self.timeout, self.stream_idle) <= 0
             or self.max_retries < 0
@@ -1732,12 +1750,15 @@ class ChatClient:
         *,
         tool_choice: str = '"auto"',
         parallel_tool_calls: bool | None = None,
+        max_output: int | None = None,
     ) -> Reply:
         """One reply, whole, by `deadline` (a time.monotonic() value), or ApiError.
 
         It POSTs the conversation, retrying what may be retried, and parses the reply; an
         ApiError's text never holds the key. With `on_text`, the reply is streamed and each
-        piece of its text is handed to on_text as it arrives."""
+        piece of its text is handed to on_text as it arrives. `max_output` bounds the tokens
+        the reply may write, in the field Settings.output_field names."""
+        field = str(self.settings.output_field)
         body = _request_body(
             self.settings.model,
             messages,
@@ -1745,6 +1766,7 @@ class ChatClient:
             on_text is not None,
             tool_choice,
             parallel_tool_calls,
+            None if max_output is None else (field, max_output),
         )
         turn_deadline = deadline if deadline is not None else math.inf
         if time.monotonic() >= turn_deadline:
@@ -2524,6 +2546,12 @@ def _call_worker(
 BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
 OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
 BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
+DAILY_BUDGET_ANSWER = (
+    "Sorry, today's spending limit has been reached. It starts again at 00:00 UTC."
+)
+CONVERSATION_BUDGET_ANSWER = (
+    "Sorry, this conversation has reached its spending limit. Please start a new one."
+)
 
 
 @dataclass(frozen=True)
@@ -2553,6 +2581,24 @@ class Limits:
         if self.cost is not None and cost > self.cost:
             return f"cost limit ({self.cost:g})", f"{cost:.6g}"
         return None
+
+    def output_room(
+        self, would: Tally, cost: float, output_price: float | None
+    ) -> tuple[int, str] | None:
+        """The output tokens these limits leave after `would` (which costs `cost`), and the
+        limit that leaves fewest; None when none of them bounds what a reply writes."""
+        rooms = []
+        if self.output_tokens is not None:
+            rooms.append((self.output_tokens - would.output, "output-token"))
+        if self.total_tokens is not None:
+            rooms.append((self.total_tokens - would.input - would.output, "total-token"))
+        if self.cost is not None and output_price:
+            rooms.append((math.floor((self.cost - cost) * 1_000_000 / output_price), "cost"))
+        if not rooms:
+            return None
+        room, kind = min(rooms)
+        limit = {"output-token": self.output_tokens, "total-token": self.total_tokens}.get(kind)
+        return room, f"{kind} limit ({limit:,})" if limit else f"cost limit ({self.cost:g})"
 
     @property
     def any(self) -> bool:
@@ -2595,6 +2641,9 @@ class Tally:
     def __add__(self, other: Tally) -> Tally:
         return Tally(self.input + other.input, self.output + other.output, self.calls + other.calls)
 
+    def __sub__(self, other: Tally) -> Tally:
+        return Tally(self.input - other.input, self.output - other.output, self.calls - other.calls)
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -2612,7 +2661,10 @@ class Budget:
     daily: Limits = Limits()  # per customer and UTC day, in every process (the ledger)
     conversation: Limits = Limits()  # per conversation, in all its turns (the ledger)
     ledger: Ledger | None = field(default=None, compare=False)
-    answer: str = BUDGET_ANSWER  # what the user reads when a limit stops a turn
+    # what the user reads when a limit stops a turn, by the kind of limit that stopped it
+    answer: str = BUDGET_ANSWER
+    daily_answer: str = DAILY_BUDGET_ANSWER
+    conversation_answer: str = CONVERSATION_BUDGET_ANSWER
 
     def __post_init__(self) -> None:
         _check_limits(self)
@@ -2652,15 +2704,46 @@ class Budget:
         over = self.turn.passed(would, self.cost_of(would))
         if over:
             return f"the turn's {over[0]} would be passed by the next request ({over[1]} with it)"
+        # what the reply may write: what every limit leaves, asked for on the wire
+        room = self.turn.output_room(would, self.cost_of(would), self.output_price)
+        rooms = [] if room is None else [(room[0], f"the turn's {room[1]}")]
+        scopes = self.ledger.scopes(context, self.daily, self.conversation) if self.ledger else []
+        if self.ledger:  # and at most the reserve it charges, so a crash leaves no less counted
+            rooms += [(OUTPUT_RESERVE, ""), *self.ledger.rooms(scopes, would - spend.spent, self)]
+        bound, limit = min(rooms, default=(None, ""))
+        if bound is not None and bound < 1:
+            return f"{limit} would be passed by the next request and its answer; it was not sent"
+        spend.bound = bound
         if self.ledger is None:
             return None
-        scopes = self.ledger.scopes(context, self.daily, self.conversation)
-        charge = Tally(input=spend.estimate, output=OUTPUT_RESERVE)
-        refused = self.ledger.charge(scopes, charge, Tally(input=spend.estimate), self.cost_of)
+        charge = Tally(input=spend.estimate, output=bound or 0)
+        refused = self.ledger.charge(scopes, charge, charge, self.cost_of)
         if refused:
             return f"{refused}; the request was not sent"
         spend.ledger, spend.charged = self.ledger, (scopes, charge)
         return None
+
+    def passed_by(self, spend: Spend, cut: bool) -> str | None:
+        """The limit a reply took the turn, or a ledger's scope, past (said on that turn, with
+        the answer); or, for a reply `cut` at the bound the limits set, that it was."""
+        over = self.turn.passed(spend.spent, self.cost_of(spend.spent))
+        if over:
+            return f"the turn's {over[0]} was passed: {over[1]}"
+        passed = self.ledger.passed(spend.scopes, self.cost_of) if self.ledger else None
+        if passed:
+            return passed
+        if cut and spend.bound is not None and spend.written >= spend.bound:
+            return f"the answer was cut at the {spend.bound:,} output tokens the limits left"
+        return None
+
+    def answer_for(self, reason: str | None) -> str:
+        """What the user reads for the limit `reason` names: a daily limit says when it starts
+        again, a conversation's to start another; a turn's to ask for less."""
+        if (reason or "").startswith("the daily"):
+            return self.daily_answer
+        if (reason or "").startswith("the conversation's"):
+            return self.conversation_answer
+        return self.answer
 
     def after_reply(self, spend: Spend, calls: int) -> str | None:
         """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
@@ -2694,6 +2777,8 @@ class Spend:
     sent: int = 0  # the bytes of the request just sent
     estimate: int = 0  # its input tokens, as estimated
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
+    bound: int | None = None  # the output tokens the request just sent asked for at most
+    written: int = 0  # the output tokens of the last reply
     ledger: Ledger | None = None
     charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
     scopes: Sequence[Scope] = ()  # the ledger's, for this turn
@@ -2718,6 +2803,7 @@ class Spend:
                 len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN
             )
         self.spent += Tally(read, written)
+        self.written = written
         if prompt is not None:
             self.counted = (self.sent, prompt)
         if self.ledger and self.charged:
@@ -2796,6 +2882,32 @@ class Ledger:
         except sqlite3.Error as exc:
             _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
             return "the spending ledger could not be written, so nothing more may be spent"
+        return None
+
+    def rooms(
+        self, scopes: Sequence[Scope], adding: Tally, budget: Budget
+    ) -> list[tuple[int, str]]:
+        """What each scope's limits leave for a reply's output after `adding`, and which
+        limit: the bound a request asks for (charge checks it again, under the write lock)."""
+        try:
+            with self.database.reading() as db:
+                spent = [(self._spent(db, key) + adding, lim, name) for key, lim, name in scopes]
+        except sqlite3.Error:
+            return []  # charge, next, fails closed and says so
+        found = [
+            (limits.output_room(would, budget.cost_of(would), budget.output_price), name)
+            for would, limits, name in spent
+        ]
+        return [(room[0], f"the {name} {room[1]}") for room, name in found if room is not None]
+
+    def passed(self, scopes: Sequence[Scope], cost_of: Callable[[Tally], float]) -> str | None:
+        """The first scope whose limit what is counted now passes: said on the turn that did it."""
+        with suppress(sqlite3.Error), self.database.reading() as db:  # unread: not said now
+            for key, limits, name in scopes:
+                spent = self._spent(db, key)
+                over = limits.passed(spent, cost_of(spent))
+                if over:
+                    return f"the {name} {over[0]} was passed: {over[1]}"
         return None
 
     def correct(self, scopes: Sequence[Scope], change: Tally) -> None:

@@ -2039,6 +2039,126 @@ class BudgetTest(LoopTestCase):
         self.assertEqual(server.requests, [])
 
 
+def bounds(requests: Sequence[RecordedRequest], field: str = "max_tokens") -> list[Any]:
+    """The output bound each request carried in `field` (None: none)."""
+    return [request.json().get(field) for request in requests]
+
+
+def cut_at_length(body: bytes) -> bytes:
+    """A scripted reply whose answer the server cut at its output bound."""
+    document = json.loads(body)
+    document["choices"][0]["finish_reason"] = "length"
+    return json.dumps(document).encode()
+
+
+class OutputBoundTest(LoopTestCase):
+    """When a limit applies to what the model writes, every request asks for at most what the
+    limits leave, in the field the server honours; a server that ignores it is caught on the
+    turn whose reply passed the limit, which ends as the budget's, the answer shown."""
+
+    def test_a_turn_output_limit_bounds_every_request_by_what_is_left(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # its usage: 5 written
+        result, requests = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=50)}
+        )
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(bounds(requests), [50, 45])
+        self.assertEqual(bounds(requests, "max_completion_tokens"), [None, None])
+
+    def test_a_total_limit_leaves_the_input_its_estimate(self) -> None:
+        _, requests = self.run_turn(
+            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=9000)}
+        )
+        (bound,) = bounds(requests)
+        estimate = 9000 - bound  # the request's input, estimated from its messages and tools
+        whole = len(requests[0].body) / fc.BYTES_PER_TOKEN  # the body, its envelope too
+        self.assertTrue(whole - 60 <= estimate <= whole, (estimate, whole))
+
+    def test_no_bound_is_sent_where_no_limit_applies_to_output(self) -> None:
+        for budget in (None, fc.Budget(tool_calls=3), fc.Budget(input_tokens=10**6)):
+            with self.subTest(budget=budget):
+                self.audit_path.unlink(missing_ok=True)
+                _, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+                body = requests[0].json()
+                self.assertNotIn("max_tokens", body)
+                self.assertNotIn("max_completion_tokens", body)
+
+    def test_a_daily_limit_bounds_each_request_by_the_reserve_the_ledger_charged(self) -> None:
+        ledger = fc.Ledger(self.database)
+        roomy = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": roomy})
+        self.assertEqual(bounds(requests), [fc.OUTPUT_RESERVE])
+        self.audit_path.unlink()
+        written = ledger.spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"].output
+        tight = fc.Budget(daily=fc.Limits(output_tokens=written + 100), ledger=ledger)
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": tight})
+        self.assertEqual(bounds(requests), [100])  # what the day's output limit leaves
+
+    def test_openai_is_sent_max_completion_tokens_and_other_servers_max_tokens(self) -> None:
+        for url, field in (
+            ("https://api.openai.com/v1", "max_completion_tokens"),
+            ("https://my-resource.openai.azure.com/openai/v1", "max_completion_tokens"),
+            ("http://localhost:11434/v1", "max_tokens"),
+            ("https://api.groq.com/openai/v1", "max_tokens"),
+        ):
+            self.assertEqual(Settings(base_url=url, api_key=FAKE_KEY).output_field, field, url)
+        with self.assertRaises(fc.ConfigError):
+            Settings(output_field="max_new_tokens", api_key=FAKE_KEY)
+        _, requests = self.run_turn(
+            [text_reply("ok")],
+            client={"output_field": "max_completion_tokens"},
+            loop={"budget": fc.Budget(output_tokens=50)},
+        )
+        self.assertEqual(bounds(requests, "max_completion_tokens"), [50])
+        self.assertEqual(bounds(requests), [None])
+
+    def test_a_server_that_ignores_the_bound_is_caught_on_the_turn_that_passed(self) -> None:
+        long = with_usage(text_reply("A very long answer."), 10, 500)
+        result, requests = self.run_turn([long], loop={"budget": fc.Budget(output_tokens=50)})
+        self.assertEqual(bounds(requests), [50])  # asked for, and not honoured
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "A very long answer."))
+        self.assertIn("the turn's output-token limit (50) was passed: 500", result.error or "")
+        (turn,) = self.audit_records("turn")
+        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
+
+    def test_an_answer_cut_at_the_bound_ends_as_the_budget_not_as_a_failure(self) -> None:
+        cut = cut_at_length(with_usage(text_reply("The first half"), 10, 50))
+        result, _ = self.run_turn([cut], loop={"budget": fc.Budget(output_tokens=50)})
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "The first half"))
+        self.assertIn("cut at the 50 output tokens the limits left", result.error or "")
+
+    def test_a_daily_limit_an_answer_passed_is_said_on_that_turn(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=5000), ledger=fc.Ledger(self.database))
+        huge = with_usage(text_reply("All of it."), 100, 200_000)
+        result, _ = self.run_turn([huge], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "All of it."))
+        self.assertIn(
+            f"the daily ({utc_day()}) total-token limit (5,000) was passed", result.error or ""
+        )
+        with ScriptedChatServer([huge]) as server:
+            done = self.cli(
+                "ask", "all of it", "--max-turn-output-tokens", "50",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual((done.returncode, done.stdout), (4, "All of it.\n"))
+        self.assertIn("stopped: the turn's output-token limit (50) was passed", done.stderr)
+
+    def test_the_answer_a_customer_gets_names_what_to_do_for_each_kind_of_limit(self) -> None:
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": fc.Budget(total_tokens=5)})
+        self.assertEqual(result.answer, fc.BUDGET_ANSWER)
+        self.assertIn("ask for less", fc.BUDGET_ANSWER)
+        ledger = fc.Ledger(self.database)
+        daily = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger)
+        self.audit_path.unlink()
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": daily})
+        self.assertEqual(result.answer, fc.DAILY_BUDGET_ANSWER)
+        self.assertIn("00:00 UTC", fc.DAILY_BUDGET_ANSWER)
+        mine = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger, daily_answer="Tomorrow.")
+        self.audit_path.unlink()
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": mine})
+        self.assertEqual(result.answer, "Tomorrow.")
+
+
 class BudgetValuesTest(unittest.TestCase):
     """A limit given in Python is checked as the command line checks its flags: a value that
     is no limit (NaN, inf, a string, a bool, a negative) is refused when the budget is built,
