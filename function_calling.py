@@ -979,6 +979,7 @@ class ToolLoop:
         self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
         self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
         self._origin = (client.settings.base_url, client.settings.model)
+        self._bytes_per_token: float | None = None  # of this server's input, as its turns learn
 
     def run(
         self,
@@ -995,6 +996,7 @@ class ToolLoop:
         if history and history_origin and history_origin != self._origin:
             history = portable_history(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
+        turn.spend.origin, turn.spend.ratio = " ".join(self._origin), self._bytes_per_token
         turn.messages.append(_message("user", user_message))
         try:  # round after round, until a reply asks for no tool or a guard or failure ends it
             while True:
@@ -1126,6 +1128,7 @@ class ToolLoop:
         answer: str | None = None,
         error: str | None = None,
     ) -> TurnResult:
+        self._bytes_per_token = turn.spend.ratio  # for the next turn's first estimate
         result = TurnResult(
             stop_reason=stop_reason,
             answer=answer,
@@ -2544,6 +2547,7 @@ def _call_worker(
 # reports no usage is counted by the estimate.
 
 BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
+MAX_BYTES_PER_TOKEN = 6.0  # what a server's counts may teach the estimate, at most
 OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
 BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
 DAILY_BUDGET_ANSWER = (
@@ -2698,6 +2702,8 @@ class Budget:
         for a reply that reports no usage, and charged to the ledger's scopes)."""
         if self.ledger is None and not self.turn.any:  # nothing to keep: nothing to count
             return None
+        if self.ledger and spend.ratio is None:  # what another process learned of this server
+            spend.ratio = self.ledger.ratio(spend.origin)
         size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
         spend.sent, spend.estimate = size, spend.input_of(size)
         would = spend.spent + Tally(input=spend.estimate)
@@ -2779,6 +2785,8 @@ class Spend:
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
     bound: int | None = None  # the output tokens the request just sent asked for at most
     written: int = 0  # the output tokens of the last reply
+    origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
+    ratio: float | None = None  # input bytes a token: the lowest a server's count showed
     ledger: Ledger | None = None
     charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
     scopes: Sequence[Scope] = ()  # the ledger's, for this turn
@@ -2786,10 +2794,11 @@ class Spend:
     def input_of(self, size: int) -> int:
         """A request's input tokens, estimated: the server's count of the last one and the bytes
         added since, or all its bytes while there is no count."""
+        ratio = self.ratio or BYTES_PER_TOKEN
         if self.counted is None:
-            return math.ceil(size / BYTES_PER_TOKEN)
+            return math.ceil(size / ratio)
         before, tokens = self.counted
-        return tokens + math.ceil(max(size - before, 0) / BYTES_PER_TOKEN)
+        return tokens + math.ceil(max(size - before, 0) / ratio)
 
     def add(self, reply: Reply) -> None:
         """A reply's tokens: the server's counts, else estimates; and the ledger's charge for
@@ -2804,11 +2813,13 @@ class Spend:
             )
         self.spent += Tally(read, written)
         self.written = written
-        if prompt is not None:
+        if prompt:  # the lowest ratio seen, so the estimate errs high (at most 6: a lie's cap)
             self.counted = (self.sent, prompt)
+            self.ratio = min(self.ratio or MAX_BYTES_PER_TOKEN, self.sent / prompt)
         if self.ledger and self.charged:
             self.scopes, held = self.charged
-            self.ledger.correct(self.scopes, Tally(read - held.input, written - held.output))
+            change = Tally(read - held.input, written - held.output)
+            self.ledger.correct(self.scopes, change, (self.origin, self.ratio))
             self.charged = None
 
 
@@ -2831,6 +2842,14 @@ CREATE TABLE IF NOT EXISTS spending (
 """
 
 
+_RATIOS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS token_ratios (
+    origin          TEXT PRIMARY KEY,  -- "BASE_URL MODEL"
+    bytes_per_token REAL NOT NULL      -- the lowest of a request's bytes over its counted tokens
+);
+"""
+
+
 class Ledger:
     """What each customer has spent in a UTC day, and each conversation in all its turns, in
     the data directory's database, for every process that shares it.
@@ -2845,6 +2864,7 @@ class Ledger:
 
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("ledger", 1, _LEDGER_SCHEMA)
+        database.install("token_ratios", 1, _RATIOS_SCHEMA)
         self.database, self.clock = database, clock
 
     def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
@@ -2910,9 +2930,12 @@ class Ledger:
                     return f"the {name} {over[0]} was passed: {over[1]}"
         return None
 
-    def correct(self, scopes: Sequence[Scope], change: Tally) -> None:
-        """Add `change` (less than 0: give back) to every scope, in one transaction; if that
-        cannot be written, the charge stands (more than was spent, as after a crash)."""
+    def correct(
+        self, scopes: Sequence[Scope], change: Tally, learned: tuple[str, float | None]
+    ) -> None:
+        """Add `change` (less than 0: give back) to every scope, and keep the lowest bytes per
+        token `learned` of a server, in one transaction; if that cannot be written, the charge
+        stands (more than was spent, as after a crash)."""
         try:
             with self.database.write_transaction() as db:
                 db.executemany(
@@ -2920,9 +2943,23 @@ class Ledger:
                     " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
                     [(change.input, change.output, key) for key, _, _ in scopes],
                 )
+                if learned[1] is not None:
+                    db.execute(
+                        "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
+                        " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
+                        learned,
+                    )
         except sqlite3.Error as exc:
             why = _sqlite_error(exc)
             _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
+
+    def ratio(self, origin: str) -> float | None:
+        """The bytes per token of a server's input, as the lowest of its counts showed."""
+        with suppress(sqlite3.Error), self.database.reading() as db:
+            row = db.execute("SELECT bytes_per_token FROM token_ratios WHERE origin = ?", (origin,))
+            found = row.fetchone()
+            return float(found[0]) if found else None
+        return None
 
     def spent(self) -> dict[str, Tally]:
         """Every scope's figures, by key."""

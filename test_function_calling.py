@@ -2159,6 +2159,71 @@ class OutputBoundTest(LoopTestCase):
         self.assertEqual(result.answer, "Tomorrow.")
 
 
+def counted_like_a_tokenizer(reply: bytes) -> Callable[[RecordedRequest], bytes]:
+    """A scripted reply whose usage counts the request as a tokenizer would: 4 bytes a token
+    of ASCII (English, JSON), 1.5 bytes a token of anything else (CJK's 3-byte characters)."""
+
+    def answer(request: RecordedRequest) -> bytes:
+        ascii_bytes = sum(1 for byte in request.body if byte < 128)
+        other = len(request.body) - ascii_bytes
+        return with_usage(reply, math.ceil(ascii_bytes / 4 + other / 1.5), 5)
+
+    return answer
+
+
+class EstimateTest(LoopTestCase):
+    """The estimate of a request's input learns its bytes per token from the server's own
+    counts, keeps the lowest ratio seen (so it still errs high), and starts at 2."""
+
+    def first_estimates(self, question: str, budgets: Sequence[fc.Budget]) -> list[tuple[int, int]]:
+        """(estimated, counted) input tokens of each turn's first request, one turn for each
+        budget, each on a loop of its own (as another process's) against one server; the
+        estimate read off the bound a total limit of 4,000 leaves (below the reserve)."""
+        found = []
+        script = [counted_like_a_tokenizer(text_reply("ok")) for _ in budgets]
+        with ScriptedChatServer(script) as server:
+            settings = Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY)
+            loop = None
+            for budget in budgets:
+                if loop is None or budget.ledger is not None:
+                    client = ChatClient(settings)
+                    loop = ToolLoop(
+                        client, self.tools, self.audit, approvals=self.approvals, budget=budget
+                    )
+                loop.run(question, ToolContext(DEMO_CUSTOMER))
+                request = server.requests[-1]
+                counted = json.loads(counted_like_a_tokenizer(text_reply(""))(request))
+                estimate = budget.total_tokens - request.json()["max_tokens"]
+                found.append((estimate, counted["usage"]["prompt_tokens"]))
+        return found
+
+    def test_after_one_turn_the_first_estimate_is_within_a_third_of_the_count(self) -> None:
+        turn = fc.Budget(total_tokens=4000)
+        for question in (
+            "Where is my order ORD-1001, and when will it arrive?",
+            "我的订单在哪里呢" * 40,
+        ):
+            with self.subTest(question=question[:20]):
+                (first, counted_first), (second, counted) = self.first_estimates(
+                    question,
+                    [turn, turn],  # one loop: it keeps what it learned
+                )
+                self.assertGreater(first / counted_first, 1.3, "at 2 bytes a token: high")
+                self.assertGreaterEqual(second, counted, "never below the server's count")
+                self.assertLessEqual(second / counted, 1.3)
+
+    def test_the_ledger_keeps_what_was_learned_for_another_process(self) -> None:
+        def budget() -> fc.Budget:  # a ledger of its own on the same database: a loop anew
+            day = fc.Limits(total_tokens=10**8)
+            return fc.Budget(total_tokens=4000, daily=day, ledger=fc.Ledger(Database(self.db_path)))
+
+        (first, counted_first), (second, counted) = self.first_estimates(
+            "Where is ORD-1001?", [budget(), budget()]
+        )
+        self.assertGreater(first / counted_first, 1.3)
+        self.assertTrue(1.0 <= second / counted <= 1.3, (second, counted))
+
+
 class BudgetValuesTest(unittest.TestCase):
     """A limit given in Python is checked as the command line checks its flags: a value that
     is no limit (NaN, inf, a string, a bool, a negative) is refused when the budget is built,
