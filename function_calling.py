@@ -1129,6 +1129,7 @@ class ToolLoop:
         error: str | None = None,
     ) -> TurnResult:
         self._bytes_per_token = turn.spend.ratio  # for the next turn's first estimate
+        self.budget.after_turn(turn.spend, context)  # a ledger keeps every turn's spend
         result = TurnResult(
             stop_reason=stop_reason,
             answer=answer,
@@ -2713,21 +2714,29 @@ class Budget:
         # what the reply may write: what every limit leaves, asked for on the wire
         room = self.turn.output_room(would, self.cost_of(would), self.output_price)
         rooms = [] if room is None else [(room[0], f"the turn's {room[1]}")]
-        scopes = self.ledger.scopes(context, self.daily, self.conversation) if self.ledger else []
-        if self.ledger:  # and at most the reserve it charges, so a crash leaves no less counted
-            rooms += [(OUTPUT_RESERVE, ""), *self.ledger.rooms(scopes, would - spend.spent, self)]
+        ledger = self.ledger if self.daily.any or self.conversation.any else None
+        scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
+        if ledger:  # and at most the reserve it charges, so a crash leaves no less counted
+            rooms += [(OUTPUT_RESERVE, ""), *ledger.rooms(scopes, would - spend.spent, self)]
         bound, limit = min(rooms, default=(None, ""))
         if bound is not None and bound < 1:
             return f"{limit} would be passed by the next request and its answer; it was not sent"
         spend.bound = bound
-        if self.ledger is None:
+        if ledger is None:  # no limit it keeps: the turn's spend is kept once, as it ends
             return None
         charge = Tally(input=spend.estimate, output=bound or 0)
-        refused = self.ledger.charge(scopes, charge, charge, self.cost_of)
+        refused = ledger.charge(scopes, charge, charge, self.cost_of)
         if refused:
             return f"{refused}; the request was not sent"
-        spend.ledger, spend.charged = self.ledger, (scopes, charge)
+        spend.ledger, spend.charged = ledger, (scopes, charge)
         return None
+
+    def after_turn(self, spend: Spend, context: ToolContext) -> None:
+        """A turn no ledger limit charged as it went is kept in the ledger all the same, in one
+        transaction as it ends, so that a limit set later counts what was spent before it."""
+        if self.ledger and not spend.scopes and spend.spent != Tally():
+            scopes = self.ledger.scopes(context, Limits(), Limits())
+            self.ledger.record(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
 
     def passed_by(self, spend: Spend, cut: bool) -> str | None:
         """The limit a reply took the turn, or a ledger's scope, past (said on that turn, with
@@ -2758,7 +2767,7 @@ class Budget:
         over = self.turn.passed(would, self.cost_of(would))
         if over:
             return f"the turn's {over[0]} was passed: {over[1]}"
-        if self.ledger:
+        if self.ledger and spend.scopes:  # a ledger that keeps limits: calls charged ahead
             charge = Tally(calls=calls)
             refused = self.ledger.charge(spend.scopes, charge, charge, self.cost_of)
             if refused:
@@ -2785,6 +2794,7 @@ class Spend:
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
     bound: int | None = None  # the output tokens the request just sent asked for at most
     written: int = 0  # the output tokens of the last reply
+    estimated: int = 0  # of the tokens spent, those no server counted
     origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
     ratio: float | None = None  # input bytes a token: the lowest a server's count showed
     ledger: Ledger | None = None
@@ -2813,13 +2823,16 @@ class Spend:
             )
         self.spent += Tally(read, written)
         self.written = written
+        guessed = (read if prompt is None else 0) + (written if completion is None else 0)
+        self.estimated += guessed
         if prompt:  # the lowest ratio seen, so the estimate errs high (at most 6: a lie's cap)
             self.counted = (self.sent, prompt)
             self.ratio = min(self.ratio or MAX_BYTES_PER_TOKEN, self.sent / prompt)
         if self.ledger and self.charged:
             self.scopes, held = self.charged
             change = Tally(read - held.input, written - held.output)
-            self.ledger.correct(self.scopes, change, (self.origin, self.ratio))
+            guessed -= held.input + held.output  # the charge was all estimate; now, this part
+            self.ledger.correct(self.scopes, change, (self.origin, self.ratio), guessed)
             self.charged = None
 
 
@@ -2827,6 +2840,37 @@ def _sqlite_error(exc: Exception) -> str:
     """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
     quote SQL."""
     return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
+
+
+def _add_spent(db: sqlite3.Connection, scopes: Sequence[Scope], tally: Tally) -> None:
+    db.executemany(
+        "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
+        " input_tokens = input_tokens + excluded.input_tokens,"
+        " output_tokens = output_tokens + excluded.output_tokens,"
+        " tool_calls = tool_calls + excluded.tool_calls",
+        [(key, tally.input, tally.output, tally.calls) for key, _, _ in scopes],
+    )
+
+
+def _learn(db: sqlite3.Connection, learned: tuple[str, float | None]) -> None:
+    """Keep the lowest bytes per token a server's counts showed (none learned: nothing)."""
+    if learned[1] is not None:
+        db.execute(
+            "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
+            " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
+            learned,
+        )
+
+
+def _add_estimated(db: sqlite3.Connection, scopes: Sequence[Scope], tokens: int) -> None:
+    """Add to (or, below 0, take from: never below 0) each scope's tokens no server counted."""
+    db.executemany(
+        "INSERT INTO spending_estimated VALUES (?, ?) ON CONFLICT (scope) DO UPDATE"
+        " SET tokens = MAX(tokens + excluded.tokens, 0)"
+        if tokens >= 0
+        else "UPDATE spending_estimated SET tokens = MAX(tokens + ?2, 0) WHERE scope = ?1",
+        [(key, tokens) for key, _, _ in scopes],
+    )
 
 
 # A ledger's scope: its key in the table, its limits, and how a message names it.
@@ -2842,7 +2886,14 @@ CREATE TABLE IF NOT EXISTS spending (
 """
 
 
-_RATIOS_SCHEMA = """
+# What the ledger knows of estimates: how much of each scope's figure no server counted, and
+# what servers' counts taught of their bytes per token. Its own part: a ledger made before it
+# gets the tables the first time it is opened.
+_ESTIMATES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spending_estimated (
+    scope  TEXT PRIMARY KEY,  -- as in spending
+    tokens INTEGER NOT NULL   -- of its tokens, those charged or estimated, not counted by a server
+);
 CREATE TABLE IF NOT EXISTS token_ratios (
     origin          TEXT PRIMARY KEY,  -- "BASE_URL MODEL"
     bytes_per_token REAL NOT NULL      -- the lowest of a request's bytes over its counted tokens
@@ -2864,7 +2915,7 @@ class Ledger:
 
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("ledger", 1, _LEDGER_SCHEMA)
-        database.install("token_ratios", 1, _RATIOS_SCHEMA)
+        database.install("ledger_estimates", 1, _ESTIMATES_SCHEMA)
         self.database, self.clock = database, clock
 
     def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
@@ -2881,10 +2932,13 @@ class Ledger:
         charge: Tally,
         checked: Tally,
         cost_of: Callable[[Tally], float],
+        estimated: int | None = None,
     ) -> str | None:
-        """Charge every scope, or, if `checked` would take one past a limit, none: why not. A
+        """Charge every scope, or, if `checked` would take one past a limit, none: why not.
+        `estimated` of its tokens no server counted (by default: all, a charge ahead). A
         ledger that cannot be written is a limit too (fail closed: what cannot be counted is
         not spent); its error goes to the log, not to the model or the user."""
+        guessed = charge.input + charge.output if estimated is None else estimated
         try:
             with self.database.write_transaction() as db:
                 for key, limits, name in scopes:
@@ -2892,13 +2946,8 @@ class Ledger:
                     over = limits.passed(would, cost_of(would))
                     if over:
                         return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
-                db.executemany(
-                    "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
-                    " input_tokens = input_tokens + excluded.input_tokens,"
-                    " output_tokens = output_tokens + excluded.output_tokens,"
-                    " tool_calls = tool_calls + excluded.tool_calls",
-                    [(key, charge.input, charge.output, charge.calls) for key, _, _ in scopes],
-                )
+                _add_spent(db, scopes, charge)
+                _add_estimated(db, scopes, guessed)
         except sqlite3.Error as exc:
             _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
             return "the spending ledger could not be written, so nothing more may be spent"
@@ -2931,7 +2980,11 @@ class Ledger:
         return None
 
     def correct(
-        self, scopes: Sequence[Scope], change: Tally, learned: tuple[str, float | None]
+        self,
+        scopes: Sequence[Scope],
+        change: Tally,
+        learned: tuple[str, float | None],
+        estimated: int = 0,
     ) -> None:
         """Add `change` (less than 0: give back) to every scope, and keep the lowest bytes per
         token `learned` of a server, in one transaction; if that cannot be written, the charge
@@ -2943,15 +2996,28 @@ class Ledger:
                     " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
                     [(change.input, change.output, key) for key, _, _ in scopes],
                 )
-                if learned[1] is not None:
-                    db.execute(
-                        "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
-                        " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
-                        learned,
-                    )
+                _add_estimated(db, scopes, estimated)
+                _learn(db, learned)
         except sqlite3.Error as exc:
             why = _sqlite_error(exc)
             _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
+
+    def record(
+        self,
+        scopes: Sequence[Scope],
+        spent: Tally,
+        estimated: int,
+        learned: tuple[str, float | None],
+    ) -> None:
+        """What a turn spent, added in one transaction with what it learned (no check: it is
+        spent); if that cannot be written, a warning, and the spend goes uncounted."""
+        try:
+            with self.database.write_transaction() as db:
+                _add_spent(db, scopes, spent)
+                _add_estimated(db, scopes, estimated)
+                _learn(db, learned)
+        except sqlite3.Error as exc:
+            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
 
     def ratio(self, origin: str) -> float | None:
         """The bytes per token of a server's input, as the lowest of its counts showed."""
@@ -4563,8 +4629,7 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
     )
     budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
     workspace = _open(args, app, create=True)
-    if budget.daily.any or budget.conversation.any:  # kept in the data directory's database
-        budget = replace(budget, ledger=Ledger(workspace.database))
+    budget = replace(budget, ledger=budget.ledger or Ledger(workspace.database))
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
         app,
@@ -4876,13 +4941,38 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
-    for title, spend in (("spend by day", "customer_days"), ("spend by conv.", "conversations")):
+    ledger = _ledger_spend(_data_dir(args) / app.database) if args.path is None else None
+    for title, spend, scope in (
+        ("spend by day", "customer_days", "customer "),
+        ("spend by conv.", "conversations", "conversation "),
+    ):  # total tokens: a customer's UTC day, a conversation (the ledger's, where it is at hand)
         shown = ", ".join(f"{key} {n}" for key, n in figures["spend"][spend].items())
-        print(f"{title:<17}{shown or 'none'}")  # total tokens: a customer's UTC day, a conversation
+        if ledger is not None:
+            kept = [
+                (key.removeprefix(scope), n) for key, n in ledger.items() if key.startswith(scope)
+            ]
+            shown = ", ".join(f"{key} {n}" + f" ({e} estimated)" * bool(e) for key, (n, e) in kept)
+        print(f"{title:<17}{shown or 'none'}")
     print(f"retries          {figures['retries']}")
     if figures["skipped_lines"]:
         print(f"skipped lines    {figures['skipped_lines']} (not records; see verify-audit)")
     return EXIT_OK
+
+
+def _ledger_spend(path: Path) -> dict[str, tuple[int, int]] | None:
+    """Each scope's tokens in a data directory's ledger, and how many of them no server
+    counted; None where there is no ledger (read only: `stats` writes nothing)."""
+    if not path.is_file():
+        return None
+    try:
+        with Database(path).reading() as db:
+            rows = db.execute(
+                "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0)"
+                " FROM spending s LEFT JOIN spending_estimated e USING (scope) ORDER BY s.scope"
+            ).fetchall()
+    except sqlite3.Error:  # no ledger here yet
+        return None
+    return {scope: (int(tokens), int(guessed)) for scope, tokens, guessed in rows}
 
 
 def _cmd_copy(args: argparse.Namespace, app: App) -> int:

@@ -920,6 +920,34 @@ class AuditChainTest(LoopTestCase):
         listed = self.cli("conversations").stdout
         self.assertIn(f"{talk.conversation_id}  {DEMO_CUSTOMER}  2 turns  20 tokens", listed)
 
+    def test_every_turn_is_charged_and_stats_show_what_the_ledger_holds(self) -> None:
+        self.audit_path.unlink()
+        no_total = json.loads(with_usage(text_reply("a"), 300, 33))
+        del no_total["usage"]["total_tokens"]  # prompt and completion only, as some servers do
+        silent = without_usage(text_reply("b"))
+        with ScriptedChatServer([json.dumps(no_total).encode(), silent]) as server:
+            env = {"OPENAI_BASE_URL": server.base_url}
+            self.assertEqual(self.cli("ask", "one", env=env).returncode, 0)  # no limit set
+            self.assertEqual(self.cli("ask", "two", env=env).returncode, 0)
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        spent = fc.Ledger(Database(self.db_path)).spent()[key]
+        estimated = spent.input + spent.output - 333  # the silent server's turn, estimated
+        self.assertGreater(estimated, 0)
+        done = self.cli("stats")
+        self.assertIn(
+            f"spend by day     {DEMO_CUSTOMER} {utc_day()} {333 + estimated}"
+            f" ({estimated} estimated)",
+            done.stdout,
+        )
+        # a limit set later counts what was spent before it
+        with ScriptedChatServer([text_reply("c")]) as server:
+            limited = self.cli(
+                "ask", "three", "--max-daily-tokens", str(333 + estimated + 10),
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual(limited.returncode, 4, limited.stderr)
+        self.assertEqual(server.requests, [])
+
     def test_no_secret_ever_reaches_the_log(self) -> None:
         def echo(request: RecordedRequest) -> ScriptedReply:
             return ScriptedReply(json.dumps(dict(request.headers)).encode(), status=400)
@@ -6626,7 +6654,7 @@ class ConversationTest(ApprovalCase):
         script.write_text(CRASHING_APPROVER)
         points = [
             f"{kind}:{n}:{when}"
-            for kind, count in (("commit", 6), ("append", 2))  # every commit and append of it
+            for kind, count in (("commit", 10), ("append", 2))  # every commit and append of it
             for n in range(1, count + 1)
             for when in ("before", "after")
         ]
