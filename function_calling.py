@@ -26,13 +26,13 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,463 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,477 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,400 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,680 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,230 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,270 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -1034,6 +1034,7 @@ class ToolLoop:
                 return None  # the server refused the model's call: a new round asks again
             return self._finish(turn, context, *_api_failure(exc, choice, turn))
         turn.add_reply(reply, self.max_calls_per_reply)
+        self.budget.warn(turn.spend, context, self.audit)  # a limit near: said once a turn
         if not reply.tool_calls:
             return self._finish(turn, context, *self._ending(reply, turn.spend))
         # a plan the model did not finish writing is not a plan: none of it runs
@@ -2587,6 +2588,21 @@ class Limits:
             return f"cost limit ({self.cost:g})", f"{cost:.6g}"
         return None
 
+    def near(self, spent: Tally, cost: float, fraction: float) -> list[str]:
+        """Each limit `spent` (and what it costs) has reached `fraction` of, as it is said."""
+        found = []
+        for name, limit, figure in (
+            ("input-token", self.input_tokens, spent.input),
+            ("output-token", self.output_tokens, spent.output),
+            ("total-token", self.total_tokens, spent.input + spent.output),
+            ("tool-call", self.tool_calls, spent.calls),
+            ("cost", self.cost, cost),
+        ):
+            if limit and figure >= fraction * limit:
+                share = f"{figure / limit:.0%}: {figure:,}" if name != "cost" else f"{figure:.6g}"
+                found.append(f"{name} limit ({limit:,}) is at {share}")
+        return found
+
     def output_room(
         self, would: Tally, cost: float, output_price: float | None
     ) -> tuple[int, str] | None:
@@ -2626,6 +2642,9 @@ def _check_limits(owner: Limits | Budget) -> None:
         value = getattr(owner, name, None)
         if value is not None and not (_is_number(value) and 0 <= value < 1e12):
             raise ConfigError(f"{name}: expected a number of 0 or more; got {value!r}")
+    fraction = getattr(owner, "warn_at", None)
+    if fraction is not None and not (_is_number(fraction) and 0 < fraction < 1):
+        raise ConfigError(f"warn_at: expected a fraction above 0 and below 1; got {fraction!r}")
 
 
 def _is_number(value: Any) -> bool:
@@ -2670,6 +2689,7 @@ class Budget:
     answer: str = BUDGET_ANSWER
     daily_answer: str = DAILY_BUDGET_ANSWER
     conversation_answer: str = CONVERSATION_BUDGET_ANSWER
+    warn_at: float | None = None  # a limit spent to this fraction is said, once a turn (0.8)
 
     def __post_init__(self) -> None:
         _check_limits(self)
@@ -2738,6 +2758,26 @@ class Budget:
             scopes = self.ledger.scopes(context, Limits(), Limits())
             self.ledger.record(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
 
+    def warn(self, spend: Spend, context: ToolContext, audit: AuditLog) -> None:
+        """Say, once a turn, as a warning and an audit line, each limit spent to warn_at."""
+        if self.warn_at is None:
+            return
+        said = [f"the turn's {n}" for n in self.turn.near(spend.spent, 0, self.warn_at)]
+        if self.ledger and (self.daily.any or self.conversation.any):
+            said += self.ledger.near(
+                self.ledger.scopes(context, self.daily, self.conversation), self
+            )
+        for limit in said:
+            if limit.split(" is at ")[0] not in spend.warned:
+                spend.warned.add(limit.split(" is at ")[0])
+                _log.warning("near a limit: %s", limit)
+                audit.record(
+                    "budget_warning",
+                    turn_id=context.turn_id,
+                    customer_id=context.customer_id,
+                    limit=limit,
+                )
+
     def passed_by(self, spend: Spend, cut: bool) -> str | None:
         """The limit a reply took the turn, or a ledger's scope, past (said on that turn, with
         the answer); or, for a reply `cut` at the bound the limits set, that it was."""
@@ -2795,6 +2835,7 @@ class Spend:
     bound: int | None = None  # the output tokens the request just sent asked for at most
     written: int = 0  # the output tokens of the last reply
     estimated: int = 0  # of the tokens spent, those no server counted
+    warned: set[str] = field(default_factory=set)  # the limits said to be near, this turn
     origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
     ratio: float | None = None  # input bytes a token: the lowest a server's count showed
     ledger: Ledger | None = None
@@ -2968,6 +3009,16 @@ class Ledger:
             for would, limits, name in spent
         ]
         return [(room[0], f"the {name} {room[1]}") for room, name in found if room is not None]
+
+    def near(self, scopes: Sequence[Scope], budget: Budget) -> list[str]:
+        """Each scope's limits spent to the budget's warn_at, as they are said."""
+        found = []
+        with suppress(sqlite3.Error), self.database.reading() as db:  # unread: not said now
+            for key, limits, name in scopes:
+                spent = self._spent(db, key)
+                near = limits.near(spent, budget.cost_of(spent), budget.warn_at or 1)
+                found += [f"the {name} {limit}" for limit in near]
+        return found
 
     def passed(self, scopes: Sequence[Scope], cost_of: Callable[[Tally], float]) -> str | None:
         """The first scope whose limit what is counted now passes: said on the turn that did it."""
@@ -4389,6 +4440,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         ("--max-conversation-tokens", "input and output tokens per conversation"),
     ):
         talk.add_argument(flag, type=_whole(1, 10**9 - 1), help=f"{what}, at most (no limit)")
+    talk.add_argument(
+        "--budget-warn",
+        metavar="FRACTION",
+        type=_fraction,
+        help="say when a limit is spent to this fraction of itself, 0.8 say (off)",
+    )
     for flag, what in (
         ("--max-turn-cost", "what a turn may cost, in the prices' currency (no limit)"),
         ("--input-price", "the price of a million input tokens (none)"),
@@ -4527,6 +4584,14 @@ def _amount(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A flag's type: a fraction above 0 and below 1."""
+    value = _number(text)
+    if not 0 < value < 1:  # NaN is neither
+        raise argparse.ArgumentTypeError(f"expected a fraction above 0 and below 1; got {text!r}")
+    return value
+
+
 def _seconds(most: float) -> Callable[[str], float]:
     """A flag's type: a number of seconds above 0 and at most `most` (no overflow later)."""
 
@@ -4654,6 +4719,7 @@ def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
         "input_price": args.input_price,
         "output_price": args.output_price,
     }
+    flags["warn_at"] = args.budget_warn
     chosen = {name: limit for name, limit in flags.items() if limit is not None}
     if args.max_daily_tokens is not None:
         chosen["daily"] = replace(budget.daily, total_tokens=args.max_daily_tokens)
@@ -4941,7 +5007,8 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
-    ledger = _ledger_spend(_data_dir(args) / app.database) if args.path is None else None
+    path = _data_dir(args) / app.database
+    ledger = _ledger_spend(Database(path)) if args.path is None and path.is_file() else None
     for title, spend, scope in (
         ("spend by day", "customer_days", "customer "),
         ("spend by conv.", "conversations", "conversation "),
@@ -4959,13 +5026,11 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     return EXIT_OK
 
 
-def _ledger_spend(path: Path) -> dict[str, tuple[int, int]] | None:
+def _ledger_spend(database: Database) -> dict[str, tuple[int, int]] | None:
     """Each scope's tokens in a data directory's ledger, and how many of them no server
     counted; None where there is no ledger (read only: `stats` writes nothing)."""
-    if not path.is_file():
-        return None
     try:
-        with Database(path).reading() as db:
+        with database.reading() as db:
             rows = db.execute(
                 "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0)"
                 " FROM spending s LEFT JOIN spending_estimated e USING (scope) ORDER BY s.scope"
@@ -8667,13 +8732,23 @@ class Inbox:
             notes, session.notes = session.notes, []
             waiting = self.workspace.approvals.pending()[::-1]
             led_to = self._what_led_to()
+            spent = _ledger_spend(self.workspace.database) or {}
             decided = self._decided_rows()
             log = self._log_state()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
         parts.append("</b></p></header>")
         parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
         parts.append(f"<section><h2>Waiting for a decision ({len(waiting)})</h2>")
-        parts += (_action_article(a, led_to.get(a.action_id), session.csrf) for a in waiting)
+        day = datetime.now(timezone.utc).date().isoformat()
+        parts += (
+            _action_article(
+                a,
+                led_to.get(a.action_id),
+                session.csrf,
+                spent.get(f"customer {a.customer_id} {day}"),
+            )
+            for a in waiting
+        )
         parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
         return "".join(parts)
 
@@ -8767,11 +8842,21 @@ def _turn_text(messages_json: str, action_id: str) -> tuple[str, str]:
     return user, "\n".join(said)
 
 
-def _action_article(action: PendingAction, led_to: tuple[str, str] | None, csrf: str) -> str:
-    """One waiting action, and its two forms."""
+def _action_article(
+    action: PendingAction,
+    led_to: tuple[str, str] | None,
+    csrf: str,
+    spent: tuple[int, int] | None = None,
+) -> str:
+    """One waiting action, what its customer spent today (the ledger's tokens, and how many
+    of them are estimates), and its two forms."""
     summary = "\n".join(f"{key}: {canonical_json(value)}" for key, value in action.summary.items())
+    today = "nothing yet"
+    if spent:
+        today = f"{spent[0]:,} tokens" + (f" ({spent[1]:,} estimated)" if spent[1] else "")
     rows = [
         ("Customer", action.customer_id),
+        ("Spent today (UTC)", today),
         ("Arguments", action.arguments_json),
         ("The change", summary),
         ("Filed", action.created_at),

@@ -2187,6 +2187,54 @@ class OutputBoundTest(LoopTestCase):
         self.assertEqual(result.answer, "Tomorrow.")
 
 
+class BudgetWarningTest(LoopTestCase):
+    """With warn_at (--budget-warn), a limit spent to that fraction is said once a turn: one
+    warning (stderr, for the command line) and one audit line; off by default."""
+
+    def test_a_limit_at_the_fraction_is_warned_of_once_on_stderr_and_in_the_log(self) -> None:
+        lookup = with_usage(tool_call_reply([("getOrderStatus", LOOKUP)]), 10, 60_000)
+        two = [lookup, text_reply("ok")]
+        budget = fc.Budget(total_tokens=200_000, warn_at=0.25)
+        with self.assertLogs("function_calling", "WARNING") as logged:
+            result, _ = self.run_turn(two, loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        (said,) = [line for line in logged.output if "near a limit" in line]
+        self.assertIn("the turn's total-token limit (200,000) is at 30%: 60,010", said)
+        (line,) = self.audit_records("budget_warning")  # once, though the next reply is near too
+        self.assertEqual(line["limit"], "the turn's total-token limit (200,000) is at 30%: 60,010")
+        self.audit_path.unlink()
+        result, _ = self.run_turn(two, loop={"budget": fc.Budget(total_tokens=200_000)})
+        self.assertEqual(self.audit_records("budget_warning"), [])  # off unless asked for
+
+    def test_a_daily_limit_is_warned_of_from_the_ledger(self) -> None:
+        ledger = fc.Ledger(self.database)
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10_000), ledger=ledger, warn_at=0.5)
+        heavy = with_usage(text_reply("ok"), 5_000, 100)
+        self.run_turn([heavy], loop={"budget": budget})
+        (line,) = self.audit_records("budget_warning")
+        self.assertIn(
+            f"the daily ({utc_day()}) total-token limit (10,000) is at 51%", line["limit"]
+        )
+
+    def test_the_fraction_is_checked_as_the_flag_is(self) -> None:
+        for bad in (0, 1, 1.5, -0.2, math.nan):
+            with self.subTest(value=bad), self.assertRaises(fc.ConfigError):
+                fc.Budget(warn_at=bad)
+        done = self.cli(
+            "ask", "hi", "--budget-warn", "1.5", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+        )
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("--budget-warn", done.stderr)
+        with ScriptedChatServer([with_usage(text_reply("ok"), 10, 120_000)]) as server:
+            done = self.cli(
+                "ask", "hi", "--max-turn-tokens", "200000", "--budget-warn", "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual(done.returncode, 0, done.stderr)
+        said = "near a limit: the turn's total-token limit (200,000) is at 60%: 120,010"
+        self.assertIn(said, done.stderr)
+
+
 def counted_like_a_tokenizer(reply: bytes) -> Callable[[RecordedRequest], bytes]:
     """A scripted reply whose usage counts the request as a tokenizer would: 4 bytes a token
     of ASCII (English, JSON), 1.5 bytes a token of anything else (CJK's 3-byte characters)."""
@@ -8507,6 +8555,15 @@ class InboxTest(InboxCase):
         self.assertNotIn(FAKE_KEY, body)
         self.assertNotIn(str(self.data_dir), body)
         self.assertNotIn("SELECT", body)
+
+    def test_each_waiting_action_shows_what_its_customer_spent_today(self) -> None:
+        ledger = fc.Ledger(self.database)
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        ledger.record([(key, fc.Limits(), "daily")], fc.Tally(1200, 34), 500, ("", None))
+        origin, link = self.start_inbox()
+        shown = html_text(self.page(origin, self.signed_in(origin, link)))
+        self.assertIn("Spent today (UTC)", shown)
+        self.assertIn("1,234 tokens (500 estimated)", shown)
 
     def test_a_decision_goes_through_approvals_once_whatever_is_sent_again(self) -> None:
         origin, link = self.start_inbox()
