@@ -32,7 +32,7 @@ at its end marker: settings · errors · tools and validation · audit · the re
 together. Part II, hardening (about 2,680 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,270 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,260 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -2570,9 +2570,12 @@ class Limits:
     total_tokens: int | None = None
     tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
     cost: float | None = None  # in the prices' currency
+    any: bool = field(init=False, repr=False, compare=False)  # is one of them set? (made once)
 
     def __post_init__(self) -> None:
         _check_limits(self)
+        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
+        object.__setattr__(self, "any", any(v is not None for v in (*limits, self.cost)))
 
     def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
         """The limit `spent` (and what it costs) passes, and the figure that passes it."""
@@ -2620,10 +2623,6 @@ class Limits:
         room, kind = min(rooms)
         limit = {"output-token": self.output_tokens, "total-token": self.total_tokens}.get(kind)
         return room, f"{kind} limit ({limit:,})" if limit else f"cost limit ({self.cost:g})"
-
-    @property
-    def any(self) -> bool:
-        return any(v is not None for v in vars(self).values())
 
 
 def _check_limits(owner: Limits | Budget) -> None:
@@ -2690,19 +2689,16 @@ class Budget:
     daily_answer: str = DAILY_BUDGET_ANSWER
     conversation_answer: str = CONVERSATION_BUDGET_ANSWER
     warn_at: float | None = None  # a limit spent to this fraction is said, once a turn (0.8)
+    turn: Limits = field(init=False, repr=False, compare=False)  # the five above, made once
 
     def __post_init__(self) -> None:
         _check_limits(self)
+        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
+        object.__setattr__(self, "turn", Limits(*limits, self.cost))
         prices = (self.input_price, self.output_price)
         costs = (self.cost, self.daily.cost, self.conversation.cost)
         if any(cost is not None for cost in costs) and None in prices:
             raise ConfigError("a cost limit needs the price of input and of output tokens")
-
-    @property
-    def turn(self) -> Limits:
-        return Limits(
-            self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls, self.cost
-        )
 
     def checked(self) -> Budget:
         """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
@@ -2725,7 +2721,7 @@ class Budget:
             return None
         if self.ledger and spend.ratio is None:  # what another process learned of this server
             spend.ratio = self.ledger.ratio(spend.origin)
-        size = len(tools_json) + sum(len(m.encode("utf-8", "replace")) + 1 for m in messages)
+        size = len(tools_json) + sum(_size(message) + 1 for message in messages)
         spend.sent, spend.estimate = size, spend.input_of(size)
         would = spend.spent + Tally(input=spend.estimate)
         over = self.turn.passed(would, self.cost_of(would))
@@ -2814,6 +2810,11 @@ class Budget:
                 return f"{refused}; none of the calls ran"
         spend.spent += Tally(calls=calls)
         return None
+
+
+def _size(text: str) -> int:
+    """A message's bytes: its length, when it is ASCII (as our own JSON always is)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 def _token_count(value: Any) -> int | None:

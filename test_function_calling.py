@@ -9694,6 +9694,44 @@ class Benchmarks(LoopTestCase):
             kept.close()
         return pairs
 
+    def test_a_round_with_a_budget_against_one_without(self) -> None:
+        script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        runs = 200
+        audit = AuditLog(self.data_dir / "budget.log", fsync=False)
+        approvals = Approvals(self.database, audit)
+        for label, budget in (
+            ("a turn's limits", fc.Budget(total_tokens=10**8, output_tokens=10**7)),
+            (
+                "a daily limit (the ledger: two commits a request)",
+                fc.Budget(daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(self.database)),
+            ),
+        ):
+            with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
+                loops = [
+                    ToolLoop(
+                        ChatClient(Settings(base_url=server.base_url, model="bench")),
+                        [TrivialTool()],
+                        audit,
+                        approvals=approvals,
+                        budget=chosen,
+                    )
+                    for server, chosen in ((one, budget), (other, None))
+                ]
+                for loop in loops:
+                    loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+                with_it, without = (
+                    functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
+                    for loop in loops
+                )
+                pairs = interleaved(with_it, without, runs)
+            report(
+                ratio_line(
+                    f"a turn of one tool round with {label} / the same turn with no budget"
+                    " (a trivial tool, audit fsync off)",
+                    pairs,
+                )
+            )
+
     def test_connections_and_handshakes_per_three_round_turn(self) -> None:
         lookups = alternating_lookups(2)
         with ScriptedChatServer([*lookups, text_reply("ok")]) as server:
