@@ -2102,6 +2102,24 @@ class OutputBoundTest(LoopTestCase):
         whole = len(requests[0].body) / fc.BYTES_PER_TOKEN  # the body, its envelope too
         self.assertTrue(whole - 60 <= estimate <= whole, (estimate, whole))
 
+    def test_a_cost_limit_and_a_conversation_limit_bound_the_request_too(self) -> None:
+        priced = fc.Budget(cost=50, input_price=0, output_price=1_000_000)  # 1 a written token
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": priced})
+        self.assertEqual(bounds(requests), [50])
+        conversations = fc.Conversations(self.database)
+        talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        limited = fc.Budget(
+            conversation=fc.Limits(output_tokens=300), ledger=fc.Ledger(self.database)
+        )
+        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, budget=limited
+            )
+            for question in ("one", "two"):
+                _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
+        self.assertEqual(bounds(server.requests), [300, 295])  # 5 written in the first turn
+
     def test_no_bound_is_sent_where_no_limit_applies_to_output(self) -> None:
         for budget in (None, fc.Budget(tool_calls=3), fc.Budget(input_tokens=10**6)):
             with self.subTest(budget=budget):
