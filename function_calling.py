@@ -2758,14 +2758,16 @@ class Budget:
         """Say, once a turn, as a warning and an audit line, each limit spent to warn_at."""
         if self.warn_at is None:
             return
-        said = [f"the turn's {n}" for n in self.turn.near(spend.spent, 0, self.warn_at)]
+        cost = self.cost_of(spend.spent)
+        said = [f"the turn's {n}" for n in self.turn.near(spend.spent, cost, self.warn_at)]
         if self.ledger and (self.daily.any or self.conversation.any):
             said += self.ledger.near(
                 self.ledger.scopes(context, self.daily, self.conversation), self
             )
         for limit in said:
-            if limit.split(" is at ")[0] not in spend.warned:
-                spend.warned.add(limit.split(" is at ")[0])
+            which = limit.split(" is at ")[0]  # the limit, without the figure that moves
+            if which not in spend.warned:
+                spend.warned.add(which)
                 _log.warning("near a limit: %s", limit)
                 audit.record(
                     "budget_warning",
