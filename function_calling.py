@@ -2732,8 +2732,12 @@ class Budget:
         rooms = [] if room is None else [(room[0], f"the turn's {room[1]}")]
         ledger = self.ledger if self.daily.any or self.conversation.any else None
         scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
+        for held, limits, name in ledger.figures(scopes) if ledger else []:
+            after = held + would - spend.spent  # this request's input beside what is held
+            room = limits.output_room(after, self.cost_of(after), self.output_price)
+            rooms += [] if room is None else [(room[0], f"the {name} {room[1]}")]
         if ledger:  # and at most the reserve it charges, so a crash leaves no less counted
-            rooms += [(OUTPUT_RESERVE, ""), *ledger.rooms(scopes, would - spend.spent, self)]
+            rooms.append((OUTPUT_RESERVE, ""))
         bound, limit = min(rooms, default=(None, ""))
         if bound is not None and bound < 1:
             return f"{limit} would be passed by the next request and its answer; it was not sent"
@@ -2760,10 +2764,9 @@ class Budget:
             return
         cost = self.cost_of(spend.spent)
         said = [f"the turn's {n}" for n in self.turn.near(spend.spent, cost, self.warn_at)]
-        if self.ledger and (self.daily.any or self.conversation.any):
-            said += self.ledger.near(
-                self.ledger.scopes(context, self.daily, self.conversation), self
-            )
+        for held, limits, name in self._ledger_figures(context):
+            near = limits.near(held, self.cost_of(held), self.warn_at)
+            said += [f"the {name} {limit}" for limit in near]
         for limit in said:
             which = limit.split(" is at ")[0]  # the limit, without the figure that moves
             if which not in spend.warned:
@@ -2782,12 +2785,18 @@ class Budget:
         over = self.turn.passed(spend.spent, self.cost_of(spend.spent))
         if over:
             return f"the turn's {over[0]} was passed: {over[1]}"
-        passed = self.ledger.passed(spend.scopes, self.cost_of) if self.ledger else None
-        if passed:
-            return passed
+        for held, limits, name in self.ledger.figures(spend.scopes) if self.ledger else []:
+            over = limits.passed(held, self.cost_of(held))
+            if over:
+                return f"the {name} {over[0]} was passed: {over[1]}"
         if cut and spend.bound is not None and spend.written >= spend.bound:
             return f"the answer was cut at the {spend.bound:,} output tokens the limits left"
         return None
+
+    def _ledger_figures(self, context: ToolContext) -> list[tuple[Tally, Limits, str]]:
+        if self.ledger is None or not (self.daily.any or self.conversation.any):
+            return []
+        return self.ledger.figures(self.ledger.scopes(context, self.daily, self.conversation))
 
     def answer_for(self, reason: str | None) -> str:
         """What the user reads for the limit `reason` names: a daily limit says when it starts
@@ -2997,41 +3006,14 @@ class Ledger:
             return "the spending ledger could not be written, so nothing more may be spent"
         return None
 
-    def rooms(
-        self, scopes: Sequence[Scope], adding: Tally, budget: Budget
-    ) -> list[tuple[int, str]]:
-        """What each scope's limits leave for a reply's output after `adding`, and which
-        limit: the bound a request asks for (charge checks it again, under the write lock)."""
+    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
+        """What each scope holds now, with its limits and its name; none if the ledger cannot
+        be read (what depends on it is then not said, and a charge fails closed)."""
         try:
             with self.database.reading() as db:
-                spent = [(self._spent(db, key) + adding, lim, name) for key, lim, name in scopes]
+                return [(self._spent(db, key), limits, name) for key, limits, name in scopes]
         except sqlite3.Error:
-            return []  # charge, next, fails closed and says so
-        found = [
-            (limits.output_room(would, budget.cost_of(would), budget.output_price), name)
-            for would, limits, name in spent
-        ]
-        return [(room[0], f"the {name} {room[1]}") for room, name in found if room is not None]
-
-    def near(self, scopes: Sequence[Scope], budget: Budget) -> list[str]:
-        """Each scope's limits spent to the budget's warn_at, as they are said."""
-        found = []
-        with suppress(sqlite3.Error), self.database.reading() as db:  # unread: not said now
-            for key, limits, name in scopes:
-                spent = self._spent(db, key)
-                near = limits.near(spent, budget.cost_of(spent), budget.warn_at or 1)
-                found += [f"the {name} {limit}" for limit in near]
-        return found
-
-    def passed(self, scopes: Sequence[Scope], cost_of: Callable[[Tally], float]) -> str | None:
-        """The first scope whose limit what is counted now passes: said on the turn that did it."""
-        with suppress(sqlite3.Error), self.database.reading() as db:  # unread: not said now
-            for key, limits, name in scopes:
-                spent = self._spent(db, key)
-                over = limits.passed(spent, cost_of(spent))
-                if over:
-                    return f"the {name} {over[0]} was passed: {over[1]}"
-        return None
+            return []
 
     def correct(
         self,
