@@ -52,7 +52,7 @@ $(BENCH_VENV)/.installed:
 # and --version show); commit the stamp after it.
 version:
 	@stamp="$$(git log -1 --date=short --format=%cd+%h)" && \
-	sed -i -e "1s/, version [^:]*:/, version $$stamp:/" \
+	sed -i -e "1s/^# function_calling.py [^:]*:/# function_calling.py $$stamp:/" \
 		-e "s/^__version__ = \"[^\"]*\"/__version__ = \"$$stamp\"/" function_calling.py && \
 	grep -n "version $$stamp\|^__version__" function_calling.py
 

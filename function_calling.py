@@ -1,4 +1,4 @@
-# function_calling.py, version 2026-12-03+61c955f: the whole file, every part kept
+# function_calling.py 2026-12-03+61c955f: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -29,10 +29,10 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 1,477 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,680 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,530 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,260 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,270 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -125,7 +125,7 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Ledger",
+    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database",
     "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
     "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource",
     "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
@@ -2543,7 +2543,7 @@ def _call_worker(
 
 # ----------------------------------------------------------------------------------- budgets
 # What may be spent: in one turn, in a customer's UTC day, in a conversation (the last two kept
-# in a Ledger, for every process). A request that would pass a limit is not sent; a reply whose
+# in a SpendKeeper, for every process). A request that would pass a limit is not sent; a reply whose
 # usage passes one runs none of its calls. There is no tokenizer here: a request's input is
 # estimated from its bytes (BYTES_PER_TOKEN) until the server counts it, and a server that
 # reports no usage is counted by the estimate.
@@ -2670,7 +2670,7 @@ class Tally:
 
 @dataclass(frozen=True)
 class Budget:
-    """What one turn may spend (these fields), and, kept in a Ledger, what a customer may in a
+    """What one turn may spend (these fields), and, kept by a SpendKeeper, what a customer may in a
     UTC day and a conversation in all its turns; None: no limit (the default)."""
 
     input_tokens: int | None = None
@@ -2683,7 +2683,7 @@ class Budget:
     output_price: float | None = None  # per million output tokens
     daily: Limits = Limits()  # per customer and UTC day, in every process (the ledger)
     conversation: Limits = Limits()  # per conversation, in all its turns (the ledger)
-    ledger: Ledger | None = field(default=None, compare=False)
+    ledger: SpendKeeper | None = field(default=None, compare=False)
     # what the user reads when a limit stops a turn, by the kind of limit that stopped it
     answer: str = BUDGET_ANSWER
     daily_answer: str = DAILY_BUDGET_ANSWER
@@ -2704,7 +2704,7 @@ class Budget:
         """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
         limit needs a ledger to keep it in."""
         if (self.daily.any or self.conversation.any) and self.ledger is None:
-            raise ConfigError("a daily or a conversation limit needs a ledger (Ledger(database))")
+            raise ConfigError("a daily or a conversation limit needs a ledger to keep it in")
         return self
 
     def cost_of(self, spent: Tally) -> float:
@@ -2850,7 +2850,7 @@ class Spend:
     warned: set[str] = field(default_factory=set)  # the limits said to be near, this turn
     origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
     ratio: float | None = None  # input bytes a token: the lowest a server's count showed
-    ledger: Ledger | None = None
+    ledger: SpendKeeper | None = None
     charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
     scopes: Sequence[Scope] = ()  # the ledger's, for this turn
 
@@ -2889,95 +2889,22 @@ class Spend:
             self.charged = None
 
 
-def _sqlite_error(exc: Exception) -> str:
-    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
-    quote SQL."""
-    return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
-
-
-def _add_spent(db: sqlite3.Connection, scopes: Sequence[Scope], tally: Tally) -> None:
-    db.executemany(
-        "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
-        " input_tokens = input_tokens + excluded.input_tokens,"
-        " output_tokens = output_tokens + excluded.output_tokens,"
-        " tool_calls = tool_calls + excluded.tool_calls",
-        [(key, tally.input, tally.output, tally.calls) for key, _, _ in scopes],
-    )
-
-
-def _learn(db: sqlite3.Connection, learned: tuple[str, float | None]) -> None:
-    """Keep the lowest bytes per token a server's counts showed (none learned: nothing)."""
-    if learned[1] is not None:
-        db.execute(
-            "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
-            " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
-            learned,
-        )
-
-
-def _add_estimated(db: sqlite3.Connection, scopes: Sequence[Scope], tokens: int) -> None:
-    """Add to (or, below 0, take from: never below 0) each scope's tokens no server counted."""
-    db.executemany(
-        "INSERT INTO spending_estimated VALUES (?, ?) ON CONFLICT (scope) DO UPDATE"
-        " SET tokens = MAX(tokens + excluded.tokens, 0)"
-        if tokens >= 0
-        else "UPDATE spending_estimated SET tokens = MAX(tokens + ?2, 0) WHERE scope = ?1",
-        [(key, tokens) for key, _, _ in scopes],
-    )
-
-
 # A ledger's scope: its key in the table, its limits, and how a message names it.
 Scope: TypeAlias = tuple[str, Limits, str]
 
-_LEDGER_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spending (
-    scope         TEXT PRIMARY KEY,  -- "customer ID 2026-12-01" (a UTC day), "conversation conv-…"
-    input_tokens  INTEGER NOT NULL,  -- counted, and charged for requests in flight
-    output_tokens INTEGER NOT NULL,
-    tool_calls    INTEGER NOT NULL
-);
-"""
 
-
-# What the ledger knows of estimates: how much of each scope's figure no server counted, and
-# what servers' counts taught of their bytes per token. Its own part: a ledger made before it
-# gets the tables the first time it is opened.
-_ESTIMATES_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spending_estimated (
-    scope  TEXT PRIMARY KEY,  -- as in spending
-    tokens INTEGER NOT NULL   -- of its tokens, those charged or estimated, not counted by a server
-);
-CREATE TABLE IF NOT EXISTS token_ratios (
-    origin          TEXT PRIMARY KEY,  -- "BASE_URL MODEL"
-    bytes_per_token REAL NOT NULL      -- the lowest of a request's bytes over its counted tokens
-);
-"""
-
-
-class Ledger:
-    """What each customer has spent in a UTC day, and each conversation in all its turns, in
-    the data directory's database, for every process that shares it.
-
-    Each request is two transactions. Before it is sent: every limit checked and, if none
-    would be passed, its estimate and OUTPUT_RESERVE charged to each scope, at once (under
-    the database's write lock: two processes cannot both take the last of a limit). After its
-    reply: the charge replaced by the reply's count. A crash between the two leaves the
-    charge standing, so what is kept is more than was spent, never less (unless a reply wrote
-    more than OUTPUT_RESERVE tokens); nothing needs recovering. A reply's calls are charged,
-    checked the same way, before they run."""
-
-    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
-        database.install("ledger", 1, _LEDGER_SCHEMA)
-        database.install("ledger_estimates", 1, _ESTIMATES_SCHEMA)
-        self.database, self.clock = database, clock
+class SpendKeeper:
+    """What a Budget keeps its daily and conversation limits in, across turns and processes
+    (a part further down has one: the ledger). Each scope is charged ahead of what may be
+    spent and corrected by what was counted, so what it holds is never less than was spent."""
 
     def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
-        day = datetime.fromtimestamp(self.clock(), timezone.utc).date().isoformat()
-        found: list[Scope] = [(f"customer {context.customer_id} {day}", daily, f"daily ({day})")]
-        if context.conversation_id:
-            key = f"conversation {context.conversation_id}"
-            found.append((key, per_conversation, "conversation's"))
-        return found
+        """The scopes a turn is charged to: its customer's UTC day, and its conversation."""
+        raise NotImplementedError
+
+    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
+        """What each scope holds now, its limits and its name (none, if it cannot be read)."""
+        raise NotImplementedError
 
     def charge(
         self,
@@ -2987,33 +2914,9 @@ class Ledger:
         cost_of: Callable[[Tally], float],
         estimated: int | None = None,
     ) -> str | None:
-        """Charge every scope, or, if `checked` would take one past a limit, none: why not.
-        `estimated` of its tokens no server counted (by default: all, a charge ahead). A
-        ledger that cannot be written is a limit too (fail closed: what cannot be counted is
-        not spent); its error goes to the log, not to the model or the user."""
-        guessed = charge.input + charge.output if estimated is None else estimated
-        try:
-            with self.database.write_transaction() as db:
-                for key, limits, name in scopes:
-                    would = self._spent(db, key) + checked
-                    over = limits.passed(would, cost_of(would))
-                    if over:
-                        return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
-                _add_spent(db, scopes, charge)
-                _add_estimated(db, scopes, guessed)
-        except sqlite3.Error as exc:
-            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
-            return "the spending ledger could not be written, so nothing more may be spent"
-        return None
-
-    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
-        """What each scope holds now, with its limits and its name; none if the ledger cannot
-        be read (what depends on it is then not said, and a charge fails closed)."""
-        try:
-            with self.database.reading() as db:
-                return [(self._spent(db, key), limits, name) for key, limits, name in scopes]
-        except sqlite3.Error:
-            return []
+        """Charge every scope at once, or none if `checked` would take one past a limit (or
+        nothing can be written): why not. `estimated`: of it, what no server counted."""
+        raise NotImplementedError
 
     def correct(
         self,
@@ -3022,21 +2925,9 @@ class Ledger:
         learned: tuple[str, float | None],
         estimated: int = 0,
     ) -> None:
-        """Add `change` (less than 0: give back) to every scope, and keep the lowest bytes per
-        token `learned` of a server, in one transaction; if that cannot be written, the charge
-        stands (more than was spent, as after a crash)."""
-        try:
-            with self.database.write_transaction() as db:
-                db.executemany(
-                    "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
-                    " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
-                    [(change.input, change.output, key) for key, _, _ in scopes],
-                )
-                _add_estimated(db, scopes, estimated)
-                _learn(db, learned)
-        except sqlite3.Error as exc:
-            why = _sqlite_error(exc)
-            _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
+        """Replace a charge by what was counted (`change` may be below 0); keep the bytes per
+        token a server's count taught (`learned`: origin, ratio)."""
+        raise NotImplementedError
 
     def record(
         self,
@@ -3045,36 +2936,15 @@ class Ledger:
         estimated: int,
         learned: tuple[str, float | None],
     ) -> None:
-        """What a turn spent, added in one transaction with what it learned (no check: it is
-        spent); if that cannot be written, a warning, and the spend goes uncounted."""
-        try:
-            with self.database.write_transaction() as db:
-                _add_spent(db, scopes, spent)
-                _add_estimated(db, scopes, estimated)
-                _learn(db, learned)
-        except sqlite3.Error as exc:
-            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
+        """Add what a turn spent, unchecked: it is spent."""
+        raise NotImplementedError
 
     def ratio(self, origin: str) -> float | None:
-        """The bytes per token of a server's input, as the lowest of its counts showed."""
-        with suppress(sqlite3.Error), self.database.reading() as db:
-            row = db.execute("SELECT bytes_per_token FROM token_ratios WHERE origin = ?", (origin,))
-            found = row.fetchone()
-            return float(found[0]) if found else None
+        """The bytes per token a server's counts taught, if any did."""
         return None
 
-    def spent(self) -> dict[str, Tally]:
-        """Every scope's figures, by key."""
-        with self.database.reading() as db:
-            rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
-        return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
 
-    @staticmethod
-    def _spent(db: sqlite3.Connection, key: str) -> Tally:
-        row = db.execute(
-            "SELECT input_tokens, output_tokens, tool_calls FROM spending WHERE scope = ?", (key,)
-        ).fetchone()
-        return Tally(*map(int, row)) if row else Tally()
+SPEND_KEEPERS: list[Callable[[Database], SpendKeeper]] = []  # a part further down adds its own
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -4679,7 +4549,8 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
     )
     budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
     workspace = _open(args, app, create=True)
-    budget = replace(budget, ledger=budget.ledger or Ledger(workspace.database))
+    if SPEND_KEEPERS and budget.ledger is None:  # every turn counted, limited or not
+        budget = replace(budget, ledger=SPEND_KEEPERS[0](workspace.database))
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
         app,
@@ -5037,9 +4908,9 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     cut = {n for name in args.without for n in range(parts[name][0], parts[name][1] + 1)}
     kept_parts = [name for name in parts if name not in args.without]
     kept = [line for n, line in enumerate(lines) if n not in cut]
-    if kept[0].startswith("# function_calling.py, version"):
-        what = f"parts kept: {', '.join(kept_parts)}" if kept_parts else "no part kept"
-        kept[0] = f"# function_calling.py, version {__version__}: a copy, {what}\n"
+    if kept[0].startswith("# function_calling.py "):
+        what = ", ".join(kept_parts) or "no part"
+        kept[0] = f"# function_calling.py {__version__}: a copy keeping {what}\n"
     _write_new(args.out, "".join(kept))
     left_out = f" (without {', '.join(args.without)})" if args.without else ""
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")
@@ -5975,6 +5846,208 @@ def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
 COMMANDS.append(_add_conversation_commands)
 TURN_KEEPERS.append(_saved_turns)
 # <<< CONVERSATIONS
+# >>> LEDGER: spending across turns. Everything from this line to the "<<< LEDGER" line keeps
+# what each customer spends in a UTC day and each conversation in all its turns, in the data
+# directory's database, for every process that shares it: what daily and conversation limits
+# are checked against (Budget(daily=, conversation=), --max-daily-tokens), and what `stats` and
+# the inbox show. Nothing above depends on it; without it, a turn's own limits still hold.
+#     sed '/^# >>> LEDGER/,/^# <<< LEDGER/d' function_calling.py > cut.py
+
+__all__ += ["Ledger"]  # extended here, so that the cut takes the name with it
+__doc__ += """
+The ledger ("# >>> LEDGER" to "# <<< LEDGER"): what each customer spends in a UTC day and each
+conversation in all its turns, kept for every process, against --max-daily-tokens and
+--max-conversation-tokens; the command line counts every turn in it.
+"""
+
+
+def _sqlite_error(exc: Exception) -> str:
+    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
+    quote SQL."""
+    return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
+
+
+def _add_spent(db: sqlite3.Connection, scopes: Sequence[Scope], tally: Tally) -> None:
+    db.executemany(
+        "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
+        " input_tokens = input_tokens + excluded.input_tokens,"
+        " output_tokens = output_tokens + excluded.output_tokens,"
+        " tool_calls = tool_calls + excluded.tool_calls",
+        [(key, tally.input, tally.output, tally.calls) for key, _, _ in scopes],
+    )
+
+
+def _learn(db: sqlite3.Connection, learned: tuple[str, float | None]) -> None:
+    """Keep the lowest bytes per token a server's counts showed (none learned: nothing)."""
+    if learned[1] is not None:
+        db.execute(
+            "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
+            " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
+            learned,
+        )
+
+
+def _add_estimated(db: sqlite3.Connection, scopes: Sequence[Scope], tokens: int) -> None:
+    """Add to (or, below 0, take from: never below 0) each scope's tokens no server counted."""
+    db.executemany(
+        "INSERT INTO spending_estimated VALUES (?, ?) ON CONFLICT (scope) DO UPDATE"
+        " SET tokens = MAX(tokens + excluded.tokens, 0)"
+        if tokens >= 0
+        else "UPDATE spending_estimated SET tokens = MAX(tokens + ?2, 0) WHERE scope = ?1",
+        [(key, tokens) for key, _, _ in scopes],
+    )
+
+
+_LEDGER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spending (
+    scope         TEXT PRIMARY KEY,  -- "customer ID 2026-12-01" (a UTC day), "conversation conv-…"
+    input_tokens  INTEGER NOT NULL,  -- counted, and charged for requests in flight
+    output_tokens INTEGER NOT NULL,
+    tool_calls    INTEGER NOT NULL
+);
+"""
+
+
+# What the ledger knows of estimates: how much of each scope's figure no server counted, and
+# what servers' counts taught of their bytes per token. Its own part: a ledger made before it
+# gets the tables the first time it is opened.
+_ESTIMATES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spending_estimated (
+    scope  TEXT PRIMARY KEY,  -- as in spending
+    tokens INTEGER NOT NULL   -- of its tokens, those charged or estimated, not counted by a server
+);
+CREATE TABLE IF NOT EXISTS token_ratios (
+    origin          TEXT PRIMARY KEY,  -- "BASE_URL MODEL"
+    bytes_per_token REAL NOT NULL      -- the lowest of a request's bytes over its counted tokens
+);
+"""
+
+
+class Ledger(SpendKeeper):
+    """What each customer has spent in a UTC day, and each conversation in all its turns, in
+    the data directory's database, for every process that shares it.
+
+    Each request is two transactions. Before it is sent: every limit checked and, if none
+    would be passed, its estimate and OUTPUT_RESERVE charged to each scope, at once (under
+    the database's write lock: two processes cannot both take the last of a limit). After its
+    reply: the charge replaced by the reply's count. A crash between the two leaves the
+    charge standing, so what is kept is more than was spent, never less (unless a reply wrote
+    more than OUTPUT_RESERVE tokens); nothing needs recovering. A reply's calls are charged,
+    checked the same way, before they run."""
+
+    def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
+        database.install("ledger", 1, _LEDGER_SCHEMA)
+        database.install("ledger_estimates", 1, _ESTIMATES_SCHEMA)
+        self.database, self.clock = database, clock
+
+    def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
+        day = datetime.fromtimestamp(self.clock(), timezone.utc).date().isoformat()
+        found: list[Scope] = [(f"customer {context.customer_id} {day}", daily, f"daily ({day})")]
+        if context.conversation_id:
+            key = f"conversation {context.conversation_id}"
+            found.append((key, per_conversation, "conversation's"))
+        return found
+
+    def charge(
+        self,
+        scopes: Sequence[Scope],
+        charge: Tally,
+        checked: Tally,
+        cost_of: Callable[[Tally], float],
+        estimated: int | None = None,
+    ) -> str | None:
+        """Charge every scope, or, if `checked` would take one past a limit, none: why not.
+        `estimated` of its tokens no server counted (by default: all, a charge ahead). A
+        ledger that cannot be written is a limit too (fail closed: what cannot be counted is
+        not spent); its error goes to the log, not to the model or the user."""
+        guessed = charge.input + charge.output if estimated is None else estimated
+        try:
+            with self.database.write_transaction() as db:
+                for key, limits, name in scopes:
+                    would = self._spent(db, key) + checked
+                    over = limits.passed(would, cost_of(would))
+                    if over:
+                        return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
+                _add_spent(db, scopes, charge)
+                _add_estimated(db, scopes, guessed)
+        except sqlite3.Error as exc:
+            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
+            return "the spending ledger could not be written, so nothing more may be spent"
+        return None
+
+    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
+        """What each scope holds now, with its limits and its name; none if the ledger cannot
+        be read (what depends on it is then not said, and a charge fails closed)."""
+        try:
+            with self.database.reading() as db:
+                return [(self._spent(db, key), limits, name) for key, limits, name in scopes]
+        except sqlite3.Error:
+            return []
+
+    def correct(
+        self,
+        scopes: Sequence[Scope],
+        change: Tally,
+        learned: tuple[str, float | None],
+        estimated: int = 0,
+    ) -> None:
+        """Add `change` (less than 0: give back) to every scope, and keep the lowest bytes per
+        token `learned` of a server, in one transaction; if that cannot be written, the charge
+        stands (more than was spent, as after a crash)."""
+        try:
+            with self.database.write_transaction() as db:
+                db.executemany(
+                    "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
+                    " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
+                    [(change.input, change.output, key) for key, _, _ in scopes],
+                )
+                _add_estimated(db, scopes, estimated)
+                _learn(db, learned)
+        except sqlite3.Error as exc:
+            why = _sqlite_error(exc)
+            _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
+
+    def record(
+        self,
+        scopes: Sequence[Scope],
+        spent: Tally,
+        estimated: int,
+        learned: tuple[str, float | None],
+    ) -> None:
+        """What a turn spent, added in one transaction with what it learned (no check: it is
+        spent); if that cannot be written, a warning, and the spend goes uncounted."""
+        try:
+            with self.database.write_transaction() as db:
+                _add_spent(db, scopes, spent)
+                _add_estimated(db, scopes, estimated)
+                _learn(db, learned)
+        except sqlite3.Error as exc:
+            _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
+
+    def ratio(self, origin: str) -> float | None:
+        """The bytes per token of a server's input, as the lowest of its counts showed."""
+        with suppress(sqlite3.Error), self.database.reading() as db:
+            row = db.execute("SELECT bytes_per_token FROM token_ratios WHERE origin = ?", (origin,))
+            found = row.fetchone()
+            return float(found[0]) if found else None
+        return None
+
+    def spent(self) -> dict[str, Tally]:
+        """Every scope's figures, by key."""
+        with self.database.reading() as db:
+            rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
+        return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
+
+    @staticmethod
+    def _spent(db: sqlite3.Connection, key: str) -> Tally:
+        row = db.execute(
+            "SELECT input_tokens, output_tokens, tool_calls FROM spending WHERE scope = ?", (key,)
+        ).fetchone()
+        return Tally(*map(int, row)) if row else Tally()
+
+
+SPEND_KEEPERS.append(Ledger)
+# <<< LEDGER
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
 # "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
 # spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every

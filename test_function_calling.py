@@ -5169,6 +5169,7 @@ README_BLOCK = re.compile(r"^```python(?: file=(\S+))?\n(.*?)^```$", re.DOTALL |
 EXAMPLE_CUT = re.compile(r"^# >>> EXAMPLE.*?^# <<< EXAMPLE\n", re.DOTALL | re.MULTILINE)
 MCP_CUT = re.compile(r"^# >>> MCP.*?^# <<< MCP\n", re.DOTALL | re.MULTILINE)
 INBOX_CUT = re.compile(r"^# >>> INBOX.*?^# <<< INBOX\n", re.DOTALL | re.MULTILINE)
+LEDGER_CUT = re.compile(r"^# >>> LEDGER.*?^# <<< LEDGER\n", re.DOTALL | re.MULTILINE)
 CONVERSATIONS_CUT = re.compile(
     r"^# >>> CONVERSATIONS.*?^# <<< CONVERSATIONS\n", re.DOTALL | re.MULTILINE
 )
@@ -5442,6 +5443,19 @@ class MakeItYoursTest(HelpDeskCase):
         self.assertEqual(unknown.returncode, 2)
         self.assertIn("unrecognized arguments: --mcp", unknown.stderr)
 
+    def test_a_copy_without_the_ledger_keeps_a_turns_limits_and_refuses_a_days(self) -> None:
+        self.cut_section("LEDGER", LEDGER_CUT)
+        done, _ = self.my_app("ask", "Is T-000123 open?", "--max-daily-tokens", "10")
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("a daily or a conversation limit needs a ledger", done.stderr)
+        done, requests = self.my_app(
+            "ask", "Is T-000123 open?", "--max-turn-output-tokens", "50",
+            script=[text_reply("T-000123 is open.")],
+        )  # fmt: skip
+        self.assertEqual((done.returncode, done.stdout), (0, "T-000123 is open.\n"))
+        self.assertEqual(requests[0].json()["max_tokens"], 50)
+        self.assertIn("spend by day", self.my_app("stats")[0].stdout)  # the audit's figures
+
     def test_a_copy_without_saved_conversations_still_chats_in_memory(self) -> None:
         self.cut_section("CONVERSATIONS", CONVERSATIONS_CUT)
         script = [text_reply("T-000123 is open."), text_reply("Yes, still open.")]
@@ -5564,7 +5578,7 @@ class CopyTest(unittest.TestCase):
     is), a --help and a docstring that name only what is there, and a demo where the example
     stayed."""
 
-    PARTS = ("conversations", "mcp", "inbox", "example")
+    PARTS = ("conversations", "ledger", "mcp", "inbox", "example")
 
     def run_python(self, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
@@ -5581,9 +5595,7 @@ class CopyTest(unittest.TestCase):
 
     def test_each_choice_of_parts_left_out_makes_a_whole_copy(self) -> None:
         original = MODULE.read_text().splitlines(keepends=True)
-        self.assertTrue(
-            original[0].startswith(f"# function_calling.py, version {fc.__version__}: ")
-        )
+        self.assertTrue(original[0].startswith(f"# function_calling.py {fc.__version__}: "))
         for size in range(len(self.PARTS) + 1):
             for without in itertools.combinations(self.PARTS, size):
                 with self.subTest(without=without), tempfile.TemporaryDirectory() as scratch:
@@ -5596,8 +5608,8 @@ class CopyTest(unittest.TestCase):
         copy = (folder / "function_calling.py").read_text().splitlines(keepends=True)
         self.assertIn(f"{len(copy):,} of {len(original):,} lines", made.stdout)
         kept = [part for part in self.PARTS if part not in without]
-        what = f"parts kept: {', '.join(kept)}" if kept else "no part kept"
-        header = f"# function_calling.py, version {fc.__version__}: a copy, {what}\n"
+        what = ", ".join(kept) or "no part"
+        header = f"# function_calling.py {fc.__version__}: a copy keeping {what}\n"
         self.assertEqual(copy[0], header)
         expected = original
         for part in without:
@@ -5636,6 +5648,7 @@ class CopyTest(unittest.TestCase):
         self.assertEqual(sources, 0 if "mcp" in without else 1)
         for part, word, name in (
             ("conversations", "resume", "Conversations"),
+            ("ledger", "max-daily-tokens", "Ledger"),
             ("mcp", "MCP", "McpTool"),
             ("inbox", "inbox", None),
             ("example", "demo", "SHOP"),
@@ -5695,7 +5708,7 @@ class CopyTest(unittest.TestCase):
             )
             self.assertEqual(odd.returncode, 2)
             self.assertIn(
-                "no part named shop here; this file's parts: conversations, mcp, inbox, example",
+                "no part named shop here; this file's parts: conversations, ledger, mcp, inbox,",
                 odd.stderr,
             )
             self.assertFalse((folder / "new.py").exists())
