@@ -1064,6 +1064,16 @@ class ReplyErrorTest(LoopTestCase):
             "[redacted]",
         )
 
+    def test_an_error_status_whose_body_is_json_but_no_object_is_a_clear_error(self) -> None:
+        for body in (b"[1, 2]", b'"overloaded"', b"null", b"7", b'{"error": "text only"}'):
+            with self.subTest(body=body):
+                self.audit_path.unlink(missing_ok=True)
+                result = self.assert_api_error(ScriptedReply(body, status=400), "HTTP 400")
+                self.assertIn(body.decode(), result.error or "")
+        self.audit_path.unlink()
+        listed = self.assert_api_error(ScriptedReply(b"[1, 2]", status=404), "HTTP 404")
+        self.assertIn("is this a chat-completions server?", listed.error or "")  # no API error
+
     def test_a_body_that_is_not_json_is_a_clear_error(self) -> None:
         self.assert_api_error(b"<html><body>Bad gateway</body></html>", "not JSON", "Bad gateway")
 
