@@ -3337,6 +3337,7 @@ def _file_action(
     """The action and its in_flight row, in one transaction; what the model will be told."""
     arguments_json = canonical_json(args)
     now = approvals.clock()
+    expires = _iso(now + approvals.ttl_seconds)
     with approvals.database.write_transaction() as db:
         db.execute(
             "UPDATE pending_actions SET status = 'expired'"
@@ -3356,7 +3357,7 @@ def _file_action(
                     _binding(context.customer_id, tool.name, arguments_json),
                     canonical_json(summary),
                     _iso(now),
-                    _iso(now + approvals.ttl_seconds),
+                    expires,
                 ),
             )
         except sqlite3.IntegrityError:  # the one-open-action index
@@ -3365,7 +3366,6 @@ def _file_action(
             "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
             (action_id, action_id),
         )
-    expires = _iso(now + approvals.ttl_seconds)
     return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
 
 
