@@ -1951,11 +1951,13 @@ class ChatClient:
         # subtle: a page of markup flattened into one line tells the user nothing
         said = "(an HTML page)" if _is_a_page(response, body) else _cut(text, 300)
         message = f"the model API answered HTTP {status}: {said}"
-        if status in (404, 405, 501) and not _is_json_error(body):  # no such path, no API
+        error = _api_error(body)
+        if status in (404, 405, 501) and error is None:  # no such path, no API behind it
             message += _path_hint(self.settings.base_url)
         if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
-        return ApiError(message, status, _error_code(body))
+        code = error.get("code") if isinstance(error, dict) else None
+        return ApiError(message, status, code if isinstance(code, str) else None)
 
 
 def _stale(sock: socket.socket) -> bool:
@@ -1967,15 +1969,6 @@ def _stale(sock: socket.socket) -> bool:
         return bool(select.select([sock], [], [], 0)[0])
     except (OSError, ValueError):
         return True
-
-
-def _error_code(body: bytes) -> str | None:
-    """The `error.code` of an error body, such as "tool_use_failed", if it has one."""
-    with suppress(ValueError, RecursionError):
-        error = json.loads(body).get("error")
-        code = error.get("code") if isinstance(error, dict) else None
-        return code if isinstance(code, str) else None
-    return None
 
 
 def _should_retry(status: int, headers: Message) -> bool:
@@ -1993,12 +1986,15 @@ def _is_a_page(response: http.client.HTTPResponse, body: bytes) -> bool:
     return "html" in kind or body.lstrip()[:1] == b"<"
 
 
-def _is_json_error(body: bytes) -> bool:
-    """Whether a body is an API's JSON error ({"error": …}), as every chat API sends."""
+def _api_error(body: bytes) -> Any:
+    """The `error` of a body that is an API's JSON error ({"error": …}, as every chat API
+    sends; its `code`, such as "tool_use_failed", says what kind), or None when the body is
+    anything else: not JSON, or JSON that is no object with an error (a list, a string)."""
     with suppress(ValueError, RecursionError):
         parsed = json.loads(body)
-        return isinstance(parsed, dict) and "error" in parsed
-    return False
+        if isinstance(parsed, dict) and "error" in parsed:
+            return parsed["error"] if parsed["error"] is not None else {}  # null: still one
+    return None
 
 
 def _path_hint(base_url: str) -> str:
@@ -3489,6 +3485,7 @@ def _file_action(
     """The action and its in_flight row, in one transaction; what the model will be told."""
     arguments_json = canonical_json(args)
     now = approvals.clock()
+    expires = _iso(now + approvals.ttl_seconds)
     with approvals.database.write_transaction() as db:
         db.execute(
             "UPDATE pending_actions SET status = 'expired'"
@@ -3508,7 +3505,7 @@ def _file_action(
                     _binding(context.customer_id, tool.name, arguments_json),
                     canonical_json(summary),
                     _iso(now),
-                    _iso(now + approvals.ttl_seconds),
+                    expires,
                 ),
             )
         except sqlite3.IntegrityError:  # the one-open-action index
@@ -3517,7 +3514,6 @@ def _file_action(
             "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
             (action_id, action_id),
         )
-    expires = _iso(now + approvals.ttl_seconds)
     return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
 
 
