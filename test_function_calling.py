@@ -5756,6 +5756,18 @@ class ShapeTest(unittest.TestCase):
             for name in top_level_names(ast.unparse(node))
         }
 
+    def test_the_repository_tracks_nothing_else_at_its_top(self) -> None:
+        # what a clone holds at its top is the design's list: a file committed by accident
+        # (a worktree's link to a venv was, once) is caught here, not by a reader
+        if shutil.which("git") is None or not (HERE / ".git").exists():
+            self.skipTest("not a git checkout")
+        listed = subprocess.run(
+            ["git", "-C", str(HERE), "ls-files"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        top = {name.split("/")[0] for name in listed}
+        expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
+        self.assertEqual(top, expected | {".ci", ".gitignore"})
+
     def test_part_one_is_at_most_1500_lines_and_the_docstring_says_how_long_it_is(self) -> None:
         self.assertLessEqual(self.part_one_end, 1500)
         doc = " ".join((fc.__doc__ or "").split())
