@@ -2573,52 +2573,53 @@ class Limits:
         limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
         object.__setattr__(self, "any", any(v is not None for v in (*limits, self.cost)))
 
+    def figures(self, spent: Tally, cost: float) -> list[tuple[str, float, float]]:
+        """Each limit that is set (its kind, its value) and the figure of `spent` (and what it
+        costs) it bounds."""
+        return [
+            (kind, limit, figure)
+            for kind, limit, figure in (
+                ("input-token", self.input_tokens, spent.input),
+                ("output-token", self.output_tokens, spent.output),
+                ("total-token", self.total_tokens, spent.input + spent.output),
+                ("tool-call", self.tool_calls, spent.calls),
+                ("cost", self.cost, cost),
+            )
+            if limit is not None
+        ]
+
     def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
-        """The limit `spent` (and what it costs) passes, and the figure that passes it."""
-        for name, limit, figure in (
-            ("input-token", self.input_tokens, spent.input),
-            ("output-token", self.output_tokens, spent.output),
-            ("total-token", self.total_tokens, spent.input + spent.output),
-            ("tool-call", self.tool_calls, spent.calls),
-        ):
-            if limit is not None and figure > limit:
-                return f"{name} limit ({limit:,})", f"{figure:,}"
-        if self.cost is not None and cost > self.cost:
-            return f"cost limit ({self.cost:g})", f"{cost:.6g}"
+        """The first limit `spent` (and what it costs) passes, and the figure that passes it."""
+        for kind, limit, figure in self.figures(spent, cost):
+            if figure > limit:
+                return f"{kind} limit ({_said(limit)})", _said(figure)
         return None
 
-    def near(self, spent: Tally, cost: float, fraction: float) -> list[str]:
-        """Each limit `spent` (and what it costs) has reached `fraction` of, as it is said."""
-        found = []
-        for name, limit, figure in (
-            ("input-token", self.input_tokens, spent.input),
-            ("output-token", self.output_tokens, spent.output),
-            ("total-token", self.total_tokens, spent.input + spent.output),
-            ("tool-call", self.tool_calls, spent.calls),
-            ("cost", self.cost, cost),
-        ):
-            if limit and figure >= fraction * limit:
-                share = f"{figure / limit:.0%}: {figure:,}" if name != "cost" else f"{figure:.6g}"
-                found.append(f"{name} limit ({limit:,}) is at {share}")
-        return found
+    def near(self, spent: Tally, cost: float, fraction: float) -> list[tuple[str, str]]:
+        """Each limit spent to `fraction` of itself, and how far ("at 82%: 41,000")."""
+        return [
+            (f"{kind} limit ({_said(limit)})", f"at {figure / limit:.0%}: {_said(figure)}")
+            for kind, limit, figure in self.figures(spent, cost)
+            if figure >= fraction * limit
+        ]
 
     def output_room(
         self, would: Tally, cost: float, output_price: float | None
     ) -> tuple[int, str] | None:
         """The output tokens these limits leave after `would` (which costs `cost`), and the
         limit that leaves fewest; None when none of them bounds what a reply writes."""
-        rooms = []
-        if self.output_tokens is not None:
-            rooms.append((self.output_tokens - would.output, "output-token"))
-        if self.total_tokens is not None:
-            rooms.append((self.total_tokens - would.input - would.output, "total-token"))
-        if self.cost is not None and output_price:
-            rooms.append((math.floor((self.cost - cost) * 1_000_000 / output_price), "cost"))
-        if not rooms:
-            return None
-        room, kind = min(rooms)
-        limit = {"output-token": self.output_tokens, "total-token": self.total_tokens}.get(kind)
-        return room, f"{kind} limit ({limit:,})" if limit else f"cost limit ({self.cost:g})"
+        per_token = {"output-token": 1, "total-token": 1, "cost": (output_price or 0) / 1e6}
+        rooms = [
+            (math.floor((limit - figure) / per_token[kind]), f"{kind} limit ({_said(limit)})")
+            for kind, limit, figure in self.figures(would, cost)
+            if per_token.get(kind)
+        ]
+        return min(rooms, default=None)
+
+
+def _said(figure: float) -> str:
+    """A figure as a message says it: tokens as 12,345, money to six digits."""
+    return f"{figure:,}" if isinstance(figure, int) else f"{figure:.6g}"
 
 
 def _check_limits(owner: Limits | Budget) -> None:
@@ -2723,17 +2724,16 @@ class Budget:
         over = self.turn.passed(would, self.cost_of(would))
         if over:
             return f"the turn's {over[0]} would be passed by the next request ({over[1]} with it)"
-        # what the reply may write: what every limit leaves, asked for on the wire
-        room = self.turn.output_room(would, self.cost_of(would), self.output_price)
-        rooms = [] if room is None else [(room[0], f"the turn's {room[1]}")]
+        # what the reply may write: what every limit leaves, asked for on the wire; and, with a
+        # ledger, at most the reserve it charges, so that a crash leaves no less counted
         ledger = self.ledger if self.daily.any or self.conversation.any else None
         scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
-        for held, limits, name in ledger.figures(scopes) if ledger else []:
-            after = held + would - spend.spent  # this request's input beside what is held
+        figures = [(spend.spent, self.turn, "turn's"), *(ledger.figures(scopes) if ledger else [])]
+        rooms = [(OUTPUT_RESERVE, "")] if ledger else []
+        for held, limits, scope in figures:
+            after = held + Tally(input=spend.estimate)  # with this request's input
             room = limits.output_room(after, self.cost_of(after), self.output_price)
-            rooms += [] if room is None else [(room[0], f"the {name} {room[1]}")]
-        if ledger:  # and at most the reserve it charges, so a crash leaves no less counted
-            rooms.append((OUTPUT_RESERVE, ""))
+            rooms += [(room[0], f"the {scope} {room[1]}")] if room else []
         bound, limit = min(rooms, default=(None, ""))
         if bound is not None and bound < 1:
             return f"{limit} would be passed by the next request and its answer; it was not sent"
@@ -2741,7 +2741,7 @@ class Budget:
         if ledger is None:  # no limit it keeps: the turn's spend is kept once, as it ends
             return None
         charge = Tally(input=spend.estimate, output=bound or 0)
-        refused = ledger.charge(scopes, charge, charge, self.cost_of)
+        refused = ledger.charge(scopes, charge, self.cost_of)
         if refused:
             return f"{refused}; the request was not sent"
         spend.ledger, spend.charged = ledger, (scopes, charge)
@@ -2752,27 +2752,28 @@ class Budget:
         transaction as it ends, so that a limit set later counts what was spent before it."""
         if self.ledger and not spend.scopes and spend.spent != Tally():
             scopes = self.ledger.scopes(context, Limits(), Limits())
-            self.ledger.record(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
+            self.ledger.add(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
 
     def warn(self, spend: Spend, context: ToolContext, audit: AuditLog) -> None:
         """Say, once a turn, as a warning and an audit line, each limit spent to warn_at."""
         if self.warn_at is None:
             return
-        cost = self.cost_of(spend.spent)
-        said = [f"the turn's {n}" for n in self.turn.near(spend.spent, cost, self.warn_at)]
-        for held, limits, name in self._ledger_figures(context):
-            near = limits.near(held, self.cost_of(held), self.warn_at)
-            said += [f"the {name} {limit}" for limit in near]
-        for limit in said:
-            which = limit.split(" is at ")[0]  # the limit, without the figure that moves
-            if which not in spend.warned:
-                spend.warned.add(which)
-                _log.warning("near a limit: %s", limit)
+        figures = [(spend.spent, self.turn, "turn's")]
+        if self.ledger and (self.daily.any or self.conversation.any):
+            scopes = self.ledger.scopes(context, self.daily, self.conversation)
+            figures += self.ledger.figures(scopes)
+        for held, limits, scope in figures:
+            for limit, how_far in limits.near(held, self.cost_of(held), self.warn_at):
+                if f"{scope} {limit}" in spend.warned:
+                    continue
+                spend.warned.add(f"{scope} {limit}")
+                said = f"the {scope} {limit} is {how_far}"
+                _log.warning("near a limit: %s", said)
                 audit.record(
                     "budget_warning",
                     turn_id=context.turn_id,
                     customer_id=context.customer_id,
-                    limit=limit,
+                    limit=said,
                 )
 
     def passed_by(self, spend: Spend, cut: bool) -> str | None:
@@ -2788,11 +2789,6 @@ class Budget:
         if cut and spend.bound is not None and spend.written >= spend.bound:
             return f"the answer was cut at the {spend.bound:,} output tokens the limits left"
         return None
-
-    def _ledger_figures(self, context: ToolContext) -> list[tuple[Tally, Limits, str]]:
-        if self.ledger is None or not (self.daily.any or self.conversation.any):
-            return []
-        return self.ledger.figures(self.ledger.scopes(context, self.daily, self.conversation))
 
     def answer_for(self, reason: str | None) -> str:
         """What the user reads for the limit `reason` names: a daily limit says when it starts
@@ -2812,7 +2808,7 @@ class Budget:
             return f"the turn's {over[0]} was passed: {over[1]}"
         if self.ledger and spend.scopes:  # a ledger that keeps limits: calls charged ahead
             charge = Tally(calls=calls)
-            refused = self.ledger.charge(spend.scopes, charge, charge, self.cost_of)
+            refused = self.ledger.charge(spend.scopes, charge, self.cost_of)
             if refused:
                 return f"{refused}; none of the calls ran"
         spend.spent += Tally(calls=calls)
@@ -2881,7 +2877,7 @@ class Spend:
             self.scopes, held = self.charged
             change = Tally(read - held.input, written - held.output)
             guessed -= held.input + held.output  # the charge was all estimate; now, this part
-            self.ledger.correct(self.scopes, change, (self.origin, self.ratio), guessed)
+            self.ledger.add(self.scopes, change, guessed, (self.origin, self.ratio))
             self.charged = None
 
 
@@ -2894,6 +2890,9 @@ class SpendKeeper:
     (a part further down has one: the ledger). Each scope is charged ahead of what may be
     spent and corrected by what was counted, so what it holds is never less than was spent."""
 
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
     def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
         """The scopes a turn is charged to: its customer's UTC day, and its conversation."""
         raise NotImplementedError
@@ -2903,44 +2902,36 @@ class SpendKeeper:
         raise NotImplementedError
 
     def charge(
-        self,
-        scopes: Sequence[Scope],
-        charge: Tally,
-        checked: Tally,
-        cost_of: Callable[[Tally], float],
-        estimated: int | None = None,
+        self, scopes: Sequence[Scope], charge: Tally, cost_of: Callable[[Tally], float]
     ) -> str | None:
-        """Charge every scope at once, or none if `checked` would take one past a limit (or
-        nothing can be written): why not. `estimated`: of it, what no server counted."""
+        """Charge every scope at once, or none if the charge would take one past a limit (or
+        nothing can be written): why not. A charge is all estimate until it is corrected."""
         raise NotImplementedError
 
-    def correct(
+    def add(
         self,
         scopes: Sequence[Scope],
-        change: Tally,
-        learned: tuple[str, float | None],
-        estimated: int = 0,
-    ) -> None:
-        """Replace a charge by what was counted (`change` may be below 0); keep the bytes per
-        token a server's count taught (`learned`: origin, ratio)."""
-        raise NotImplementedError
-
-    def record(
-        self,
-        scopes: Sequence[Scope],
-        spent: Tally,
+        tally: Tally,
         estimated: int,
         learned: tuple[str, float | None],
     ) -> None:
-        """Add what a turn spent, unchecked: it is spent."""
+        """Add, unchecked, what was spent or, below 0, what a charge overestimated (`estimated`:
+        how much of it no server counted); keep the bytes per token a server's count taught
+        (`learned`: origin, ratio)."""
         raise NotImplementedError
 
     def ratio(self, origin: str) -> float | None:
         """The bytes per token a server's counts taught, if any did."""
         return None
 
+    @staticmethod
+    def held(database: Database) -> dict[str, tuple[int, int]] | None:
+        """Each scope's tokens kept in `database`, and how many of them no server counted,
+        read only (`stats` writes nothing); None where none are kept."""
+        return None
 
-SPEND_KEEPERS: list[Callable[[Database], SpendKeeper]] = []  # a part further down adds its own
+
+SPEND_KEEPERS: list[type[SpendKeeper]] = []  # a part further down adds its own
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -4860,7 +4851,8 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
     path = _data_dir(args) / app.database
-    ledger = _ledger_spend(Database(path)) if args.path is None and path.is_file() else None
+    kept_here = SPEND_KEEPERS and args.path is None and path.is_file()
+    ledger = SPEND_KEEPERS[0].held(Database(path)) if kept_here else None
     for title, spend, scope in (
         ("spend by day", "customer_days", "customer "),
         ("spend by conv.", "conversations", "conversation "),
@@ -4876,20 +4868,6 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     if figures["skipped_lines"]:
         print(f"skipped lines    {figures['skipped_lines']} (not records; see verify-audit)")
     return EXIT_OK
-
-
-def _ledger_spend(database: Database) -> dict[str, tuple[int, int]] | None:
-    """Each scope's tokens in a data directory's ledger, and how many of them no server
-    counted; None where there is no ledger (read only: `stats` writes nothing)."""
-    try:
-        with database.reading() as db:
-            rows = db.execute(
-                "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0)"
-                " FROM spending s LEFT JOIN spending_estimated e USING (scope) ORDER BY s.scope"
-            ).fetchall()
-    except sqlite3.Error:  # no ledger here yet
-        return None
-    return {scope: (int(tokens), int(guessed)) for scope, tokens, guessed in rows}
 
 
 def _cmd_copy(args: argparse.Namespace, app: App) -> int:
@@ -5863,13 +5841,21 @@ def _sqlite_error(exc: Exception) -> str:
     return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
 
 
-def _add_spent(db: sqlite3.Connection, scopes: Sequence[Scope], tally: Tally) -> None:
+def _add_spent(
+    db: sqlite3.Connection, scopes: Sequence[Scope], tally: Tally, estimated: int
+) -> None:
+    """Add `tally` to each scope, and `estimated` to its tokens no server counted; a figure
+    below 0 gives back what was charged, and none goes below 0."""
     db.executemany(
-        "INSERT INTO spending VALUES (?, ?, ?, ?) ON CONFLICT (scope) DO UPDATE SET"
-        " input_tokens = input_tokens + excluded.input_tokens,"
-        " output_tokens = output_tokens + excluded.output_tokens,"
-        " tool_calls = tool_calls + excluded.tool_calls",
+        "INSERT INTO spending VALUES (?1, MAX(?2, 0), MAX(?3, 0), MAX(?4, 0))"
+        " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(input_tokens + ?2, 0),"
+        " output_tokens = MAX(output_tokens + ?3, 0), tool_calls = MAX(tool_calls + ?4, 0)",
         [(key, tally.input, tally.output, tally.calls) for key, _, _ in scopes],
+    )
+    db.executemany(
+        "INSERT INTO spending_estimated VALUES (?1, MAX(?2, 0))"
+        " ON CONFLICT (scope) DO UPDATE SET tokens = MAX(tokens + ?2, 0)",
+        [(key, estimated) for key, _, _ in scopes],
     )
 
 
@@ -5881,17 +5867,6 @@ def _learn(db: sqlite3.Connection, learned: tuple[str, float | None]) -> None:
             " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
             learned,
         )
-
-
-def _add_estimated(db: sqlite3.Connection, scopes: Sequence[Scope], tokens: int) -> None:
-    """Add to (or, below 0, take from: never below 0) each scope's tokens no server counted."""
-    db.executemany(
-        "INSERT INTO spending_estimated VALUES (?, ?) ON CONFLICT (scope) DO UPDATE"
-        " SET tokens = MAX(tokens + excluded.tokens, 0)"
-        if tokens >= 0
-        else "UPDATE spending_estimated SET tokens = MAX(tokens + ?2, 0) WHERE scope = ?1",
-        [(key, tokens) for key, _, _ in scopes],
-    )
 
 
 _LEDGER_SCHEMA = """
@@ -5934,7 +5909,8 @@ class Ledger(SpendKeeper):
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("ledger", 1, _LEDGER_SCHEMA)
         database.install("ledger_estimates", 1, _ESTIMATES_SCHEMA)
-        self.database, self.clock = database, clock
+        super().__init__(database)
+        self.clock = clock
 
     def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
         day = datetime.fromtimestamp(self.clock(), timezone.utc).date().isoformat()
@@ -5945,27 +5921,19 @@ class Ledger(SpendKeeper):
         return found
 
     def charge(
-        self,
-        scopes: Sequence[Scope],
-        charge: Tally,
-        checked: Tally,
-        cost_of: Callable[[Tally], float],
-        estimated: int | None = None,
+        self, scopes: Sequence[Scope], charge: Tally, cost_of: Callable[[Tally], float]
     ) -> str | None:
-        """Charge every scope, or, if `checked` would take one past a limit, none: why not.
-        `estimated` of its tokens no server counted (by default: all, a charge ahead). A
+        """Charge every scope, or, if that would take one past a limit, none: why not. A
         ledger that cannot be written is a limit too (fail closed: what cannot be counted is
         not spent); its error goes to the log, not to the model or the user."""
-        guessed = charge.input + charge.output if estimated is None else estimated
         try:
             with self.database.write_transaction() as db:
                 for key, limits, name in scopes:
-                    would = self._spent(db, key) + checked
+                    would = self._spent(db, key) + charge
                     over = limits.passed(would, cost_of(would))
                     if over:
                         return f"the {name} {over[0]} would be passed ({over[1]} with what is next)"
-                _add_spent(db, scopes, charge)
-                _add_estimated(db, scopes, guessed)
+                _add_spent(db, scopes, charge, charge.input + charge.output)
         except sqlite3.Error as exc:
             _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
             return "the spending ledger could not be written, so nothing more may be spent"
@@ -5980,42 +5948,20 @@ class Ledger(SpendKeeper):
         except sqlite3.Error:
             return []
 
-    def correct(
+    def add(
         self,
         scopes: Sequence[Scope],
-        change: Tally,
-        learned: tuple[str, float | None],
-        estimated: int = 0,
-    ) -> None:
-        """Add `change` (less than 0: give back) to every scope, and keep the lowest bytes per
-        token `learned` of a server, in one transaction; if that cannot be written, the charge
-        stands (more than was spent, as after a crash)."""
-        try:
-            with self.database.write_transaction() as db:
-                db.executemany(
-                    "UPDATE spending SET input_tokens = MAX(input_tokens + ?, 0),"
-                    " output_tokens = MAX(output_tokens + ?, 0) WHERE scope = ?",
-                    [(change.input, change.output, key) for key, _, _ in scopes],
-                )
-                _add_estimated(db, scopes, estimated)
-                _learn(db, learned)
-        except sqlite3.Error as exc:
-            why = _sqlite_error(exc)
-            _log.warning("the spending ledger could not be corrected (%s): the charge stands", why)
-
-    def record(
-        self,
-        scopes: Sequence[Scope],
-        spent: Tally,
+        tally: Tally,
         estimated: int,
         learned: tuple[str, float | None],
     ) -> None:
-        """What a turn spent, added in one transaction with what it learned (no check: it is
-        spent); if that cannot be written, a warning, and the spend goes uncounted."""
+        """Add, in one transaction, what was spent (or, below 0, give back what a charge
+        overestimated) and the lowest bytes per token `learned` of a server. If that cannot be
+        written: a charge stands (more than was spent, as after a crash); a turn's spend that
+        no limit charged goes uncounted, with a warning."""
         try:
             with self.database.write_transaction() as db:
-                _add_spent(db, scopes, spent)
-                _add_estimated(db, scopes, estimated)
+                _add_spent(db, scopes, tally, estimated)
                 _learn(db, learned)
         except sqlite3.Error as exc:
             _log.warning("the spending ledger could not be written (%s)", _sqlite_error(exc))
@@ -6033,6 +5979,19 @@ class Ledger(SpendKeeper):
         with self.database.reading() as db:
             rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
         return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
+
+    @staticmethod
+    def held(database: Database) -> dict[str, tuple[int, int]] | None:
+        try:
+            with database.reading() as db:
+                rows = db.execute(
+                    "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0)"
+                    " FROM spending s LEFT JOIN spending_estimated e USING (scope)"
+                    " ORDER BY s.scope"
+                ).fetchall()
+        except sqlite3.Error:  # no ledger here yet
+            return None
+        return {scope: (int(tokens), int(guessed)) for scope, tokens, guessed in rows}
 
     @staticmethod
     def _spent(db: sqlite3.Connection, key: str) -> Tally:
@@ -8786,7 +8745,8 @@ class Inbox:
             notes, session.notes = session.notes, []
             waiting = self.workspace.approvals.pending()[::-1]
             led_to = self._what_led_to()
-            spent = _ledger_spend(self.workspace.database) or {}
+            keeper = SPEND_KEEPERS[0] if SPEND_KEEPERS else SpendKeeper
+            spent = keeper.held(self.workspace.database) or {}
             decided = self._decided_rows()
             log = self._log_state()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]

@@ -8612,7 +8612,7 @@ class InboxTest(InboxCase):
     def test_each_waiting_action_shows_what_its_customer_spent_today(self) -> None:
         ledger = fc.Ledger(self.database)
         key = f"customer {DEMO_CUSTOMER} {utc_day()}"
-        ledger.record([(key, fc.Limits(), "daily")], fc.Tally(1200, 34), 500, ("", None))
+        ledger.add([(key, fc.Limits(), "daily")], fc.Tally(1200, 34), 500, ("", None))
         origin, link = self.start_inbox()
         shown = html_text(self.page(origin, self.signed_in(origin, link)))
         self.assertIn("Spent today (UTC)", shown)
