@@ -2566,27 +2566,25 @@ class Limits:
     total_tokens: int | None = None
     tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
     cost: float | None = None  # in the prices' currency
-    any: bool = field(init=False, repr=False, compare=False)  # is one of them set? (made once)
+    # made once, as they are checked every round: those set (the place of each one's figure,
+    # its kind, its value), and whether there are any
+    set_limits: tuple[tuple[int, str, float], ...] = field(init=False, repr=False, compare=False)
+    any: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_limits(self)
+        kinds = ("input-token", "output-token", "total-token", "tool-call", "cost")
         limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
-        object.__setattr__(self, "any", any(v is not None for v in (*limits, self.cost)))
+        named = enumerate(zip(kinds, (*limits, self.cost), strict=True))
+        set_limits = tuple((n, kind, v) for n, (kind, v) in named if v is not None)
+        object.__setattr__(self, "set_limits", set_limits)
+        object.__setattr__(self, "any", bool(set_limits))
 
     def figures(self, spent: Tally, cost: float) -> list[tuple[str, float, float]]:
         """Each limit that is set (its kind, its value) and the figure of `spent` (and what it
         costs) it bounds."""
-        return [
-            (kind, limit, figure)
-            for kind, limit, figure in (
-                ("input-token", self.input_tokens, spent.input),
-                ("output-token", self.output_tokens, spent.output),
-                ("total-token", self.total_tokens, spent.input + spent.output),
-                ("tool-call", self.tool_calls, spent.calls),
-                ("cost", self.cost, cost),
-            )
-            if limit is not None
-        ]
+        figures = (spent.input, spent.output, spent.input + spent.output, spent.calls, cost)
+        return [(kind, limit, figures[n]) for n, kind, limit in self.set_limits]
 
     def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
         """The first limit `spent` (and what it costs) passes, and the figure that passes it."""
@@ -2605,15 +2603,18 @@ class Limits:
 
     def output_room(
         self, would: Tally, cost: float, output_price: float | None
-    ) -> tuple[int, str] | None:
-        """The output tokens these limits leave after `would` (which costs `cost`), and the
-        limit that leaves fewest; None when none of them bounds what a reply writes."""
-        per_token = {"output-token": 1, "total-token": 1, "cost": (output_price or 0) / 1e6}
-        rooms = [
-            (math.floor((limit - figure) / per_token[kind]), f"{kind} limit ({_said(limit)})")
-            for kind, limit, figure in self.figures(would, cost)
-            if per_token.get(kind)
-        ]
+    ) -> tuple[int, str, float] | None:
+        """The output tokens these limits leave after `would` (which costs `cost`), with the
+        kind and value of the limit that leaves fewest; None when none bounds a reply. (Written
+        out, not from `figures`: it runs before every request.)"""
+        rooms: list[tuple[int, str, float]] = []
+        if self.output_tokens is not None:
+            rooms.append((self.output_tokens - would.output, "output-token", self.output_tokens))
+        if self.total_tokens is not None:
+            total = self.total_tokens
+            rooms.append((total - would.input - would.output, "total-token", total))
+        if self.cost is not None and output_price:
+            rooms.append((math.floor((self.cost - cost) * 1e6 / output_price), "cost", self.cost))
         return min(rooms, default=None)
 
 
@@ -2718,7 +2719,10 @@ class Budget:
             return None
         if self.ledger and spend.ratio is None:  # what another process learned of this server
             spend.ratio = self.ledger.ratio(spend.origin)
-        size = len(tools_json) + sum(_size(message) + 1 for message in messages)
+        counted, size = spend.measured  # a turn's messages only grow: measure the new ones
+        size += sum(_size(message) + 1 for message in messages[counted:])
+        spend.measured = (len(messages), size)
+        size += len(tools_json)
         spend.sent, spend.estimate = size, spend.input_of(size)
         would = spend.spent + Tally(input=spend.estimate)
         over = self.turn.passed(would, self.cost_of(would))
@@ -2728,15 +2732,17 @@ class Budget:
         # ledger, at most the reserve it charges, so that a crash leaves no less counted
         ledger = self.ledger if self.daily.any or self.conversation.any else None
         scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
-        figures = [(spend.spent, self.turn, "turn's"), *(ledger.figures(scopes) if ledger else [])]
-        rooms = [(OUTPUT_RESERVE, "")] if ledger else []
-        for held, limits, scope in figures:
+        room = self.turn.output_room(would, self.cost_of(would), self.output_price)
+        rooms = [(*room, "turn's")] if room else []
+        rooms += [(OUTPUT_RESERVE, "", 0, "")] if ledger else []
+        for held, limits, scope in ledger.figures(scopes) if ledger else []:
             after = held + Tally(input=spend.estimate)  # with this request's input
             room = limits.output_room(after, self.cost_of(after), self.output_price)
-            rooms += [(room[0], f"the {scope} {room[1]}")] if room else []
-        bound, limit = min(rooms, default=(None, ""))
+            rooms += [(*room, scope)] if room else []
+        bound, kind, limit, scope = min(rooms, default=(None, "", 0, ""))
         if bound is not None and bound < 1:
-            return f"{limit} would be passed by the next request and its answer; it was not sent"
+            said = f"the {scope} {kind} limit ({_said(limit)})"
+            return f"{said} would be passed by the next request and its answer; it was not sent"
         spend.bound = bound
         if ledger is None:  # no limit it keeps: the turn's spend is kept once, as it ends
             return None
@@ -2834,6 +2840,7 @@ class Spend:
 
     spent: Tally = field(default_factory=Tally)
     sent: int = 0  # the bytes of the request just sent
+    measured: tuple[int, int] = (0, 0)  # of its messages, how many were measured, their bytes
     estimate: int = 0  # its input tokens, as estimated
     counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
     bound: int | None = None  # the output tokens the request just sent asked for at most

@@ -9758,6 +9758,10 @@ class Benchmarks(LoopTestCase):
                 "a daily limit (the ledger: two commits a request)",
                 fc.Budget(daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(self.database)),
             ),
+            (
+                "no limit but every turn kept in the ledger (one commit a turn)",
+                fc.Budget(ledger=fc.Ledger(self.database)),
+            ),
         ):
             with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
                 loops = [
