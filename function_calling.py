@@ -78,7 +78,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
@@ -5853,16 +5853,18 @@ def _add_spent(
 ) -> None:
     """Add `tally` to each scope, and `estimated` to its tokens no server counted; a figure
     below 0 gives back what was charged, and none goes below 0."""
+    # named, not numbered (?1): Python 3.12 warns of numbered ones given a sequence
     db.executemany(
-        "INSERT INTO spending VALUES (?1, MAX(?2, 0), MAX(?3, 0), MAX(?4, 0))"
-        " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(input_tokens + ?2, 0),"
-        " output_tokens = MAX(output_tokens + ?3, 0), tool_calls = MAX(tool_calls + ?4, 0)",
-        [(key, tally.input, tally.output, tally.calls) for key, _, _ in scopes],
+        "INSERT INTO spending VALUES (:key, MAX(:input, 0), MAX(:output, 0), MAX(:calls, 0))"
+        " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(input_tokens + :input, 0),"
+        " output_tokens = MAX(output_tokens + :output, 0),"
+        " tool_calls = MAX(tool_calls + :calls, 0)",
+        [{"key": key, **asdict(tally)} for key, _, _ in scopes],
     )
     db.executemany(
-        "INSERT INTO spending_estimated VALUES (?1, MAX(?2, 0))"
-        " ON CONFLICT (scope) DO UPDATE SET tokens = MAX(tokens + ?2, 0)",
-        [(key, estimated) for key, _, _ in scopes],
+        "INSERT INTO spending_estimated VALUES (:key, MAX(:tokens, 0))"
+        " ON CONFLICT (scope) DO UPDATE SET tokens = MAX(tokens + :tokens, 0)",
+        [{"key": key, "tokens": estimated} for key, _, _ in scopes],
     )
 
 
