@@ -78,7 +78,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
@@ -5859,7 +5859,10 @@ def _add_spent(
         " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(input_tokens + :input, 0),"
         " output_tokens = MAX(output_tokens + :output, 0),"
         " tool_calls = MAX(tool_calls + :calls, 0)",
-        [{"key": key, **asdict(tally)} for key, _, _ in scopes],
+        [
+            {"key": key, "input": tally.input, "output": tally.output, "calls": tally.calls}
+            for key, _, _ in scopes
+        ],
     )
     db.executemany(
         "INSERT INTO spending_estimated VALUES (:key, MAX(:tokens, 0))"
