@@ -26,13 +26,13 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,477 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,530 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,590 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,270 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,260 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -78,7 +78,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
@@ -167,8 +167,9 @@ __version__ = "2026-12-03+61c955f"
 #   _IN_FLIGHT_SCHEMA, _taking_turns, _intend, _conclude, _step_finished, _withdraw,
 #       _settle, _settle_if_free  a step's journal row is written before its first line and
 #       removed after its last; a row a crash left is settled before the next step (the
-#       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome  a decision's result, kept
-#       in the decision's own transaction (the same)
+#       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome, _EDITS_SCHEMA, _edit_action
+#       a decision's result and a person's edit (checked as the model's arguments are),
+#       kept in the decision's own transaction (the same)
 # sqlite3 and concurrent.futures are imported at their first use (_OnFirstUse, at the top).
 
 # ---------------------------------------------------------------------------------- settings
@@ -309,6 +310,8 @@ class Tool:
     # Cannot hang (no network, no wait without a bound): a reply's one call to it runs on the
     # loop's thread. Others run on a worker, which tool_timeout can abandon (_runs_inline).
     inline: ClassVar[bool] = False
+    # Where it comes from, for the person who approves it ("": this file): never a secret.
+    source: ClassVar[str] = ""
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
@@ -1279,6 +1282,7 @@ class PendingAction:
     created_at: str
     expires_at: str
     status: str
+    edit: Mapping[str, str] | None = None  # what was proposed, if a person edited it
 
 
 class Approvals:
@@ -1307,6 +1311,7 @@ class Approvals:
     ) -> None:
         database.install("approvals", 1, _APPROVALS_SCHEMA + _IN_FLIGHT_SCHEMA)
         database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
+        database.install("approval_edits", 1, _EDITS_SCHEMA)
         self.database = database
         self.audit = audit
         self.ttl_seconds = ttl_seconds
@@ -1352,19 +1357,31 @@ class Approvals:
         _settle_if_free(self)
         return _open_actions(self)
 
-    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
-        """Re-check everything, then apply the write and mark the action used, atomically."""
+    def approve(
+        self,
+        action_id: str,
+        tools: Mapping[str, Tool],
+        operator: str,
+        edited: str | None = None,
+    ) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically.
+        `edited`: the arguments as the person corrected them (JSON text), checked exactly as
+        the model's were; the approval binds to them, and what was proposed is kept."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
             action = _open_action(self, db, action_id)
             tool = tools.get(action.tool)
             if tool is None or not tool.writes:
                 raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
-            args = self._bound_arguments(action)
             context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
-            try:
+            try:  # a refused edit is the model's refusal, word for word; nothing is decided
+                if edited is not None:
+                    action = _edit_action(db, action, tool, edited, context, operator)
+                args = self._bound_arguments(action)
                 tool.validate(args)
                 outcome = tool.apply(args, context, db)
+            except ApprovalError:
+                raise  # the binding's own refusal
             except ToolError as exc:
                 raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
             except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
@@ -1378,14 +1395,17 @@ class Approvals:
 
         return self._decide(action_id, "approve", operator, carry_out)
 
-    def reject(self, action_id: str, operator: str, reason: str | None = None) -> None:
-        """Close an open action without running it; `reason` is what the model will be told."""
+    def reject(self, action_id: str, operator: str, reason: str) -> None:
+        """Close an open action without running it; `reason` is what the model will be told,
+        so it is needed (1 to 500 printable characters): "rejected" alone teaches it nothing."""
+        if not reason.strip() or len(reason) > 500 or not reason.isprintable():
+            raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
             action = _open_action(self, db, action_id)
             _mark(self, db, action, "rejected", operator)
             _record_outcome(db, action_id, reason=reason)
-            return action, {"reason": reason} if reason else {}
+            return action, {"reason": reason}
 
         self._decide(action_id, "reject", operator, carry_out)
 
@@ -3561,11 +3581,14 @@ def _open_actions(approvals: Approvals) -> list[PendingAction]:
 
 
 def _about(action: PendingAction) -> dict[str, str]:
-    """What a decision line says of its action."""
+    """What a decision line says of its action: the arguments decided on and their binding,
+    and, if a person edited them, what was proposed and who edited it."""
     return {
         "customer_id": action.customer_id,
         "tool": action.tool,
         "arguments": action.arguments_json,
+        "binding_sha256": action.binding_sha256,
+        **(action.edit or {}),
     }
 
 
@@ -3607,6 +3630,69 @@ def _record_outcome(
         "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
         (action_id, result, reason),
     )
+
+
+# What a person's edit replaced, written in the approval's own transaction: the row then
+# holds the edited arguments and their binding. Its own part, as the outcomes are.
+_EDITS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS action_edits (
+    action_id          TEXT PRIMARY KEY REFERENCES pending_actions (action_id),
+    proposed_arguments TEXT NOT NULL,  -- as the model proposed them (canonical)
+    proposed_sha256    TEXT NOT NULL,  -- their binding
+    edited_by          TEXT NOT NULL
+);
+"""
+
+
+def _edit_action(
+    db: sqlite3.Connection,
+    action: PendingAction,
+    tool: Tool,
+    edited: str,
+    context: ToolContext,
+    operator: str,
+) -> PendingAction:
+    """The action with a person's arguments, checked as dispatch checks the model's (parsed,
+    validated, the tool's own checks in execute): a ToolError is the model's own message. The
+    row binds to them from here on, in the approval's transaction (all of it or none)."""
+    try:
+        args = parse_arguments(edited)
+        summary = tool.run(args, context)
+    except ToolError as exc:
+        refused = f"{action.action_id}: the edit was refused, so nothing was decided: {exc}"
+        raise ApprovalError(refused) from None
+    arguments_json = canonical_json(args)
+    if arguments_json == action.arguments_json:
+        return action  # the same request: no edit
+    binding = _binding(action.customer_id, action.tool, arguments_json)
+    try:
+        db.execute(
+            "UPDATE pending_actions SET arguments_json = ?, binding_sha256 = ?, summary_json = ?"
+            " WHERE action_id = ?",
+            (arguments_json, binding, canonical_json(summary), action.action_id),
+        )
+    except sqlite3.IntegrityError:  # the one-open-action index
+        same = f"{action.action_id}: another waiting action asks for exactly that"
+        raise ApprovalError(same) from None
+    proposed = (action.arguments_json, action.binding_sha256, operator)
+    db.execute("INSERT INTO action_edits VALUES (?, ?, ?, ?)", (action.action_id, *proposed))
+    edit = dict(zip(_EDIT_FIELDS, proposed, strict=True))
+    return replace(
+        action, arguments_json=arguments_json, binding_sha256=binding, summary=summary, edit=edit
+    )
+
+
+_EDIT_FIELDS = ("proposed_arguments", "proposed_sha256", "edited_by")  # as its audit line says
+
+
+def _edit_of(db: sqlite3.Connection, action: PendingAction) -> PendingAction:
+    """The action with what its edit replaced, if a person edited it (for its audit line)."""
+    row = db.execute(
+        "SELECT proposed_arguments, proposed_sha256, edited_by FROM action_edits"
+        " WHERE action_id = ?",
+        (action.action_id,),
+    ).fetchone()
+    return replace(action, edit=dict(zip(_EDIT_FIELDS, row, strict=True))) if row else action
 
 
 def _announced_approval(raw: str) -> list[str]:
@@ -3777,7 +3863,7 @@ def _recover_decision(
             f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
             (action_id,),
         ).fetchone()
-    fields = _about(_pending_action(row)) if row else {}
+        fields = _about(_edit_of(db, _pending_action(row))) if row else {}
     result = json.loads(result_json)
     _conclude(approvals, intent, operator, _DECIDED[step], **fields, result=result, recovered=True)
     _log.warning(
@@ -4360,16 +4446,25 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         demo = commands.add_parser("demo", parents=[data])
     demo.set_defaults(command=_cmd_demo)
     pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
+    pending.add_argument("--json", action="store_true", help="one JSON object a line")
     pending.set_defaults(command=_cmd_pending)
     approve = commands.add_parser(
         "approve", parents=[human, data, sources], help="re-check and apply a pending write"
+    )
+    approve.add_argument(
+        "--arguments",
+        metavar="JSON",
+        help="approve these arguments instead (checked as the model's are; both are audited)",
     )
     approve.set_defaults(command=_cmd_approve)
     reject = commands.add_parser(
         "reject", parents=[human, data], help="close a pending write unrun"
     )
     reject.add_argument(
-        "--reason", type=_reason, help="why, for the conversation that asked (500 characters)"
+        "--reason",
+        type=_reason,
+        required=True,
+        help="why, for the conversation that asked (500 characters)",
     )
     reject.set_defaults(command=_cmd_reject)
     log = argparse.ArgumentParser(add_help=False)
@@ -4759,13 +4854,15 @@ _GUARD_NOTES = {
 
 def _cmd_pending(args: argparse.Namespace, app: App) -> int:
     actions = _open(args, app, create=False).approvals.pending()
-    for action in actions:
+    for action in actions if args.json else []:  # for scripts: the row as it is kept
+        print(_compact({**asdict(action), "summary": dict(action.summary)}))
+    for action in [] if args.json else actions:
         summary = " ".join(f"{key}={value}" for key, value in action.summary.items())
         print(
             f"{action.action_id}  {action.customer_id}  {action.tool} {action.arguments_json}"
             f"  {summary}  expires {action.expires_at}"
         )
-    if not actions:
+    if not actions and not args.json:
         print("no pending actions")
     return EXIT_OK
 
@@ -4779,7 +4876,8 @@ def _cmd_approve(args: argparse.Namespace, app: App) -> int:
         extra = _source_tools(args, workspace.audit, stack) if waiting else []
         tools = tool_table([*app.tools(workspace.database), *extra])
         try:
-            outcome = workspace.approvals.approve(args.action_id, tools, args.operator)
+            approvals = workspace.approvals
+            outcome = approvals.approve(args.action_id, tools, args.operator, args.arguments)
         except ApprovalError as exc:
             hint = _missing_tool_hint(workspace, args.action_id, tools)
             raise ApprovalError(f"{exc}{hint}", exc.detail) from None
@@ -5439,8 +5537,9 @@ def _decisions(
     with approvals.database.reading() as db:
         rows = db.execute(
             "SELECT a.action_id, a.tool, a.arguments_json, a.status, a.decided_by,"  # noqa: S608 -- placeholders only
-            " a.decided_at, a.expires_at, o.result_json, o.reason FROM pending_actions a"
-            f" LEFT JOIN action_outcomes o USING (action_id)"
+            " a.decided_at, a.expires_at, o.result_json, o.reason, e.proposed_arguments"
+            " FROM pending_actions a LEFT JOIN action_outcomes o USING (action_id)"
+            " LEFT JOIN action_edits e USING (action_id)"
             f" WHERE a.customer_id = ? AND a.action_id IN ({marks})",
             (customer_id, *action_ids),
         ).fetchall()
@@ -5451,7 +5550,7 @@ def _decisions(
 
 def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
     """One action's decision as the model is told it; None while it still waits."""
-    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason = row
+    action_id, tool, arguments_json, status, by, at, expires_at, result_json, reason, was = row
     if status == "pending" and expires_at > now:
         return None
     told: dict[str, Any] = {
@@ -5462,6 +5561,8 @@ def _decision(row: Sequence[Any], now: str) -> dict[str, Any] | None:
     if status in ("pending", "expired"):
         return {**told, "decision": "expired", "expiredAt": expires_at, "done": "nothing"}
     told |= {"decision": status, "decidedBy": by, "decidedAt": at}
+    if was is not None:  # a person changed the request before approving it: say so
+        told |= {"decision": "approved, edited", "proposedArguments": json.loads(was)}
     if status == "approved":
         return {**told, "result": json.loads(result_json) if result_json else None}
     return {**told, "reason": reason, "done": "nothing"}
@@ -8370,6 +8471,7 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
 
     Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
+    Bound.source = f"MCP server {server.label}"  # its command, or its URL without the query
     return Bound()
 
 
@@ -8650,8 +8752,10 @@ The inbox ("# >>> INBOX" to "# <<< INBOX"): the `inbox` command, a page on 127.0
 a person approves or rejects the writes that wait.
 """
 
-INBOX_MAX_BODY = 16 * 1024  # bytes in one POST: a decision is an id and a reason
+# bytes in one POST: a decision, a reason and edited arguments (each byte at most 3 encoded)
+INBOX_MAX_BODY = 3 * MAX_ARGUMENTS_BYTES + 16 * 1024
 INBOX_REQUEST_S = 10.0  # every byte of one request (its line, headers and body) by this
+INBOX_PAGE = 50  # waiting actions a page shows, newest first
 INBOX_DECIDED_SHOWN = 50  # decided actions listed, newest first
 INBOX_DAYS_SHOWN = 30  # days in the chart, the newest
 INBOX_SESSIONS = 64  # signed-in sessions kept; past it the oldest is signed out
@@ -8674,6 +8778,14 @@ _INVISIBLE = re.compile(
     "[\x00-\x09\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]"
 )
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+# The queue in its order (the rowid, last in every index, breaks a second's ties): a page of
+# 50 reads about 50 rows, not the table and a sort of it (10,000 waiting: 40 ms to 3 ms).
+_INBOX_SCHEMA = """
+CREATE INDEX IF NOT EXISTS inbox_queue ON pending_actions
+    (status, created_at);
+"""
 
 
 def _text(value: object) -> str:
@@ -8700,6 +8812,7 @@ class Inbox:
         self, workspace: _Workspace, tools: Mapping[str, Tool], operator: str, token: str
     ) -> None:
         self.workspace, self.tools, self.operator = workspace, tools, operator
+        workspace.database.install("inbox", 1, _INBOX_SCHEMA)
         self._token = token.encode()
         self._sessions: dict[str, _Session] = {}  # by the SHA-256 of the cookie's value
         self._lock = threading.Lock()
@@ -8719,29 +8832,32 @@ class Inbox:
     def session(self, cookie: str | None) -> _Session | None:
         return self._sessions.get(_digest(cookie)) if cookie else None
 
-    def decide(self, session: _Session, form: Mapping[str, str]) -> None:
-        """Approve or reject what the form names; what happened becomes the page's note. A
+    def decide(self, session: _Session, form: Mapping[str, str]) -> str:
+        """Approve (with the arguments as the form has them: edited, or as proposed) or
+        reject (with a reason) what the form names; what happened becomes the page's note. A
         second decision of one action (two tabs, a double click, a replayed POST) is refused
-        by Approvals itself, and the note says so."""
+        by Approvals itself, and the note says so. Returns where the operator goes back to:
+        the page and filter they were on, at the card after the one decided."""
         action_id, decision = form.get("action_id", ""), form.get("decision")
-        reason = form.get("reason", "").strip() or None
         with self._lock:
-            session.notes.append(self._decided(action_id, decision, reason))
+            session.notes.append(self._decided(action_id, decision, form))
+        after = form.get("next", "")
+        card = after if _ACTION_ID.fullmatch(after) else "waiting"
+        return f"/?{_View.of(form.get('view', '')).query()}#{card}"
 
     def _decided(  # noqa: PLR0911 -- one return per outcome
-        self, action_id: str, decision: str | None, reason: str | None
+        self, action_id: str, decision: str | None, form: Mapping[str, str]
     ) -> tuple[str, str]:
         approvals = self.workspace.approvals
         if not _ACTION_ID.fullmatch(action_id):
             return "refused", "that is not an action id; nothing was done"
-        if reason is not None and (len(reason) > 500 or not reason.isprintable()):
-            return "refused", f"{action_id}: a reason is 1 to 500 printable characters"
         try:
             if decision == "approve":
-                outcome = approvals.approve(action_id, self.tools, self.operator)
+                edited = form.get("arguments")
+                outcome = approvals.approve(action_id, self.tools, self.operator, edited)
                 return "done", f"approved {action_id}: {canonical_json(outcome)}"
             if decision == "reject":
-                approvals.reject(action_id, self.operator, reason)
+                approvals.reject(action_id, self.operator, form.get("reason", "").strip())
                 return "done", f"rejected {action_id}; nothing was run"
         except ApprovalError as exc:  # and if a tool source would have its tool, which one
             return "refused", f"{exc}{_missing_tool_hint(self.workspace, action_id, self.tools)}"
@@ -8751,47 +8867,134 @@ class Inbox:
             return "refused", f"{action_id}: the database is busy; nothing was done, try again"
         return "refused", "neither approve nor reject; nothing was done"
 
-    def page(self, session: _Session) -> str:
-        """The whole page: notes, what waits (newest first), what was decided, the chain."""
+    def page(self, session: _Session, view: _View) -> str:
+        """The whole page: notes, what changed since the page the operator came from, one
+        page of what waits (newest first, filtered), what was decided, the chain."""
         with self._lock:
             notes, session.notes = session.notes, []
-            waiting = self.workspace.approvals.pending()[::-1]
-            led_to = self._what_led_to()
+            _settle_if_free(self.workspace.approvals)
+            count, waiting, mark, changed = self._waiting(view)
+            led_to = self._what_led_to([a.action_id for a in waiting])
             keeper = SPEND_KEEPERS[0] if SPEND_KEEPERS else SpendKeeper
             spent = keeper.held(self.workspace.database) or {}
             decided = self._decided_rows()
             log = self._log_state()
+        now, here = self.workspace.approvals.clock(), view.query()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
-        parts.append("</b></p></header>")
-        parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
-        parts.append(f"<section><h2>Waiting for a decision ({len(waiting)})</h2>")
-        day = datetime.now(timezone.utc).date().isoformat()
-        parts += (
-            _action_article(
-                a,
-                led_to.get(a.action_id),
-                session.csrf,
-                spent.get(f"customer {a.customer_id} {day}"),
-            )
-            for a in waiting
+        parts.append(f'</b> · <a href="/?{view.query()}&amp;seen={mark}">Refresh</a>')
+        parts.append(
+            f" <small>{_text(changed)}</small></p></header>" if changed else "</p></header>"
         )
+        parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
+        parts.append(
+            self._filter_form(view)
+            + f'<section id="waiting"><h2>Waiting for a decision ({count})</h2>'
+        )
+        day = datetime.fromtimestamp(now, timezone.utc).date().isoformat()
+        for n, action in enumerate(waiting):
+            card = _Card(
+                action,
+                self.tools.get(action.tool),
+                led_to.get(action.action_id),
+                spent.get(f"customer {action.customer_id} {day}"),
+                now,
+            )
+            after = waiting[n + 1].action_id if n + 1 < len(waiting) else ""
+            parts.append(card.html(session.csrf, here, after))
+        parts.append(_pages(view, count))
         parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
         return "".join(parts)
 
-    def _what_led_to(self) -> dict[str, tuple[str, str]]:
-        """For each waiting action filed in a saved conversation: the customer's message and
-        the model's text of the turn that filed it (one query, whatever the number)."""
+    def _waiting(self, view: _View) -> tuple[int, list[PendingAction], str, str]:
+        """How many wait under the view's filter and its page of them, newest first (filed in
+        one second: in filing order, which the table's rowid keeps); the page's mark (the
+        newest rowid, how many are decided) and, in words, what changed since the mark seen."""
+        where, params = self._filter(view)
         with self.workspace.database.reading() as db:
-            if not db.execute(
-                "SELECT 1 FROM sqlite_master WHERE name = 'conversation_actions'"
-            ).fetchone():
+            (count,) = db.execute(
+                f"SELECT COUNT(*) FROM pending_actions WHERE {where}",  # noqa: S608 -- ? only
+                params,
+            ).fetchone()
+            rows = db.execute(
+                f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE {where}"  # noqa: S608
+                " ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                (*params, INBOX_PAGE, (view.page - 1) * INBOX_PAGE),
+            ).fetchall()
+            (newest,) = db.execute("SELECT COALESCE(MAX(rowid), 0) FROM pending_actions").fetchone()
+            (decided,) = db.execute(
+                "SELECT COUNT(*) FROM pending_actions WHERE status IN ('approved', 'rejected')"
+            ).fetchone()
+            changed = ""
+            if re.fullmatch(r"[0-9]{1,18}\.[0-9]{1,18}", view.seen):
+                filed_before, decided_before = map(int, view.seen.split("."))
+                (filed,) = db.execute(
+                    "SELECT COUNT(*) FROM pending_actions WHERE rowid > ?", (filed_before,)
+                ).fetchone()
+                changed = f"since the last page: {filed} filed, {decided - decided_before} decided"
+        return count, [_pending_action(row) for row in rows], f"{newest}.{decided}", changed
+
+    def _filter(self, view: _View) -> tuple[str, list[Any]]:
+        """What waits (open, unexpired, filed whole) under the view's filter, in SQL with
+        placeholders for every value. A source's actions are those of the tools it gave."""
+        where = (
+            "status = 'pending' AND expires_at > ?"
+            " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
+        )
+        params: list[Any] = [_iso(self.workspace.approvals.clock())]
+        if view.customer:
+            where += " AND customer_id = ?"
+            params.append(view.customer)
+        if view.tool or view.source:
+            names = [
+                name
+                for name, tool in self.tools.items()
+                if tool.source == view.source and view.tool in ("", name)
+            ]
+            names = names if view.source else [view.tool]
+            where += f" AND tool IN ({', '.join('?' for _ in names) or 'NULL'})"
+            params += names
+        return where, params
+
+    def _filter_form(self, view: _View) -> str:
+        """The filter: a customer, a tool, a source (a GET form: the page needs no script)."""
+        writes = sorted(name for name, tool in self.tools.items() if tool.writes)
+        sources = sorted({self.tools[name].source for name in writes} - {""})
+
+        def choice(name: str, chosen: str, values: Sequence[str]) -> str:
+            options = "".join(
+                f'<option value="{_text(v)}"{" selected" * (v == chosen)}>'
+                f"{_text(v or 'any')}</option>"
+                for v in ("", *values)
+            )
+            return f'<label>{name} <select name="{name}">{options}</select></label>'
+
+        return (
+            '<form class="filter" method="get" action="/">'
+            f'<label>customer <input name="customer" value="{_text(view.customer)}"'
+            ' maxlength="64"></label>'
+            + choice("tool", view.tool, writes)
+            + (choice("source", view.source, sources) if sources else "")
+            + '<button>Show</button> <a href="/">all</a></form>'
+        )
+
+    def _what_led_to(self, action_ids: Sequence[str]) -> dict[str, tuple[str, str, str]]:
+        """For each of these actions filed in a saved conversation: what the customer wrote,
+        what the model wrote before it asked, and what the customer was told in that turn
+        (one query for the page)."""
+        with self.workspace.database.reading() as db:
+            if (
+                not action_ids
+                or not db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE name = 'conversation_actions'"
+                ).fetchone()
+            ):
                 return {}  # no conversation was ever saved here
             rows = db.execute(
-                "SELECT c.action_id, t.messages_json FROM conversation_actions c"
+                "SELECT c.action_id, t.messages_json FROM conversation_actions c"  # noqa: S608
                 " JOIN conversation_turns t"
                 " ON t.conversation_id = c.conversation_id AND t.turn = c.filed_turn"
-                " WHERE c.action_id IN (SELECT action_id FROM pending_actions"
-                " WHERE status = 'pending')"
+                f" WHERE c.action_id IN ({', '.join('?' for _ in action_ids)})",
+                tuple(action_ids),
             ).fetchall()
         return {action_id: _turn_text(messages, action_id) for action_id, messages in rows}
 
@@ -8847,63 +9050,164 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _turn_text(messages_json: str, action_id: str) -> tuple[str, str]:
-    """The customer's message and the model's text, in the turn's messages, up to the tool
-    result that announced `action_id`."""
-    user = ""
-    said: list[str] = []  # what the model wrote before it asked
+def _turn_text(messages_json: str, action_id: str) -> tuple[str, str, str]:
+    """In a turn's messages: the customer's message, what the model wrote before the tool
+    result that announced `action_id`, and what it wrote after (what the customer was told)."""
+    user, before, after = "", list[str](), list[str]()
+    said = before
     try:
         for raw in json.loads(messages_json):
             if action_id in _announced_approval(raw):
-                break
+                said = after
+                continue
             message = json.loads(raw)
             content = message.get("content")
             text = content if isinstance(content, str) else canonical_json(content or "")
-            if message.get("role") == "user":
-                user, said = text, []
+            if message.get("role") == "user" and said is before:
+                user = text
+                before.clear()
             elif message.get("role") == "assistant" and content:
                 said.append(text)
     except (ValueError, TypeError, AttributeError, RecursionError):
-        return "(the saved turn could not be read)", ""
-    return user, "\n".join(said)
+        return "(the saved turn could not be read)", "", ""
+    return user, "\n".join(before), "\n".join(after)
 
 
-def _action_article(
-    action: PendingAction,
-    led_to: tuple[str, str] | None,
-    csrf: str,
-    spent: tuple[int, int] | None = None,
-) -> str:
-    """One waiting action, what its customer spent today (the ledger's tokens, and how many
-    of them are estimates), and its two forms."""
-    summary = "\n".join(f"{key}: {canonical_json(value)}" for key, value in action.summary.items())
-    today = "nothing yet"
-    if spent:
-        today = f"{spent[0]:,} tokens" + (f" ({spent[1]:,} estimated)" if spent[1] else "")
-    rows = [
-        ("Customer", action.customer_id),
-        ("Spent today (UTC)", today),
-        ("Arguments", action.arguments_json),
-        ("The change", summary),
-        ("Filed", action.created_at),
-        ("Expires", action.expires_at),
-    ]
-    if led_to:
-        rows += [("The customer wrote", led_to[0]), ("The model wrote", led_to[1] or "(no text)")]
-    listed = "".join(f"<dt>{name}</dt><dd><pre>{_text(value)}</pre></dd>" for name, value in rows)
-    hidden = (
-        f'<input type="hidden" name="csrf" value="{_text(csrf)}">'
-        f'<input type="hidden" name="action_id" value="{_text(action.action_id)}">'
+@dataclass(frozen=True)
+class _View:
+    """Which waiting actions a page shows: a filter, and which page of INBOX_PAGE. Read from
+    a query string, each value checked (a bad one is the default, never an error page), and
+    written back from those values only: a redirect goes to this inbox's own page."""
+
+    page: int = 1
+    customer: str = ""
+    tool: str = ""
+    source: str = ""  # a tool source's (Tool.source)
+    seen: str = ""  # the mark of the page it was reached from (Refresh), for what changed
+
+    @classmethod
+    def of(cls, query: str) -> _View:
+        try:
+            fields = urllib.parse.parse_qs(query, max_num_fields=8)
+        except ValueError:
+            return cls()
+        given = {name: values[0] for name, values in fields.items()}
+        page = given.get("page", "1")
+        text = {
+            name: value
+            for name, value in given.items()
+            if name in ("customer", "tool", "source", "seen")
+            and len(value) <= 300
+            and value.isprintable()
+        }
+        number = int(page) if page.isascii() and page.isdigit() and len(page) < 7 else 1
+        return cls(max(number, 1), **text)
+
+    def query(self, **changed: Any) -> str:
+        """The view as a query string (without `seen`: it belongs to one page's link)."""
+        shown = {name: value for name, value in asdict(replace(self, **changed)).items() if value}
+        shown.pop("seen", None)
+        return urllib.parse.urlencode({**shown, "page": shown.get("page", 1)})
+
+
+def _pages(view: _View, count: int) -> str:
+    """Links to the newer and the older page, and where this one is."""
+    last = max(1, -(-count // INBOX_PAGE))
+    links = []
+    if view.page > 1:
+        links.append(f'<a href="/?{_text(view.query(page=view.page - 1))}">newer</a>')
+    links.append(f"page {view.page} of {last}")
+    if view.page < last:
+        links.append(f'<a href="/?{_text(view.query(page=view.page + 1))}">older</a>')
+    return f'<nav class="pages">{" · ".join(links)}</nav>'
+
+
+def _ago(iso: str, now: float) -> str:
+    """A time as its distance from now: "in 23 h", "5 min ago"."""
+    try:
+        then = datetime.fromisoformat(iso.replace("Z", "+00:00"))  # 3.10 reads no "Z"
+    except ValueError:
+        return ""
+    seconds = then.timestamp() - now
+    size = abs(seconds)
+    amount = (
+        f"{size / 86400:.0f} d"
+        if size >= 172800
+        else f"{size / 3600:.0f} h"
+        if size >= 5400
+        else f"{size / 60:.0f} min"
+        if size >= 60
+        else ""
     )
-    return (
-        f'<article id="{_text(action.action_id)}"><h3>{_text(action.tool)}'
-        f" <small>{_text(action.action_id)}</small></h3><dl>{listed}</dl>"
-        f'<form method="post" action="/decide">{hidden}'
-        '<button name="decision" value="approve">Approve</button></form>'
-        f'<form method="post" action="/decide">{hidden}'
-        '<input name="reason" maxlength="500" placeholder="why (the model is told)">'
-        '<button name="decision" value="reject">Reject</button></form></article>'
-    )
+    if not amount:
+        return "now"
+    return f"in {amount}" if seconds > 0 else f"{amount} ago"
+
+
+@dataclass(frozen=True)
+class _Card:
+    """One waiting action as the operator sees it: what, for whom, from which tool and
+    source, what its customer spent today, what led to it; and its two forms."""
+
+    action: PendingAction
+    tool: Tool | None
+    led_to: tuple[str, str, str] | None
+    spent: tuple[int, int] | None
+    now: float
+
+    def html(self, csrf: str, view: str, after: str) -> str:
+        action = self.action
+        rows = [
+            ("Customer", action.customer_id),
+            ("Spent today (UTC)", self._spent()),
+            ("Tool", action.tool + (f": {_cut(self.tool.description, 500)}" if self.tool else "")),
+        ]
+        if self.tool and self.tool.source:
+            rows.append(("From", self.tool.source))
+        summary = "\n".join(
+            f"{key}: {canonical_json(value)}" for key, value in action.summary.items()
+        )
+        rows += [
+            ("The change", summary),
+            ("Filed", f"{action.created_at} ({_ago(action.created_at, self.now)})"),
+            ("Expires", f"{action.expires_at} ({_ago(action.expires_at, self.now)})"),
+        ]
+        if self.led_to:
+            wrote, before, told = self.led_to
+            rows.append(("The customer wrote", wrote))
+            rows += [("The model wrote first", before)] if before else []
+            rows.append(("The customer was told", told or "(nothing yet)"))
+        listed = "".join(
+            f"<dt>{name}</dt><dd><pre>{_text(value)}</pre></dd>" for name, value in rows
+        )
+        hidden = "".join(
+            f'<input type="hidden" name="{name}" value="{_text(value)}">'
+            for name, value in (
+                ("csrf", csrf),
+                ("action_id", action.action_id),
+                ("view", view),
+                ("next", after),
+            )
+        )
+        return (
+            f'<article id="{_text(action.action_id)}"><h3>{_text(action.tool)}'
+            f" <small>{_text(action.action_id)}</small></h3><dl>{listed}</dl>"
+            f'<form method="post" action="/decide">{hidden}'
+            "<label>Arguments (edit them to approve a corrected request; they are checked as"
+            f' the model\'s were)<textarea name="arguments" rows="3" spellcheck="false">'
+            f"{_text(action.arguments_json)}</textarea></label>"
+            '<button name="decision" value="approve">Approve</button></form>'
+            f'<form method="post" action="/decide">{hidden}'
+            '<input name="reason" maxlength="500" required placeholder="why (the model is told)">'
+            '<button name="decision" value="reject">Reject</button></form></article>'
+        )
+
+    def _spent(self) -> str:
+        """The ledger's tokens for the customer's day, and how many of them are estimates."""
+        if not self.spent:
+            return "nothing yet"
+        tokens, estimated = self.spent
+        return f"{tokens:,} tokens" + (f" ({estimated:,} estimated)" if estimated else "")
 
 
 def _decided_table(rows: Sequence[tuple[Any, ...]]) -> str:
@@ -8953,52 +9257,82 @@ def _daily_figures(path: Path) -> list[tuple[str, float, float]]:
 
 
 def _chart(figures: Sequence[tuple[str, float, float]]) -> str:
-    """Rounds per turn and the tool error rate by day, as two rows of bars in inline SVG (the
-    seeds say to alert on both)."""
+    """Rounds per turn and the tool error rate by day (the seeds say to alert on both), as
+    two bar charts in inline SVG, each with its scale, every bar's value, and the days."""
     title = "<section><h2>Rounds per turn and tool error rate, by UTC day</h2>"
     if not figures:
         return title + "<p>No turns in the audit log yet.</p></section>"
-    most = max(1.0, *(per_turn for _, per_turn, _ in figures))
-    width = 24 * len(figures) + 8
-    bars = []
-    for n, (day, per_turn, error_rate) in enumerate(figures):
-        x = 8 + 24 * n
-        for top, value, scale, label in (
-            (10, per_turn, most, f"{day}: {per_turn:.2f} rounds per turn"),
-            (130, error_rate, 1.0, f"{day}: tool error rate {error_rate:.1%}"),
-        ):
-            tall = round(100 * value / scale, 1)
-            bars.append(
-                f'<rect x="{x}" y="{top + 100 - tall}" width="18" height="{tall}">'
-                f"<title>{_text(label)}</title></rect>"
+    width = 44 + 28 * len(figures)
+    every = -(-len(figures) // 10)  # a day's label under at most ten bars
+    drawn = []
+    panels = (
+        ("rounds per turn", "{:.1f}", [per_turn for _, per_turn, _ in figures]),
+        ("tool error rate", "{:.0%}", [error_rate for _, _, error_rate in figures]),
+    )
+    for panel, (name, shown, values) in enumerate(panels):
+        # the scale's top: a whole number of rounds; for a rate, the least of a few that fits
+        top = (
+            float(math.ceil(max(values))) or 1.0
+            if panel == 0
+            else next(t for t in (0.1, 0.25, 0.5, 1.0) if max(values) <= t)
+        )
+        base = 136 + 150 * panel  # the bars' foot; the title sits above the tallest's value
+        drawn.append(
+            f'<text x="0" y="{base - 120}">{name}</text>'
+            f'<line x1="40" y1="{base - 100}" x2="40" y2="{base}"></line>'
+            f'<line x1="40" y1="{base}" x2="{width}" y2="{base}"></line>'
+            f'<text x="36" y="{base - 96}" text-anchor="end">{shown.format(top)}</text>'
+            f'<text x="36" y="{base}" text-anchor="end">0</text>'
+        )
+        for n, ((day, *_), value) in enumerate(zip(figures, values, strict=True)):
+            x, tall = 46 + 28 * n, round(100 * value / top, 1)
+            drawn.append(
+                f'<rect x="{x}" y="{base - tall}" width="20" height="{tall}">'
+                f"<title>{_text(day)}: {name} {shown.format(value)}</title></rect>"
+                f'<text x="{x + 10}" y="{base - tall - 3}" text-anchor="middle">'
+                f"{shown.format(value)}</text>"
             )
-    labels = (
-        f'<text x="8" y="124">rounds per turn (top {most:.2f})</text>'
-        '<text x="8" y="244">tool error rate (top 100%)</text>'
+    days = "".join(
+        f'<text x="{46 + 28 * n + 10}" y="302" text-anchor="middle">{_text(day[5:])}</text>'
+        for n, (day, *_) in enumerate(figures)
+        if n % every == 0
     )
     svg = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(width, 300)}" height="250"'
-        f' role="img" aria-label="rounds per turn and tool error rate by day">{"".join(bars)}'
-        f"{labels}</svg>"
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {max(width, 300)} 308"'
+        f' width="{max(width, 300)}" height="308" role="img"'
+        f' aria-label="rounds per turn and tool error rate by day">{"".join(drawn)}{days}</svg>'
     )
     return f"{title}{svg}<p>{_text(figures[0][0])} to {_text(figures[-1][0])}</p></section>"
 
 
 _PAGE_HEAD = (
     '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Inbox</title>'
+    '<meta name="viewport" content="width=device-width, initial-scale=1">'
     '<link rel="stylesheet" href="/inbox.css"></head><body>'
 )
+# A table's columns are fixed, so that only what cannot fit its column breaks (a long hostile
+# string), never a word; on a narrow screen each row is a block and each card one column.
 _INBOX_CSS = b"""body{font:15px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:60em;
-color:#222}
+padding:0 1em;color:#222}
 article{border:1px solid #bbb;border-radius:6px;padding:.5em 1em;margin:1em 0}
-dl{display:grid;grid-template-columns:11em 1fr;gap:.2em 1em}dd{margin:0}
-pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere;font-size:13px}
-form{display:inline-block;margin:.3em 1em .3em 0}input[name=reason]{width:22em}
+dl{display:grid;grid-template-columns:11em minmax(0,1fr);gap:.2em 1em}dd{margin:0}
+pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere;font-size:13px}code{overflow-wrap:anywhere}
+form{display:inline-block;margin:.3em 1em .3em 0;max-width:100%;vertical-align:top}
+article form:first-of-type{display:block}
+textarea{display:block;width:100%;box-sizing:border-box;font:13px monospace;margin:.3em 0}
+input[name=reason]{width:22em;max-width:100%;box-sizing:border-box}
+.filter label{margin-right:1em;white-space:nowrap}nav.pages{margin:1em 0}
 .note{padding:.4em .8em;border-radius:4px}.done{background:#e3f4e3}.refused{background:#fbe3e3}
-table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.3em;
-text-align:left;vertical-align:top;font-size:13px;overflow-wrap:anywhere}
+table{border-collapse:collapse;width:100%;table-layout:fixed}
+td,th{border-bottom:1px solid #ddd;padding:.3em;text-align:left;vertical-align:top;
+font-size:13px;overflow-wrap:break-word}
+th:nth-child(1){width:13em}th:nth-child(2),th:nth-child(3){width:6em}th:nth-child(5){width:30%}
 .ok{color:#185c18}.broken{color:#a01010;font-weight:bold}rect{fill:#4a6fa5}
-svg text{font-size:11px;fill:#444}
+svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#444}svg line{stroke:#888}
+@media (max-width:40em){body{margin:.5em auto}dl{grid-template-columns:minmax(0,1fr)}
+dt{font-weight:bold}table,tbody,tr,td{display:block}tr:first-child{display:none}
+tr{border-bottom:1px solid #ddd;padding:.3em 0}td{border:0;padding:.1em 0}
+form{display:block}input[name=reason]{width:100%}}
 """
 
 
@@ -9048,10 +9382,10 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
                 self._send(200, _INBOX_CSS, "text/css; charset=utf-8")
             elif path != "/":
                 self._page(404, "Not found", "There is no such page here.")
-            elif query:
+            elif query.startswith("token="):
                 self._sign_in(query)
             elif session is not None:
-                self._send(200, inbox.page(session).encode())
+                self._send(200, inbox.page(session, _View.of(query)).encode())
             else:
                 self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
 
@@ -9070,8 +9404,7 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
                 if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
                     self._page(403, "Refused", "This form is stale; reload the page and try again.")
                     return
-                inbox.decide(session, form)
-                self._redirect("/")
+                self._redirect(inbox.decide(session, form))
 
         def _host_is_ours(self) -> bool:
             """Only the names this server was reached by: a page elsewhere that rebinds its

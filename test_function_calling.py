@@ -95,6 +95,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 HERE = Path(__file__).resolve().parent
 MODULE = HERE / "function_calling.py"
 FAKE_KEY = "sk-test-FAKEKEY0123456789abcdef"
+BACK = "/?page=1#waiting"  # where a decision made outside any page of the inbox goes back to
 OTHER_CUSTOMER = "CUST-0002"
 NO_ARGUMENTS: dict[str, Any] = {
     "type": "object",
@@ -4172,7 +4173,7 @@ class CrashTest(ApprovalCase):
         for point in points * 2:
             with self.subTest(point=point):
                 self.fresh_proposal()
-                self.approvals.reject(self.action_id, "test")  # ORD-1003 is free to file again
+                self.approvals.reject(self.action_id, "test", "again")  # ORD-1003 is free again
                 with ScriptedChatServer([*proposing, text_reply("filed")]) as server:
                     ask = ["ask", "refund ORD-1003", "--data-dir", str(self.data_dir)]
                     self.in_a_child("kill", point, *ask, env={"OPENAI_BASE_URL": server.base_url})
@@ -4276,7 +4277,7 @@ class ApprovalCliTest(ApprovalCase):
         self.assertEqual(listed.returncode, 0)
         self.assertIn(f"{told['approvalId']}  CUST-0001  requestShippingRefund", listed.stdout)
         self.assertIn("amount=5.99 currency=USD", listed.stdout)
-        self.decide("reject", told["approvalId"])
+        self.decide("reject", told["approvalId"], "--reason", "not late")
         self.assertEqual(self.decide("pending").stdout, "no pending actions\n")
 
     def test_approve_applies_the_refund_once(self) -> None:
@@ -4333,13 +4334,13 @@ class ApprovalCliTest(ApprovalCase):
 
     def test_a_rejected_action_cannot_be_approved(self) -> None:
         action_id = self.propose()["approvalId"]
-        self.assertEqual(self.decide("reject", action_id).returncode, 0)
+        self.assertEqual(self.decide("reject", action_id, "--reason", "no").returncode, 0)
         done = self.decide("approve", action_id)
         self.assertEqual(
             (done.returncode, done.stderr),
             (1, f"error: {action_id}: already rejected; nothing was run\n"),
         )
-        self.assertEqual(self.decide("reject", action_id).returncode, 1)
+        self.assertEqual(self.decide("reject", action_id, "--reason", "no").returncode, 1)
         self.assertEqual(self.refunds(), [])
 
     def test_an_expired_action_cannot_be_approved(self) -> None:
@@ -4397,7 +4398,7 @@ class ApprovalCliTest(ApprovalCase):
 
     def test_the_operator_defaults_to_the_os_user(self) -> None:
         action_id = self.propose()["approvalId"]
-        self.decide("reject", action_id)
+        self.decide("reject", action_id, "--reason", "no")
         (record,) = self.audit_records("approval_decision")
         self.assertEqual(record["operator"], pwd.getpwuid(os.getuid()).pw_name)
 
@@ -4599,14 +4600,15 @@ class DatabaseTest(LoopTestCase):
             return dict(db.execute("SELECT component, version FROM schema_versions"))
 
     def test_each_part_keeps_its_own_schema_version(self) -> None:
-        self.assertEqual(self.versions(), {"approvals": 1, "approval_outcomes": 1, "shop": 1})
+        kept = {"approvals": 1, "approval_outcomes": 1, "approval_edits": 1, "shop": 1}
+        self.assertEqual(self.versions(), kept)
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
         with closing(sqlite3.connect(self.db_path)) as db:
             self.assertEqual(db.execute("SELECT COUNT(*) FROM extra").fetchone(), (1,))
         with self.assertRaisesRegex(ConfigError, "holds shop schema 1; this code knows schema 2"):
             self.database.install("shop", 2, "CREATE TABLE orders2 (x)")
-        parts = {"approvals": 1, "approval_outcomes": 1, "shop": 1, "extra": 3}
+        parts = {**kept, "extra": 3}
         self.assertEqual(self.versions(), parts)
 
     def order_status(self) -> str:
@@ -5077,7 +5079,7 @@ class CliTest(LoopTestCase):
 
     def test_a_data_dir_without_a_database_is_refused_for_pending_approve_and_reject(self) -> None:
         typo = self.data_dir / "tpyo"
-        for args in (["pending"], ["approve", "appr-0"], ["reject", "appr-0"]):
+        for args in (["pending"], ["approve", "appr-0"], ["reject", "appr-0", "--reason", "x"]):
             with self.subTest(args=args):
                 done = self.cli(*args, "--data-dir", str(typo))
                 self.assertEqual(done.returncode, 2)
@@ -5125,7 +5127,7 @@ class CliTest(LoopTestCase):
         inbox = [sys.executable, *shlex.split(page.split(": ", 1)[1])[1:]]
         self.assertEqual(inbox[2:], ["inbox", "--data-dir", str(other.resolve())])
         (action_id,) = re.findall(r"pending   (appr-[0-9a-f]{20})", done.stdout)
-        shown = decided_in_an_inbox(inbox, elsewhere, {}, action_id, "approve")
+        shown, _ = decided_in_an_inbox(inbox, elsewhere, {}, action_id, "approve")
         self.assertIn(f"approved {action_id}", shown)
 
     def test_a_kept_demo_run_again_carries_on_from_what_is_there(self) -> None:
@@ -5329,7 +5331,7 @@ class MakeItYoursTest(HelpDeskCase):
 
     def test_the_recipes_write_can_be_rejected_and_is_rechecked_when_approved(self) -> None:
         action_id = self.propose_close()
-        self.assertEqual(self.my_app("reject", action_id)[0].returncode, 0)
+        self.assertEqual(self.my_app("reject", action_id, "--reason", "not now")[0].returncode, 0)
         self.assertEqual(self.ticket_state("T-000123"), "open")
         action_id = self.propose_close()
         with closing(sqlite3.connect(self.app_data / "data.db")) as db, db:
@@ -5506,7 +5508,7 @@ class MakeItYoursTest(HelpDeskCase):
     def test_the_recipes_inbox_approves_with_the_recipes_own_tool(self) -> None:
         action_id = self.propose_close()
         command = [sys.executable, "my_app.py", "inbox", "--operator", "bob"]
-        shown = decided_in_an_inbox(command, self.folder, {}, action_id, "approve")
+        shown, _ = decided_in_an_inbox(command, self.folder, {}, action_id, "approve")
         self.assertIn(f"approved {action_id}", shown)
         self.assertEqual(self.ticket_state("T-000123"), "closed")
         (line,) = [r for r in self.app_audit("approval_decision") if r["action_id"] == action_id]
@@ -7513,11 +7515,15 @@ class McpToolsTest(McpCase):
         action_id = tool_results(requests[1])[0]["approvalId"]
         inbox = [sys.executable, str(MODULE), "inbox", "--operator", "ops"]
         environment = {"FUNCTION_CALLING_DATA": str(self.data_dir), "NO_PROXY": "127.0.0.1"}
-        without = decided_in_an_inbox(inbox, self.data_dir, environment, action_id, "approve")
+        without, _ = decided_in_an_inbox(inbox, self.data_dir, environment, action_id, "approve")
         self.assertIn("it is a tool of the MCP server", without)  # said on the page, as by approve
         self.assertEqual(self.calls(), [])
         with_server = [*inbox, "--mcp", self.command()]
-        shown = decided_in_an_inbox(with_server, self.data_dir, environment, action_id, "approve")
+        shown, card = decided_in_an_inbox(
+            with_server, self.data_dir, environment, action_id, "approve"
+        )
+        self.assertIn(f"Tool {CANCEL}: Cancel an order.", card)  # the server's own words
+        self.assertIn(f"From MCP server {shlex.join(shlex.split(self.command()))}", card)
         self.assertIn(f"approved {action_id}", shown)
         (call,) = self.calls()
         self.assertEqual(call["_meta"], {fc.MCP_IDEMPOTENCY_KEY: action_id})
@@ -8418,10 +8424,13 @@ INBOX_APP = """
 import sys
 sys.path.insert(0, sys.argv.pop(1))
 import function_calling as fc
-from test_function_calling import RefundWithNoteForTests
+from test_function_calling import RefundWithNoteForTests, SourcedRefundForTests
 
 fc.INBOX_REQUEST_S = float(sys.argv.pop(1))  # the tests' own deadline, so a stall is short
-APP = fc.App(tools=lambda database: [RefundWithNoteForTests()], database="orders.db")
+APP = fc.App(
+    tools=lambda database: [RefundWithNoteForTests(), SourcedRefundForTests()],
+    database="orders.db",
+)
 sys.exit(fc.main(app=APP))
 """
 # What a model may write, each a way to run script in a page that shows it unescaped.
@@ -8453,10 +8462,12 @@ class InboxCase(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
-            store = fc.Conversations(self.database)
-            conversation = store.start(DEMO_CUSTOMER, "be brief")
+            self.store = fc.Conversations(self.database)
+            conversation = self.store.start(DEMO_CUSTOMER, "be brief")
             context = ToolContext(DEMO_CUSTOMER)
-            store.turn(loop, conversation, f"Refund it. {note}", context, self.approvals)
+            _, self.conversation = self.store.turn(
+                loop, conversation, f"Refund it. {note}", context, self.approvals
+            )
         (action,) = self.approvals.pending()
         return action.action_id
 
@@ -8543,6 +8554,24 @@ class InboxCase(LoopTestCase):
             r for r in self.audit_records("approval_decision") if r["action_id"] == self.action_id
         ]
 
+    def file_many(self, count: int) -> list[str]:
+        """`count` more actions, filed in order within a second or so (as a busy queue
+        is), by three customers, half of them by a tool from a source; their ids, in order."""
+        tools = [RefundWithNoteForTests(), SourcedRefundForTests()]
+        filed = []
+        for n in range(count):
+            order = f"ORD-{n:04d}"
+            context = ToolContext(f"CUST-{n % 3}")
+            told = self.approvals.propose(
+                tools[n % 2], {"orderId": order, "note": f"note {n}"}, context, {"orderId": order}
+            )
+            filed.append(told["approvalId"])
+        return filed
+
+    def cards(self, page: str) -> list[str]:
+        """The ids of the waiting actions a page shows, in its order."""
+        return re.findall(r'<article id="(appr-[0-9a-f]{20})">', page)
+
 
 class RefundWithNoteForTests(Tool):
     """A write whose arguments carry free text from the model (the inbox's tests' tool)."""
@@ -8562,6 +8591,12 @@ class RefundWithNoteForTests(Tool):
         self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
     ) -> dict[str, Any]:
         return {"refunded": args["orderId"], "note": args["note"]}
+
+
+class SourcedRefundForTests(RefundWithNoteForTests):
+    """The same write, as a tool source (an MCP server, say) would give it."""
+
+    name, source = "refundFromSource", "a source for the tests"
 
 
 class InboxTest(InboxCase):
@@ -8601,8 +8636,11 @@ class InboxTest(InboxCase):
         self.assertIn('"note": "<img src=x onerror=', shown.replace('":"', '": "'))
         self.assertIn("\\u001b[31mred", shown)  # an ANSI escape, shown
         self.assertIn("\\u202egnp.exe", shown)  # a bidi override, shown, not obeyed
-        for raw in ("<img", "<script", "</script>", "<a ", "\x1b", "\u202e"):  # as markup
+        for raw in ("<img", "<script", "</script>", "\x1b", "\u202e"):  # as markup
             self.assertNotIn(raw, body)
+        links = re.findall(r"<a\b[^>]*>", body)  # the page's own: refresh, filter, pages
+        self.assertTrue(links)
+        self.assertEqual([link for link in links if not link.startswith('<a href="/')], [])
         self.assertIn("Intact:", shown)
         self.assertIn("<svg", body)
         self.assertNotIn(FAKE_KEY, body)
@@ -8622,13 +8660,13 @@ class InboxTest(InboxCase):
         origin, link = self.start_inbox()
         cookie, other = self.signed_in(origin, link), self.signed_in(origin, link)  # two tabs
         self.csrf_of(origin, other)  # the second tab shows the action too
-        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, "/"))
+        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, BACK))
         first = html_text(self.page(origin, cookie))
         self.assertIn(f"approved {self.action_id}", first)
-        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, "/"))  # again
+        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, BACK))  # again
         again = html_text(self.page(origin, cookie))
         self.assertIn(f"{self.action_id}: already approved; nothing was run", again)
-        self.assertEqual(self.decide(origin, other, decision="reject")[0], 303)
+        self.assertEqual(self.decide(origin, other, decision="reject", reason="late")[0], 303)
         self.assertIn("already approved", html_text(self.page(origin, other)))
         outcomes = [(line["outcome"], line["operator"]) for line in self.decision_lines()]
         self.assertEqual(
@@ -8651,7 +8689,7 @@ class InboxTest(InboxCase):
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda _: click(), range(2)))
-        self.assertEqual(answers, [(303, "/"), (303, "/")])
+        self.assertEqual(answers, [(303, BACK), (303, BACK)])
         outcomes = sorted(line["outcome"] for line in self.decision_lines())
         self.assertEqual(outcomes, ["approved", "refused"])
         shown = html_text(self.page(origin, cookie))  # both notes, once each
@@ -8712,19 +8750,80 @@ class InboxTest(InboxCase):
             200,
         )
 
+    def test_a_queue_is_paged_newest_first_filtered_and_a_decision_keeps_the_place(self) -> None:
+        filed = [self.action_id, *self.file_many(120)]
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        newest_first = filed[::-1]
+        about = {action.action_id: action for action in self.approvals.pending()}
+        first = self.page(origin, cookie)
+        self.assertEqual(self.cards(first), newest_first[:50])  # in filing order within a second
+        self.assertIn("Waiting for a decision (121)", html_text(first))
+        self.assertIn("page 1 of 3", html_text(first))
+        last = self.request(origin, "GET", "/?page=3", headers={"Cookie": cookie})[2]
+        self.assertEqual(self.cards(last), newest_first[100:])
+        for query, count in (
+            ("customer=CUST-1", 40),
+            ("tool=refundFromSource", 60),
+            ("source=a+source+for+the+tests", 60),
+            ("source=a+source+for+the+tests&customer=CUST-1", 20),
+            ("tool=noSuchTool", 0),
+        ):
+            with self.subTest(query=query):
+                page = self.request(origin, "GET", f"/?{query}", headers={"Cookie": cookie})[2]
+                self.assertIn(f"Waiting for a decision ({count})", html_text(page))
+                wanted = dict(urllib.parse.parse_qsl(query))
+                sourced = "refundFromSource" if "source" in wanted else None
+                expected = [
+                    action_id
+                    for action_id in newest_first
+                    if wanted.get("customer", about[action_id].customer_id)
+                    == about[action_id].customer_id
+                    and wanted.get("tool", sourced or about[action_id].tool)
+                    == about[action_id].tool
+                ]
+                self.assertEqual(self.cards(page), expected[:50])
+        page_two = self.request(origin, "GET", "/?page=2", headers={"Cookie": cookie})[2]
+        decided, after = self.cards(page_two)[:2]
+        self.action_id = decided
+        where = self.decide(
+            origin, cookie, decision="reject", reason="no", view="page=2", next=after
+        )
+        self.assertEqual(where, (303, f"/?page=2#{after}"))
+        back = self.request(origin, "GET", where[1].split("#")[0], headers={"Cookie": cookie})[2]
+        self.assertIn(after, self.cards(back))
+        self.assertNotIn(decided, self.cards(back))
+        self.assertIn(f"rejected {decided}", html_text(back))
+
+    def test_refresh_says_what_changed_since_the_page_was_drawn(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        refresh = re.search(
+            r'<a href="(/\?[^"]*seen=[0-9.]+)">Refresh</a>', self.page(origin, cookie)
+        )
+        assert refresh is not None
+        self.file_many(3)
+        self.approvals.reject(self.action_id, "bob", "not this one")
+        after = self.request(
+            origin, "GET", html.unescape(refresh.group(1)), headers={"Cookie": cookie}
+        )
+        self.assertIn("since the last page: 3 filed, 1 decided", html_text(after[2]))
+
     def test_bad_requests_get_a_short_page_never_a_traceback(self) -> None:
         origin, link = self.start_inbox()
         cookie = self.signed_in(origin, link)
         form = {"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}
         cases = [
-            ("POST", "/decide", b"x" * 20000, form, 413),
+            ("POST", "/decide", b"x" * (fc.INBOX_MAX_BODY + 1), form, 413),
             ("POST", "/decide", b"{}", {**form, "Content-Type": "application/json"}, 415),
             ("POST", "/decide", b"\xff\xfe=\xff", form, 400),
             ("POST", "/elsewhere", b"", form, 404),
             ("GET", "/../../etc/passwd", None, {"Cookie": cookie}, 404),
             ("PUT", "/", b"", form, 501),
-            ("GET", "/?a&b&c&d&e", None, {}, 400),  # more fields than a sign-in link has
+            ("GET", "/?token=a&b&c&d&e", None, {}, 400),  # more fields than a sign-in link has
             ("GET", "/?token=%ff%fe", None, {}, 403),
+            ("GET", "/?" + "&".join("abcdefghijk"), None, {"Cookie": cookie}, 200),  # as "/"
+            ("GET", "/?page=1e9&page=-1&customer=%ff%00&seen=9.x", None, {"Cookie": cookie}, 200),
         ]
         for method, path, body, headers, status in cases:
             got, got_headers, text = self.request(origin, method, path, body, headers)
@@ -8810,6 +8909,95 @@ class InboxTest(InboxCase):
         done = self.cli("inbox", "--data-dir", str(empty))
         self.assertEqual(done.returncode, 2)
         self.assertIn("no database", done.stderr)
+
+
+class EditBeforeApproveTest(InboxCase):
+    """A person corrects a request before approving it: the edit is checked as the model's
+    arguments were, the approval binds to it, and the log and the conversation say so."""
+
+    table = fc.tool_table([RefundWithNoteForTests()])
+
+    def cli_of_the_app(self, *args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(self.app_file), str(HERE), "10", *args]
+        env = {"PATH": os.environ.get("PATH", ""), "OPENAI_API_KEY": FAKE_KEY}
+        data = ["--data-dir", str(self.data_dir)]
+        return subprocess.run(
+            [*command, *data], capture_output=True, text=True, env=env, check=False
+        )
+
+    def test_an_edit_is_approved_as_edited_and_both_requests_are_audited(self) -> None:
+        (action,) = self.approvals.pending()
+        edited = '{"orderId": "ORD-1003", "note": "corrected by a person"}'
+        outcome = self.approvals.approve(self.action_id, self.table, "alice", edited)
+        self.assertEqual(outcome, {"refunded": "ORD-1003", "note": "corrected by a person"})
+        (line,) = self.decision_lines()
+        canonical = '{"note":"corrected by a person","orderId":"ORD-1003"}'
+        binding = fc._binding(DEMO_CUSTOMER, "refundWithNote", canonical)
+        self.assertEqual(
+            {k: line[k] for k in ("outcome", "arguments", "binding_sha256", "edited_by")},
+            {
+                "outcome": "approved",
+                "arguments": canonical,
+                "binding_sha256": binding,
+                "edited_by": "alice",
+            },
+        )
+        self.assertEqual(
+            (line["proposed_arguments"], line["proposed_sha256"]),
+            (action.arguments_json, action.binding_sha256),
+        )
+        self.assertNotEqual(line["proposed_sha256"], line["binding_sha256"])
+        with ScriptedChatServer([text_reply("It was refunded, with a corrected note.")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            tool = RefundWithNoteForTests()
+            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            self.store.turn(
+                loop, self.conversation, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
+            )
+            notice = json.loads(server.requests[0].json()["messages"][-2]["content"])
+        (told,) = notice["decisions"]
+        self.assertEqual(told["decision"], "approved, edited")
+        self.assertEqual(told["arguments"], json.loads(canonical))
+        self.assertEqual(told["proposedArguments"], json.loads(action.arguments_json))
+        self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
+
+    def test_an_edit_the_model_would_be_refused_for_is_refused_and_decides_nothing(self) -> None:
+        tool = RefundWithNoteForTests()
+        for edited in ('{"orderId": "ORD-1003"}', '{"orderId": "x", "note": "", "extra": 1}'):
+            with self.subTest(edited=edited):
+                with self.assertRaises(fc.ToolError) as model:  # what the model would be told
+                    tool.run(json.loads(edited), ToolContext(DEMO_CUSTOMER))
+                with self.assertRaises(fc.ApprovalError) as refused:
+                    self.approvals.approve(self.action_id, self.table, "alice", edited)
+                self.assertIn(str(model.exception), str(refused.exception))
+        with self.assertRaisesRegex(fc.ApprovalError, "not JSON"):
+            self.approvals.approve(self.action_id, self.table, "alice", "{note: hi}")
+        (still,) = self.approvals.pending()  # as proposed, and still waiting
+        self.assertEqual(json.loads(still.arguments_json)["note"], HOSTILE)
+        self.assertEqual([line["outcome"] for line in self.decision_lines()], ["refused"] * 3)
+        with closing(sqlite3.connect(self.db_path)) as db:
+            self.assertEqual(db.execute("SELECT COUNT(*) FROM action_edits").fetchone(), (0,))
+
+    def test_the_command_line_approves_an_edit_and_refuses_a_bad_one(self) -> None:
+        bad = self.cli_of_the_app("approve", self.action_id, "--arguments", '{"orderId": 7}')
+        self.assertEqual(bad.returncode, 1, bad.stderr)
+        self.assertIn("the edit was refused, so nothing was decided: note: required", bad.stderr)
+        edited = '{"orderId": "ORD-1003", "note": "ok"}'
+        done = self.cli_of_the_app("approve", self.action_id, "--arguments", edited)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn('"note":"ok"', done.stdout)
+        (line,) = [r for r in self.decision_lines() if r["outcome"] == "approved"]
+        self.assertEqual(line["edited_by"], pwd.getpwuid(os.getuid()).pw_name)
+
+    def test_a_rejection_needs_a_reason(self) -> None:
+        for reason in ("", "   ", "x" * 501, "two\nlines"):
+            with self.subTest(reason=reason), self.assertRaisesRegex(fc.ApprovalError, "reason"):
+                self.approvals.reject(self.action_id, "alice", reason)
+        without = self.cli_of_the_app("reject", self.action_id)
+        self.assertEqual(without.returncode, 2)
+        self.assertIn("--reason", without.stderr)
+        self.assertEqual(len(self.approvals.pending()), 1)
+        self.assertEqual(self.decision_lines(), [])
 
 
 def chromium() -> str | None:
@@ -8929,6 +9117,62 @@ class DevTools:
             )
         self.wait_for("Page.loadEventFired", session)
 
+    def type_into(self, session: str, selector: str, text: str) -> None:
+        """Click into a field, select what it holds, and type `text` over it key by key."""
+        box = self.evaluate(
+            session,
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
+            " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
+            " return [r.x + r.width / 2, r.y + r.height / 2]; })()",
+        )
+        for kind in ("mousePressed", "mouseReleased"):
+            self.send(
+                "Input.dispatchMouseEvent",
+                session,
+                type=kind,
+                x=box[0],
+                y=box[1],
+                button="left",
+                clickCount=1,
+            )
+        control_a = {"key": "a", "code": "KeyA", "modifiers": 2, "windowsVirtualKeyCode": 65}
+        self.send("Input.dispatchKeyEvent", session, type="rawKeyDown", **control_a)
+        self.send("Input.dispatchKeyEvent", session, type="keyUp", **control_a)
+        for character in text:
+            self.send("Input.dispatchKeyEvent", session, type="char", text=character)
+
+    def choose(self, session: str, selector: str, steps: int) -> None:
+        """Pick the option `steps` down in a select, by the keyboard, as a person would."""
+        self.evaluate(session, f"document.querySelector({json.dumps(selector)}).focus()")
+        for key in ["ArrowDown"] * steps:
+            for kind in ("rawKeyDown", "keyUp"):
+                self.send(
+                    "Input.dispatchKeyEvent",
+                    session,
+                    type=kind,
+                    key=key,
+                    code=key,
+                    windowsVirtualKeyCode=40,
+                )
+
+    def width(self, session: str, pixels: int, mobile: bool) -> None:
+        """Lay the page out as a screen `pixels` wide would (a phone's, if `mobile`)."""
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            session,
+            width=pixels,
+            height=844 if mobile else 900,
+            deviceScaleFactor=1,
+            mobile=mobile,
+        )
+
+    def shot(self, session: str, path: Path) -> None:
+        self.send("Page.bringToFront", session)  # subtle: a tab behind another may never paint
+        picture = self.send("Page.captureScreenshot", session, captureBeyondViewport=True)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(base64.b64decode(picture["data"]))
+        print(f"\nscreenshot: {path}", file=sys.stderr)
+
     def close(self) -> None:
         with suppress(OSError, AssertionError):
             self.send("Browser.close")
@@ -8962,14 +9206,10 @@ class InboxBrowserTest(InboxCase):
             self.assertIn("</script><script>document.title='PWNED'</script>", text)
             self.assertIn('href="javascript:', text)
             self.assertIn("\\u001b[31mred", text)
-            markup = "document.querySelectorAll('img, script, a, iframe, object').length"
+            markup = "document.querySelectorAll('img, script, a:not([href^=\"/\"]), iframe').length"
             self.assertEqual(browser.evaluate(tab, markup), 0)
             self.assertEqual(browser.evaluate(tab, "document.styleSheets.length"), 1)
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        browser.send("Page.bringToFront", first)  # subtle: a tab behind another may never paint
-        shot = browser.send("Page.captureScreenshot", first, captureBeyondViewport=True)
-        SCREENSHOT.write_bytes(base64.b64decode(shot["data"]))
-        print(f"\nscreenshot: {SCREENSHOT}", file=sys.stderr)
+        browser.shot(first, SCREENSHOT)
         browser.click(first, "button[value=approve]")
         self.assertIn(
             f"approved {self.action_id}", browser.evaluate(first, "document.body.innerText")
@@ -8981,12 +9221,98 @@ class InboxBrowserTest(InboxCase):
         self.assertEqual(outcomes, ["approved", "refused"])
         self.assertEqual(browser.evaluate(first, "document.title"), "Inbox")
 
+    def test_an_edit_typed_into_the_page_is_checked_then_approved_as_typed(self) -> None:
+        _, link = self.start_inbox()
+        browser = DevTools(str(chromium()), self.data_dir / "profile")
+        self.addCleanup(browser.close)
+        tab = browser.tab(link)
+        browser.type_into(tab, "textarea[name=arguments]", '{"orderId": "ORD-1003"}')
+        browser.click(tab, "button[value=approve]")
+        shown = browser.evaluate(tab, "document.body.innerText")
+        self.assertIn("the edit was refused, so nothing was decided: note: required", shown)
+        self.assertEqual(len(self.approvals.pending()), 1)  # still waiting, as proposed
+        typed = '{"orderId": "ORD-1003", "note": "typed by a person"}'
+        browser.type_into(tab, "textarea[name=arguments]", typed)
+        browser.click(tab, "button[value=approve]")
+        shown = browser.evaluate(tab, "document.body.innerText")
+        self.assertIn(f'approved {self.action_id}: {{"note":"typed by a person"', shown)
+        refused, approved = self.decision_lines()
+        self.assertEqual(refused["outcome"], "refused")
+        self.assertEqual(approved["arguments"], fc.canonical_json(json.loads(typed)))
+        self.assertEqual(approved["edited_by"], "alice")
+        self.assertNotEqual(approved["proposed_sha256"], approved["binding_sha256"])
+        self.assertEqual(json.loads(approved["proposed_arguments"])["note"], HOSTILE)
+
+    def test_a_queue_of_120_is_paged_filtered_and_the_place_kept_after_a_click(self) -> None:
+        filed = self.file_many(120)
+        _, link = self.start_inbox()
+        browser = DevTools(str(chromium()), self.data_dir / "profile")
+        self.addCleanup(browser.close)
+        tab = browser.tab(link)
+        browser.click(tab, "nav.pages a")  # older
+        self.assertIn("page 2 of 3", browser.evaluate(tab, "document.body.innerText"))
+        on_page = browser.evaluate(tab, "[...document.querySelectorAll('article')].map(a => a.id)")
+        self.assertEqual(on_page, filed[::-1][50:100])
+        browser.choose(tab, "select[name=tool]", 1)  # the first tool, by its name: refundFromSource
+        browser.type_into(tab, "input[name=customer]", "CUST-1")
+        browser.click(tab, "form.filter button")
+        self.assertIn(
+            "Waiting for a decision (20)", browser.evaluate(tab, "document.body.innerText")
+        )
+        second = "document.querySelectorAll('article')[1].id"
+        decided, after = (
+            browser.evaluate(tab, "document.querySelector('article').id"),
+            browser.evaluate(tab, second),
+        )
+        browser.type_into(tab, f"[id='{decided}'] input[name=reason]", "not this one")
+        browser.click(tab, f"[id='{decided}'] button[value=reject]")
+        where = browser.evaluate(tab, "[location.pathname, location.search, location.hash]")
+        self.assertEqual(where[2], f"#{after}")
+        self.assertEqual(
+            dict(urllib.parse.parse_qsl(where[1][1:])),
+            {"customer": "CUST-1", "tool": "refundFromSource", "page": "1"},
+        )
+        self.assertIn(f"rejected {decided}", browser.evaluate(tab, "document.body.innerText"))
+
+    def test_on_a_phone_the_page_fits_its_width_and_no_word_is_broken(self) -> None:
+        self.file_many(2)
+        self.approvals.reject(self.action_id, "alice", "approved elsewhere, says the carrier")
+        origin, link = self.start_inbox()
+        browser = DevTools(str(chromium()), self.data_dir / "profile")
+        self.addCleanup(browser.close)
+        tab = browser.tab(link)
+        words_whole = (
+            "[...document.querySelectorAll('td')].filter(td => /^[a-z]+$/.test(td.innerText))"
+            ".map(td => { const r = document.createRange(); r.selectNodeContents(td);"
+            " return [td.innerText, r.getClientRects().length]; })"
+        )
+        for pixels, mobile in ((1280, False), (390, True)):
+            with self.subTest(pixels=pixels):
+                browser.width(tab, pixels, mobile)
+                browser.go(tab, origin + "/")
+                layout = browser.evaluate(
+                    tab,
+                    "[innerWidth, document.documentElement.scrollWidth,"
+                    " Math.max(...[...document.querySelectorAll('body *')]"
+                    ".map(e => e.getBoundingClientRect().right)),"
+                    " getComputedStyle(document.body).fontSize]",
+                )
+                self.assertEqual(layout[0], pixels)  # laid out at the screen's width, not 980
+                self.assertLessEqual(layout[1], pixels)  # nothing to scroll sideways
+                self.assertLessEqual(layout[2], pixels)  # no element past the right edge
+                self.assertEqual(layout[3], "15px")  # read without zooming
+                whole = browser.evaluate(tab, words_whole)
+                self.assertEqual({word for word, _ in whole}, {"alice", "rejected"})
+                self.assertEqual({lines for _, lines in whole}, {1}, whole)
+                browser.shot(tab, SCREENSHOT.with_name(f"inbox-{pixels}.png"))
+
 
 def decided_in_an_inbox(
     command: list[str], cwd: Path, env: dict[str, str], action_id: str, decision: str
-) -> str:
+) -> tuple[str, str]:
     """Start an inbox, sign in through its link as a browser would (cookies kept), decide
-    `action_id` through the page's form, stop it; the text of the page shown after."""
+    `action_id` through the page's form, stop it; the text of the page shown after it, and of
+    the page before."""
     inbox = subprocess.Popen(
         command,
         cwd=cwd,
@@ -9008,7 +9334,7 @@ def decided_in_an_inbox(
     finally:
         inbox.send_signal(signal.SIGINT)
         inbox.communicate(timeout=30)
-    return html_text(after.decode())
+    return html_text(after.decode()), html_text(page)
 
 
 def hung_up(sock: socket.socket) -> bool:
@@ -10031,16 +10357,42 @@ class Benchmarks(LoopTestCase):
                 our_round.step(), sdk_round.step()  # their warm-ups
                 return alternating(our_round.step, sdk_round.step, runs)
 
-    def test_the_inbox_page_of_1000_pending_actions_against_pending(self) -> None:
-        tool = RefundWithNoteForTests()
-        for n in range(1000):
-            arguments = {"orderId": f"ORD-{n:04d}", "note": f"late delivery <b>{n}</b>"}
-            self.approvals.propose(tool, arguments, ToolContext(DEMO_CUSTOMER), arguments)
+    def test_a_page_of_a_10000_action_queue_against_pending_json_of_its_50(self) -> None:
+        # rows written straight into the table (filing 10,000 through Approvals would cost
+        # 10,000 fsyncs and measure nothing more); the 50 newest are also a queue of their own
+        queue, fifty = self.data_dir / "queue", self.data_dir / "fifty"
+        rows = []
+        for n in range(10_000):
+            arguments = fc.canonical_json({"orderId": f"ORD-{n:04d}", "note": f"<b>{n}</b>"})
+            binding = fc._binding(f"CUST-{n % 7}", "refundWithNote", arguments)
+            customer, times = f"CUST-{n % 7}", ("2026-12-03T10:00:00Z", "2999-01-01T00:00:00Z")
+            rows.append(
+                (
+                    f"appr-{n:020x}",
+                    customer,
+                    "refundWithNote",
+                    arguments,
+                    binding,
+                    arguments,
+                    *times,
+                )
+            )
+        for where, kept in ((queue, rows), (fifty, rows[-50:])):
+            where.mkdir()
+            database = Database(where / "orders.db")
+            Approvals(database, AuditLog(where / "audit.log"))
+            with database.write_transaction() as db:
+                db.executemany(
+                    "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
+                    " binding_sha256, summary_json, created_at, expires_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    kept,
+                )
         app_file = self.data_dir / "inbox_app.py"
         app_file.write_text(INBOX_APP)
         command = [sys.executable, str(app_file), str(HERE), "10", "inbox"]
         inbox = subprocess.Popen(
-            [*command, "--data-dir", str(self.data_dir)], stdout=subprocess.PIPE, text=True
+            [*command, "--data-dir", str(queue)], stdout=subprocess.PIPE, text=True
         )
         assert inbox.stdout is not None
         link = inbox.stdout.readline().split()[-1]
@@ -10056,14 +10408,16 @@ class Benchmarks(LoopTestCase):
                 connection.request("GET", "/", headers={"Cookie": cookie})
                 body = connection.getresponse().read()
                 connection.close()
-                assert body.count(b'value="approve"') == 1000
+                assert body.count(b'value="approve"') == 50
+                assert b"Waiting for a decision (10000)" in body
 
             def pending() -> None:
                 with redirect_stdout(io.StringIO()) as listed:
                     fc.main(
-                        ["pending", "--data-dir", str(self.data_dir)], fc.App(database="orders.db")
+                        ["pending", "--json", "--data-dir", str(fifty)],
+                        fc.App(database="orders.db"),
                     )
-                assert listed.getvalue().count("\n") == 1000
+                assert listed.getvalue().count("\n") == 50
 
             page()  # the log's figures read once, as the first page reads them
             pending()
@@ -10071,10 +10425,11 @@ class Benchmarks(LoopTestCase):
         finally:
             inbox.send_signal(signal.SIGINT)
             inbox.communicate(timeout=30)
+        took = statistics.median(subject for subject, _ in pairs)
         report(
             ratio_line(
-                "the inbox page of 1,000 pending actions, over HTTP / `pending` listing the"
-                " same 1,000 (in this process)",
+                f"the inbox page of 50 of 10,000 waiting actions over HTTP (median {took:.1f} ms)"
+                " / `pending --json` listing the same 50 (in this process)",
                 pairs,
             )
         )
