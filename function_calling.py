@@ -8881,7 +8881,7 @@ class Inbox:
             log = self._log_state()
         now, here = self.workspace.approvals.clock(), view.query()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
-        parts.append(f'</b> · <a href="/?{view.query()}&amp;seen={mark}">Refresh</a>')
+        parts.append(f'</b> · <a href="/?{_text(here)}&amp;seen={mark}">Refresh</a>')
         parts.append(
             f" <small>{_text(changed)}</small></p></header>" if changed else "</p></header>"
         )

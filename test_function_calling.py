@@ -8631,8 +8631,14 @@ class InboxTest(InboxCase):
         self.assertIn("refundWithNote", body)
         self.assertIn(DEMO_CUSTOMER, body)
         shown = html_text(body)
-        self.assertIn("Refund it. <img src=x onerror=", shown)  # the customer's message
-        self.assertIn("Filing: <img src=x onerror=", shown)  # the model's text
+        self.assertIn("The customer wrote Refund it. <img src=x onerror=", shown)
+        self.assertIn("The model wrote first Filing: <img src=x onerror=", shown)
+        self.assertIn("The customer was told ok", shown)  # the turn's answer, after the filing
+        self.assertIn("Tool refundWithNote: A refund, with a note for the customer.", shown)
+        self.assertRegex(shown, r"Filed [0-9T:-]+Z \(now\) Expires [0-9T:-]+Z \(in 24 h\)")
+        # the chart: each panel's name, its scale's top and 0, each bar's value, the days
+        chart = r"rounds per turn 2\.0 0 (\S+: rounds per turn 2\.0) 2\.0 tool error rate 10% 0"
+        self.assertRegex(shown, chart + r" (\S+: tool error rate 0%) 0% \d\d-\d\d")
         self.assertIn('"note": "<img src=x onerror=', shown.replace('":"', '": "'))
         self.assertIn("\\u001b[31mred", shown)  # an ANSI escape, shown
         self.assertIn("\\u202egnp.exe", shown)  # a bidi override, shown, not obeyed
