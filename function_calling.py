@@ -3574,7 +3574,7 @@ def _open_actions(approvals: Approvals) -> list[PendingAction]:
             f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
             " WHERE status = 'pending' AND expires_at > ?"
             " AND action_id NOT IN (SELECT action_id FROM in_flight WHERE step = 'propose')"
-            " ORDER BY created_at, action_id",
+            " ORDER BY created_at, rowid",  # rowid: filing order within a second
             (_iso(approvals.clock()),),
         ).fetchall()
     return [_pending_action(row) for row in rows]

@@ -3902,6 +3902,16 @@ class ApprovalTest(ApprovalCase):
             (record["outcome"], record["approval_id"]), ("proposed", told["approvalId"])
         )
 
+    def test_pending_lists_actions_in_filing_order_even_within_one_second(self) -> None:
+        clock = lambda: 1_800_000_000.0  # noqa: E731 -- every action filed in the same second
+        approvals = Approvals(self.database, self.audit, clock=clock)
+        filed = [
+            approvals.propose(self.tools[2], {"orderId": f"ORD-{n}"}, ToolContext("c"), {})
+            for n in range(1000, 1030)
+        ]
+        listed = [action.action_id for action in approvals.pending()]
+        self.assertEqual(listed, [told["approvalId"] for told in filed])
+
     def test_approval_ids_are_unguessable_and_safe_on_a_command_line(self) -> None:
         ids = {
             self.approvals.propose(self.tools[2], {"orderId": f"ORD-{n}"}, ToolContext("c"), {})[
