@@ -29,7 +29,7 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,590 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,600 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
 it (about 1,260 lines): the audit log's figures · the CLI · the scripted server.
@@ -3945,6 +3945,12 @@ class Database:
     ) -> None:
         """Create a component's tables the first time, in one transaction with its version
         row (and `seed`, if given); refuse a database made by another version of it."""
+        with suppress(sqlite3.Error), self.reading() as reader:  # every start but the first:
+            row = reader.execute(  # a read, not a write transaction (a commit each)
+                "SELECT version FROM schema_versions WHERE component = ?", (component,)
+            ).fetchone()
+            if row == (version,):
+                return
         with self.write_transaction() as db:  # one installer at a time: BEGIN IMMEDIATE
             db.execute(_SCHEMA_VERSIONS)
             row = db.execute(
@@ -5377,6 +5383,8 @@ by turn; chat --resume ID carries one on, ask --conversation ID adds a turn to o
 `conversations` command lists them. A conversation is told the decisions made meanwhile.
 """
 
+from functools import cached_property  # noqa: E402 -- the part's own import: the cut takes it
+
 # ------------------------------------------------------------------- saving and resuming
 # Pause and resume. Every turn of a saved conversation is written, whole, in one transaction
 # as it ends: its raw wire messages (byte-exact echoes included) and which server and model
@@ -5406,6 +5414,16 @@ CREATE TABLE IF NOT EXISTS conversation_turns (
     ended_at        TEXT NOT NULL,
     PRIMARY KEY (conversation_id, turn)
 );
+"""
+
+
+# The SHA-256 of each turn's messages_json, written with it: a row whose text still has it is
+# as it was when saved (its messages were ours, each checked), so load decodes the list and
+# not each of its messages again (a load reads ~1,500). A row without it (saved before this
+# part, or edited by hand) is checked message by message. Like an approval's binding, it
+# catches damage, not a forger who recomputes it: the database's permissions guard that.
+_CHECKED_SCHEMA = """
+ALTER TABLE conversation_turns ADD COLUMN messages_sha256 TEXT;
 """
 
 
@@ -5480,6 +5498,11 @@ class SavedTurn:
     told: tuple[str, ...]  # approval ids whose decisions this turn told the model
     ended_at: str
 
+    @cached_property
+    def size(self) -> int:
+        """Its messages' bytes, measured once: every history() of a load measures again."""
+        return sum(_size(message) for message in self.messages)
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -5517,7 +5540,7 @@ def _fitting(newest_first: Iterable[SavedTurn], max_bytes: int) -> tuple[SavedTu
     kept: list[SavedTurn] = []
     size = 0
     for turn in newest_first:
-        size += sum(len(message.encode("utf-8", "replace")) for message in turn.messages)
+        size += turn.size
         if size > max_bytes:
             break
         kept.append(turn)
@@ -5574,6 +5597,7 @@ class Conversations:
 
     def __init__(self, database: Database, clock: Callable[[], float] = time.time) -> None:
         database.install("conversations", 1, _CONVERSATIONS_SCHEMA)
+        database.install("conversation_checks", 1, _CHECKED_SCHEMA)
         database.install(
             "conversation_actions", 1, _CONVERSATION_ACTIONS_SCHEMA, seed=_index_saved_turns
         )
@@ -5745,18 +5769,21 @@ class Conversations:
 
     def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
         number = conversation.turn_count + 1
+        messages_json = json.dumps(list(turn.messages))
         with self.database.write_transaction() as db:
             db.execute(
                 "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
-                " model, stop_reason, told_json, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " model, stop_reason, told_json, ended_at, messages_sha256)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     conversation.conversation_id,
                     number,
-                    json.dumps(list(turn.messages)),
+                    messages_json,
                     *turn.origin,
                     turn.stop_reason,
                     json.dumps(list(turn.told)),
                     turn.ended_at,
+                    hashlib.sha256(messages_json.encode()).hexdigest(),
                 ),
             )
             _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
@@ -5778,36 +5805,60 @@ def _newest_turns(
         (conversation_id,),
     ).fetchone()
     rows = db.execute(
-        "SELECT turn, messages_json, base_url, model, stop_reason, told_json, ended_at"
-        " FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
+        "SELECT turn, messages_sha256, messages_json, base_url, model, stop_reason, told_json,"
+        " ended_at FROM conversation_turns WHERE conversation_id = ? ORDER BY turn DESC",
         (conversation_id,),
     )
     numbered = zip(range(count, 0, -1), rows, strict=False)  # read as far as they fit
     return count, _fitting((_saved_turn(expected, *row) for expected, row in numbered), max_bytes)
 
 
-def _saved_turn(expected: int, turn: Any, *row: Any) -> SavedTurn:
+def _saved_turn(expected: int, turn: Any, checked: Any, *row: Any) -> SavedTurn:
     """A turn as load reads it back, or ValueError if it is not what was saved: a row edited
-    by hand, or one missing before it (turn 1 read after turn 3: what is sent has a hole)."""
+    by hand, or one missing before it (turn 1 read after turn 3: what is sent has a hole).
+    `checked`: the SHA-256 its messages were saved with (_CHECKED_SCHEMA), if any."""
     messages_json, base_url, model, stop_reason, told_json, ended_at = row
     if turn != expected or not all(isinstance(v, str) for v in row):
         raise ValueError(turn)
-    messages, told = json.loads(messages_json), json.loads(told_json)
+    messages, told = _decoded(messages_json), _decoded(told_json)
     if not isinstance(messages, list) or not isinstance(told, list):
         raise ValueError(turn)
     if not all(isinstance(action_id, str) for action_id in told):
         raise ValueError(turn)
-    kept = tuple(_saved_message(message) for message in messages)
+    unchanged = checked == hashlib.sha256(messages_json.encode()).hexdigest()
+    if unchanged and all(isinstance(message, str) for message in messages):
+        kept = tuple(messages)
+    else:
+        kept = tuple(_saved_message(message) for message in messages)
     return SavedTurn(kept, (base_url, model), stop_reason, tuple(told), ended_at)
+
+
+def _decoded(text: str) -> Any:
+    """JSON text as saved (nothing around it), decoded by one call of json's own decoder:
+    json.loads would also look for white space around it with two regular expressions, a
+    third of the cost of a short message, and a load decodes thousands. Text left over is
+    damage (ValueError), as with json.loads."""
+    value, end = _JSON_DECODER.raw_decode(text)
+    if end != len(text):
+        raise ValueError("text after the JSON value")
+    return value
+
+
+_JSON_DECODER = json.JSONDecoder()
 
 
 def _saved_message(raw: Any, role: str | None = None) -> str:
     """A saved wire message, as it was sent (the text itself), or ValueError: a JSON object
     with a role (`role`, if given), nested no deeper than MAX_SAVED_DEPTH."""
-    message = json.loads(raw)
+    message = _decoded(raw)
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(raw)
-    if (role and message["role"] != role) or _nested_deeper_than(message, MAX_SAVED_DEPTH):
+    if role and message["role"] != role:
+        raise ValueError(raw)
+    # nesting needs a bracket a level: a text with fewer cannot be too deep, and the walk
+    # (most of a load's time, on thousands of messages) is left for the few that could be
+    shallow = raw.count("{") + raw.count("[") <= MAX_SAVED_DEPTH
+    if not shallow and _nested_deeper_than(message, MAX_SAVED_DEPTH):
         raise ValueError(raw)
     return str(raw)
 

@@ -6070,9 +6070,12 @@ class ClearOutcomeTest(LoopTestCase):
         err = io.StringIO()
         short_wait = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.1)
         with short_wait, redirect_stderr(err), redirect_stdout(io.StringIO()):
-            code = fc.main(["pending", "--data-dir", str(self.data_dir)], app=SHOP)
+            # a command that writes (one that only reads goes on: WAL lets it read meanwhile)
+            command = ["reject", "appr-00000000000000000000", "--reason", "no"]
+            code = fc.main([*command, "--data-dir", str(self.data_dir)], app=SHOP)
+            read = fc.main(["pending", "--data-dir", str(self.data_dir)], app=SHOP)
         holder.execute("ROLLBACK")
-        self.assertEqual(code, 1)
+        self.assertEqual((code, read), (1, 0))
         self.assertEqual(
             err.getvalue(),
             "error: the database could not be used (database is locked); try again\n",
@@ -6388,6 +6391,7 @@ class ConversationTest(ApprovalCase):
         done, _ = self.talk([text_reply("one"), text_reply("two")], "chat", stdin="a\nb\n")
         conversation_id = self.started(done)
         deep = "[" * 5000 + "]" * 5000
+        too_deep = '{"role": "user", "content": ' + "[" * 64 + "]" * 64 + "}"
         damage = [
             ("conversation_turns", "messages_json", "not json"),
             ("conversation_turns", "messages_json", '{"a": 1}'),
@@ -6396,6 +6400,11 @@ class ConversationTest(ApprovalCase):
             ("conversation_turns", "messages_json", '["[1]"]'),
             ("conversation_turns", "messages_json", deep),
             ("conversation_turns", "messages_json", json.dumps([deep])),
+            # 65 levels inside an object with a role: too deep, though every part is JSON
+            ("conversation_turns", "messages_json", json.dumps([too_deep])),
+            ("conversation_turns", "messages_json", json.dumps(['{"role": "user"} trailing'])),
+            ("conversation_turns", "messages_json", json.dumps([' {"role": "user"}'])),
+            ("conversation_turns", "messages_json", json.dumps(['{"role": "user"}']) + " x"),
             ("conversation_turns", "told_json", "not json"),
             ("conversation_turns", "told_json", "[1]"),
             ("conversation_turns", "told_json", '{"x": 1}'),
@@ -10056,17 +10065,17 @@ class Benchmarks(LoopTestCase):
             ("a trivial tool on a worker thread, fsync off", [TrivialToolOnAWorker()], False),
             ("the shipped SQLite tool, audit fsync on", self.tools, True),
         ):
-            report(
-                ratio_line(
-                    f"a turn of one tool round ({label}: two model calls, one tool call) / the"
-                    " same two requests as bare http.client POSTs on a kept-alive connection",
-                    self.tool_round_against_bare_posts(tools, fsync, runs=200),
-                )
-            )
+            wall, cpu = self.tool_round_against_bare_posts(tools, fsync, runs=200)
+            said = f"a turn of one tool round ({label}: two model calls, one tool call) / the"
+            said += " same two requests as bare http.client POSTs on a kept-alive connection"
+            report(ratio_line(said, wall))
+            # this process's CPU time: what load on the machine does not move
+            report(ratio_line(f"{said}, in this process's CPU time", cpu))
 
     def tool_round_against_bare_posts(
         self, tools: Sequence[Tool], fsync: bool, runs: int
-    ) -> list[tuple[float, float]]:
+    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """The pairs of wall-clock times, and of this process's CPU times (a second run)."""
         audit = AuditLog(self.data_dir / f"round-{fsync}.log", fsync=fsync)
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
         with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
@@ -10076,18 +10085,27 @@ class Benchmarks(LoopTestCase):
                 "where?", ToolContext(DEMO_CUSTOMER)
             )
         first, second = recorder.requests[0].body, recorder.requests[1].body
-        with ServerInAChild(script, runs + 1) as turns, ServerInAChild(script, runs) as floor:
+        # enough replies for the wall-clock runs and then the CPU-time runs
+        turns_child, floor_child = (
+            ServerInAChild(script, 2 * runs + 1),
+            ServerInAChild(script, 2 * runs),
+        )
+        with turns_child as turns, floor_child as floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
             loop = ToolLoop(client, tools, audit, approvals=approvals)
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
             kept = kept_connection(floor.base_url)
-            pairs = interleaved(
-                lambda: loop.run("where?", ToolContext(DEMO_CUSTOMER)),
-                lambda: (bare_post_kept(kept, first), bare_post_kept(kept, second)),
-                runs,
+            turn = functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
+
+            def posts() -> object:
+                return bare_post_kept(kept, first), bare_post_kept(kept, second)
+
+            pairs = interleaved(turn, posts, runs)
+            cpu = alternating(
+                functools.partial(cpu_timed, turn), functools.partial(cpu_timed, posts), runs
             )
             kept.close()
-        return pairs
+        return pairs, cpu
 
     def test_a_round_with_a_budget_against_one_without(self) -> None:
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
@@ -10308,6 +10326,43 @@ class Benchmarks(LoopTestCase):
                 "a saved turn after 30,000 saved turns / the same turn, the same history sent,"
                 " without a conversation",
                 overhead,
+            )
+        )
+
+    def test_a_saved_turn_of_a_real_conversation_against_the_same_turn_in_memory(self) -> None:
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        loop_shaped_turns(self.database, conversation.conversation_id, 3000)
+        runs = 41
+        servers = [ScriptedChatServer([text_reply("ok")] * (runs + 1)) for _ in range(2)]
+        with servers[0], servers[1]:
+            saved, plain = (
+                ToolLoop(
+                    ChatClient(Settings(base_url=server.base_url, model="bench")),
+                    self.tools,
+                    self.audit,
+                    approvals=self.approvals,
+                )
+                for server in servers
+            )
+
+            def saved_turn() -> None:
+                loaded = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+                conversations.turn(
+                    saved, loaded, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
+                )
+
+            saved_turn()  # its origin is this loop's from now on: the history goes as saved
+            history = conversations.load(conversation.conversation_id, DEMO_CUSTOMER).history()
+            in_memory = functools.partial(plain.run, "and?", ToolContext(DEMO_CUSTOMER), history)
+            pairs = interleaved(saved_turn, in_memory, runs)
+        messages = len(history)
+        report(
+            ratio_line(
+                f"a saved turn (load, turn, save) of a conversation of 3,000 turns shaped like"
+                f" the loop's ({messages} messages sent) / the same turn, the same history in"
+                " memory (audit fsync on)",
+                pairs,
             )
         )
 
@@ -10555,6 +10610,55 @@ def saved_turns(database: fc.Database, conversation_id: str, count: int) -> None
         )
 
 
+def loop_shaped_turns(database: fc.Database, conversation_id: str, count: int) -> None:
+    """`count` turns saved at once as Conversations saves each (with its SHA-256), each
+    shaped like one the loop saves (about 700 bytes): a question, a call of a tool, its
+    result, and the answer."""
+
+    def turn_of(n: int) -> str:
+        call_id = f"call_{n:08x}"
+        arguments = json.dumps({"orderId": f"ORD-{1000 + n % 9000}"})
+        result = {"orderId": f"ORD-{1000 + n % 9000}", "status": "SHIPPED", "eta": "2026-10-12"}
+        messages = [
+            fc._message("user", f"Where is my order ORD-{1000 + n % 9000}? It is late."),
+            json.dumps(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "getOrderStatus", "arguments": arguments},
+                        }
+                    ],
+                }
+            ),
+            fc._tool_message(call_id, json.dumps({**result, "note": "Left the Memphis hub"})),
+            fc._message(
+                "assistant",
+                "It has shipped and left the Memphis hub; it should"
+                " arrive by 12 October. Anything else I can help with?",
+            ),
+        ]
+        return json.dumps(messages)
+
+    ended = ("answered", "[]", "2026-01-01T00:00:00Z")  # stop reason, decisions told, when
+    with database.write_transaction() as db:
+        db.executemany(
+            "INSERT INTO conversation_turns (conversation_id, turn, messages_json, base_url,"
+            " model, stop_reason, told_json, ended_at, messages_sha256)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                (conversation_id, turn, text, "http://127.0.0.1:1/v1", "bench", *ended, checked)
+                for turn, text, checked in (
+                    (n, text, hashlib.sha256(text.encode()).hexdigest())
+                    for n, text in ((n, turn_of(n)) for n in range(1, count + 1))
+                )
+            ),
+        )
+
+
 def bare_stream_kept(connection: http.client.HTTPConnection, body: bytes) -> object:
     """The floor of a stream: its bytes POSTed for and read whole, each event's JSON parsed."""
     events = bare_post_kept(connection, body).split(b"\n\n")
@@ -10789,6 +10893,13 @@ def timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
     return (time.perf_counter() - started) * 1000
+
+
+def cpu_timed(action: Callable[[], object]) -> float:
+    """The CPU time this process (every thread of it) spent on `action`, in ms."""
+    started = time.process_time()
+    action()
+    return (time.process_time() - started) * 1000
 
 
 def bare_post_kept(connection: http.client.HTTPConnection, body: bytes) -> bytes:
