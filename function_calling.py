@@ -8522,7 +8522,9 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
 
     Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
-    Bound.source = f"MCP server {server.label}"  # its command, or its URL without the query
+    # its command, or its URL without the query, as the person approving it reads it: what
+    # looks like a secret on a command line (--api-key=…, an sk-… key) redacted, as in the log
+    Bound.source = f"MCP server {_scrubbed(server.label)}"
     return Bound()
 
 

@@ -7643,6 +7643,17 @@ class McpToolsTest(McpCase):
                     line["protocol"], "2026-07-28" if revision == "modern" else "2025-11-25"
                 )
 
+    def test_a_tool_names_its_server_for_the_person_who_approves_it_without_a_secret(
+        self,
+    ) -> None:
+        argv = [*shlex.split(self.command()), "--api-key=sk-abcdefghijklmnop"]
+        with fc.McpServer(argv, audit=self.audit) as server:
+            sources = {tool.source for tool in fc.mcp_tools(server)}
+        (source,) = sources
+        self.assertTrue(source.startswith(f"MCP server {sys.executable}"), source)
+        self.assertIn("--api-key=[redacted]", source)
+        self.assertNotIn("abcdefghijklmnop", source)
+
     def test_a_legacy_server_that_never_answers_the_probe_is_initialized_on_the_same_process(
         self,
     ) -> None:
