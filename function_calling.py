@@ -2952,9 +2952,12 @@ class SpendKeeper:
         return None
 
     @staticmethod
-    def held(database: Database) -> dict[str, tuple[int, int]] | None:
-        """Each scope's tokens kept in `database`, and how many of them no server counted,
-        read only (`stats` writes nothing); None where none are kept."""
+    def held(
+        database: Database, keys: Sequence[str] | None = None
+    ) -> dict[str, tuple[int, int]] | None:
+        """Each scope's tokens kept in `database` (or those of `keys` only: a page asks for
+        its own, not for every day of every customer), and how many of them no server
+        counted, read only (`stats` writes nothing); None where none are kept."""
         return None
 
 
@@ -6145,14 +6148,17 @@ class Ledger(SpendKeeper):
         return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
 
     @staticmethod
-    def held(database: Database) -> dict[str, tuple[int, int]] | None:
+    def held(
+        database: Database, keys: Sequence[str] | None = None
+    ) -> dict[str, tuple[int, int]] | None:
+        chosen = "" if keys is None else f"WHERE s.scope IN ({', '.join('?' for _ in keys)})"
+        query = (
+            "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0) FROM"  # noqa: S608
+            f" spending s LEFT JOIN spending_estimated e USING (scope) {chosen} ORDER BY s.scope"
+        )  # ? placeholders only
         try:
             with database.reading() as db:
-                rows = db.execute(
-                    "SELECT s.scope, s.input_tokens + s.output_tokens, COALESCE(e.tokens, 0)"
-                    " FROM spending s LEFT JOIN spending_estimated e USING (scope)"
-                    " ORDER BY s.scope"
-                ).fetchall()
+                rows = db.execute(query, tuple(keys or ())).fetchall()
         except sqlite3.Error:  # no ledger here yet
             return None
         return {scope: (int(tokens), int(guessed)) for scope, tokens, guessed in rows}
@@ -8923,16 +8929,18 @@ class Inbox:
     def page(self, session: _Session, view: _View) -> str:
         """The whole page: notes, what changed since the page the operator came from, one
         page of what waits (newest first, filtered), what was decided, the chain."""
+        now, here = self.workspace.approvals.clock(), view.query()
+        day = datetime.fromtimestamp(now, timezone.utc).date().isoformat()
         with self._lock:
             notes, session.notes = session.notes, []
             _settle_if_free(self.workspace.approvals)
             count, waiting, mark, changed = self._waiting(view)
             led_to = self._what_led_to([a.action_id for a in waiting])
             keeper = SPEND_KEEPERS[0] if SPEND_KEEPERS else SpendKeeper
-            spent = keeper.held(self.workspace.database) or {}
+            keys = sorted({f"customer {action.customer_id} {day}" for action in waiting})
+            spent = keeper.held(self.workspace.database, keys) or {}  # this page's, not all
             decided = self._decided_rows()
             log = self._log_state()
-        now, here = self.workspace.approvals.clock(), view.query()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
         parts.append(f'</b> · <a href="/?{_text(here)}&amp;seen={mark}">Refresh</a>')
         parts.append(
@@ -8943,7 +8951,6 @@ class Inbox:
             self._filter_form(view)
             + f'<section id="waiting"><h2>Waiting for a decision ({count})</h2>'
         )
-        day = datetime.fromtimestamp(now, timezone.utc).date().isoformat()
         for n, action in enumerate(waiting):
             card = _Card(
                 action,
