@@ -8997,6 +8997,30 @@ class EditBeforeApproveTest(InboxCase):
         self.assertEqual(told["proposedArguments"], json.loads(action.arguments_json))
         self.assertEqual(fc.verify_audit(self.audit_path).problem, None)
 
+    def test_a_decision_line_written_after_a_crash_names_the_edit_too(self) -> None:
+        audit, (proposed,) = self.approvals.audit, self.approvals.pending()
+        record = audit.record
+
+        def no_decision_line(event: str, **fields: Any) -> None:
+            if event == "approval_decision":  # as if the process died after the commit
+                raise fc.AuditError("the audit log could not be written (test)")
+            record(event, **fields)
+
+        edited = '{"orderId": "ORD-1003", "note": "corrected"}'
+        with mock.patch.object(audit, "record", no_decision_line):
+            with self.assertRaises(fc.AuditError):
+                self.approvals.approve(self.action_id, self.table, "alice", edited)
+        self.assertEqual(self.decision_lines(), [])  # applied and committed; no line yet
+        self.assertEqual(self.approvals.pending(), [])  # the next step settles it, and says so
+        (line,) = self.decision_lines()
+        self.assertEqual((line["outcome"], line["recovered"]), ("approved", True))
+        self.assertEqual(line["arguments"], fc.canonical_json(json.loads(edited)))
+        self.assertEqual(
+            (line["proposed_arguments"], line["proposed_sha256"], line["edited_by"]),
+            (proposed.arguments_json, proposed.binding_sha256, "alice"),
+        )
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
     def test_an_edit_the_model_would_be_refused_for_is_refused_and_decides_nothing(self) -> None:
         tool = RefundWithNoteForTests()
         for edited in ('{"orderId": "ORD-1003"}', '{"orderId": "x", "note": "", "extra": 1}'):
