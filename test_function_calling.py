@@ -9007,9 +9007,9 @@ class EditBeforeApproveTest(InboxCase):
             record(event, **fields)
 
         edited = '{"orderId": "ORD-1003", "note": "corrected"}'
-        with mock.patch.object(audit, "record", no_decision_line):
-            with self.assertRaises(fc.AuditError):
-                self.approvals.approve(self.action_id, self.table, "alice", edited)
+        failing = mock.patch.object(audit, "record", no_decision_line)
+        with failing, self.assertRaises(fc.AuditError):
+            self.approvals.approve(self.action_id, self.table, "alice", edited)
         self.assertEqual(self.decision_lines(), [])  # applied and committed; no line yet
         self.assertEqual(self.approvals.pending(), [])  # the next step settles it, and says so
         (line,) = self.decision_lines()
