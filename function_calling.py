@@ -2618,7 +2618,7 @@ class Limits:
         return [
             (f"{kind} limit ({_said(limit)})", f"at {figure / limit:.0%}: {_said(figure)}")
             for kind, limit, figure in self.figures(spent, cost)
-            if figure >= fraction * limit
+            if limit and figure >= fraction * limit  # a limit of 0 (cost) has no share to say
         ]
 
     def output_room(

@@ -2235,6 +2235,14 @@ class BudgetWarningTest(LoopTestCase):
         result, _ = self.run_turn(two, loop={"budget": fc.Budget(total_tokens=200_000)})
         self.assertEqual(self.audit_records("budget_warning"), [])  # off unless asked for
 
+    def test_a_cost_limit_of_nothing_at_free_prices_is_no_limit_to_warn_of(self) -> None:
+        # free tokens cost 0, which a limit of 0 allows: no share of 0 to say, and no crash
+        budget = fc.Budget(cost=0, input_price=0, output_price=0, warn_at=0.5)
+        reply = with_usage(text_reply("ok"), 10, 10)
+        result, _ = self.run_turn([reply], loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(self.audit_records("budget_warning"), [])
+
     def test_a_daily_limit_is_warned_of_from_the_ledger(self) -> None:
         ledger = fc.Ledger(self.database)
         budget = fc.Budget(daily=fc.Limits(total_tokens=10_000), ledger=ledger, warn_at=0.5)
