@@ -4863,15 +4863,17 @@ _GUARD_NOTES = {
 
 def _cmd_pending(args: argparse.Namespace, app: App) -> int:
     actions = _open(args, app, create=False).approvals.pending()
-    for action in actions if args.json else []:  # for scripts: the row as it is kept
-        print(_compact({**asdict(action), "summary": dict(action.summary)}))
-    for action in [] if args.json else actions:
+    if args.json:  # for scripts: each row as it is kept, one JSON object a line
+        for action in actions:
+            print(_compact({**asdict(action), "summary": dict(action.summary)}))
+        return EXIT_OK
+    for action in actions:
         summary = " ".join(f"{key}={value}" for key, value in action.summary.items())
         print(
             f"{action.action_id}  {action.customer_id}  {action.tool} {action.arguments_json}"
             f"  {summary}  expires {action.expires_at}"
         )
-    if not actions and not args.json:
+    if not actions:
         print("no pending actions")
     return EXIT_OK
 
@@ -9004,13 +9006,11 @@ class Inbox:
         if view.customer:
             where += " AND customer_id = ?"
             params.append(view.customer)
+        names = [view.tool] if view.tool else []
+        if view.source:  # of the tools it gave, the one named (if one is)
+            names = [n for n, tool in self.tools.items() if tool.source == view.source]
+            names = [n for n in names if view.tool in ("", n)]
         if view.tool or view.source:
-            names = [
-                name
-                for name, tool in self.tools.items()
-                if tool.source == view.source and view.tool in ("", name)
-            ]
-            names = names if view.source else [view.tool]
             where += f" AND tool IN ({', '.join('?' for _ in names) or 'NULL'})"
             params += names
         return where, params
@@ -9190,17 +9190,14 @@ def _ago(iso: str, now: float) -> str:
         return ""
     seconds = then.timestamp() - now
     size = abs(seconds)
-    amount = (
-        f"{size / 86400:.0f} d"
-        if size >= 172800
-        else f"{size / 3600:.0f} h"
-        if size >= 5400
-        else f"{size / 60:.0f} min"
-        if size >= 60
-        else ""
-    )
-    if not amount:
+    if size < 60:
         return "now"
+    if size < 5400:  # up to an hour and a half in minutes, up to two days in hours
+        amount = f"{size / 60:.0f} min"
+    elif size < 172800:
+        amount = f"{size / 3600:.0f} h"
+    else:
+        amount = f"{size / 86400:.0f} d"
     return f"in {amount}" if seconds > 0 else f"{amount} ago"
 
 

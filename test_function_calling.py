@@ -4298,6 +4298,24 @@ class ApprovalCliTest(ApprovalCase):
         self.decide("reject", told["approvalId"], "--reason", "not late")
         self.assertEqual(self.decide("pending").stdout, "no pending actions\n")
 
+    def test_pending_json_is_one_object_a_line_for_scripts(self) -> None:
+        self.assertEqual(self.decide("pending", "--json").stdout, "")  # none: no line at all
+        told = self.propose()
+        listed = self.decide("pending", "--json")
+        (line,) = listed.stdout.splitlines()
+        row = json.loads(line)
+        self.assertEqual(
+            {k: row[k] for k in ("action_id", "customer_id", "tool", "arguments_json", "status")},
+            {
+                "action_id": told["approvalId"],
+                "customer_id": "CUST-0001",
+                "tool": "requestShippingRefund",
+                "arguments_json": '{"orderId":"ORD-1003"}',
+                "status": "pending",
+            },
+        )
+        self.assertEqual(row["summary"]["amount"], "5.99")
+
     def test_approve_applies_the_refund_once(self) -> None:
         action_id = self.propose()["approvalId"]
         done = self.decide("approve", action_id, "--operator", "alice")
@@ -9166,6 +9184,11 @@ class DevTools:
 
     def click(self, session: str, selector: str) -> None:
         """A real click (mouse down and up) in the middle of the element, then its page load."""
+        self.press(session, selector)
+        self.wait_for("Page.loadEventFired", session)
+
+    def press(self, session: str, selector: str) -> None:
+        """Mouse down and up in the middle of the element, scrolled into view."""
         box = self.evaluate(
             session,
             f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
@@ -9183,26 +9206,10 @@ class DevTools:
                 button="left",
                 clickCount=1,
             )
-        self.wait_for("Page.loadEventFired", session)
 
     def type_into(self, session: str, selector: str, text: str) -> None:
         """Click into a field, select what it holds, and type `text` over it key by key."""
-        box = self.evaluate(
-            session,
-            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
-            " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
-            " return [r.x + r.width / 2, r.y + r.height / 2]; })()",
-        )
-        for kind in ("mousePressed", "mouseReleased"):
-            self.send(
-                "Input.dispatchMouseEvent",
-                session,
-                type=kind,
-                x=box[0],
-                y=box[1],
-                button="left",
-                clickCount=1,
-            )
+        self.press(session, selector)
         control_a = {"key": "a", "code": "KeyA", "modifiers": 2, "windowsVirtualKeyCode": 65}
         self.send("Input.dispatchKeyEvent", session, type="rawKeyDown", **control_a)
         self.send("Input.dispatchKeyEvent", session, type="keyUp", **control_a)
