@@ -7,11 +7,13 @@ LINT_VENV := .venv-lint
 LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 MCP_VENV := .venv-mcp
 BENCH_VENV := .venv-bench
+PG_VENV := .venv-pg
+PG_DRIVER := psycopg[binary]==3.3.9
 RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint bench interop browser version
+.PHONY: run demo test test-all lint bench interop browser version pg-driver
 
 # With a key or a base URL (a local server needs no key), ask that model; with neither,
 # run the offline scripted demo.
@@ -41,6 +43,17 @@ bench:
 	@FUNCTION_CALLING_BENCH=1 \
 	FUNCTION_CALLING_SDK_PYTHON=$$(test -f $(BENCH_VENV)/.installed && echo $(abspath $(BENCH_VENV))/bin/python) \
 	$(PYTHON) test_function_calling.py Benchmarks 2>&1
+
+# PostgreSQL's driver, psycopg 3, for the tests that run on a real PostgreSQL server (started by
+# the suite from Debian's package `postgresql`, which .ci/run installs where missing); the
+# module itself imports no driver. The suite finds it when it runs on the Python that made it.
+pg-driver: $(PG_VENV)/.installed
+
+$(PG_VENV)/.installed:
+	rm -rf $(PG_VENV)
+	$(PYTHON) -m venv $(PG_VENV)
+	$(PG_VENV)/bin/pip install --quiet --disable-pip-version-check '$(PG_DRIVER)'
+	touch $@
 
 $(BENCH_VENV)/.installed:
 	rm -rf $(BENCH_VENV)

@@ -5367,6 +5367,206 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
     return json.dumps(body).encode("utf-8")
 
 
+# >>> POSTGRES: the shared state on a PostgreSQL server. Everything from this line to the
+# "<<< POSTGRES" line lets several hosts keep their approvals, budgets, conversations and inbox
+# in one PostgreSQL database; nothing above depends on it, and without it the file knows SQLite
+# only (README: "Running on many machines"):
+#     sed '/^# >>> POSTGRES/,/^# <<< POSTGRES/d' function_calling.py > cut.py
+
+__all__ += ["PostgresDatabase"]  # extended here, so that the cut takes it with it
+__doc__ += """
+PostgreSQL ("# >>> POSTGRES" to "# <<< POSTGRES"): --database-url postgresql://… (or
+$FUNCTION_CALLING_DATABASE_URL) keeps what must be shared on a PostgreSQL server, through a
+DB-API driver you install (psycopg 3); each host keeps its own data directory and audit log.
+"""
+
+# ------------------------------------------------------------------- many machines, one truth
+# The file's SQL is SQLite's. On PostgreSQL the same statements run through a connection that
+# speaks as sqlite3's does (_Speaking): ? placeholders, sqlite3's errors, one writer at a time.
+# What differs between the two lives here, and only here:
+#   - placeholders: ? and :name become %s and %(name)s, and a literal % is doubled;
+#   - the write lock: SQLite lets one writer at a time into a file; here every write transaction
+#     first takes one advisory lock of the server's (WRITE_LOCK), so the writers of every host
+#     take turns as a file's do, and each check-then-write holds against all of them;
+#   - upserts: INSERT OR IGNORE is INSERT … ON CONFLICT DO NOTHING; MAX and MIN of two values
+#     are GREATEST and LEAST;
+#   - types: INTEGER is 64 bits (BIGINT), REAL is DOUBLE PRECISION, GLOB is SIMILAR TO, and each
+#     table gets the rowid a SQLite table has (a BIGSERIAL): taken in turns, it counts in the
+#     order the writes commit;
+#   - readings: one snapshot each (REPEATABLE READ, READ ONLY), as a SQLite read transaction;
+#   - the schema-version table: the same one, written in each component's own transaction.
+
+WRITE_LOCK = 0x66635F7772697465  # the advisory lock's key: b"fc_write"
+
+
+class PostgresDatabase(Database):
+    """A Database on a PostgreSQL server, reached with `connect`, a DB-API 2.0 connect function
+    that takes no arguments: functools.partial(psycopg.connect, url), say. The file imports no
+    driver. `directory` is this host's data directory: its audit log and the lock its
+    approvals take stay there, and its name (Database.host) marks what it files."""
+
+    def __init__(self, connect: Callable[[], Any], directory: Path) -> None:
+        super().__init__(directory / "postgresql")  # no such file: only the locks beside it
+        self.connect = connect
+        self.host = _host_name(directory)
+        self._raw_writer: Any = None
+        self._idle: list[Any] = []  # reading connections, each back from its last block
+
+    def connect_read_only(self) -> Any:
+        return _Speaking(self._open(read_only=True))
+
+    @contextmanager
+    def reading(self) -> Iterator[Any]:
+        with self._lending:
+            raw = self._idle.pop() if self._idle else None
+        raw = raw or self._open(read_only=True)
+        try:
+            yield _Speaking(raw)
+        finally:
+            if _rolled_back(raw):
+                with self._lending:
+                    self._idle.append(raw)
+
+    @contextmanager
+    def write_transaction(self) -> Iterator[Any]:
+        with self._writing:
+            raw = self._raw_writer or self._open(read_only=False)
+            self._raw_writer = raw
+            db = _Speaking(raw)
+            try:
+                db.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))  # the turn's lock
+                yield db
+                with _as_sqlite_errors(raw):
+                    raw.commit()
+            except BaseException:
+                if not _rolled_back(raw):
+                    self._raw_writer = None  # broken: the next transaction opens another
+                raise
+
+    def close(self) -> None:
+        with self._writing:
+            writer, self._raw_writer = self._raw_writer, None
+        with self._lending:
+            idle, self._idle = self._idle, []
+        for raw in [writer, *idle] if writer is not None else idle:
+            with suppress(Exception):
+                raw.close()
+
+    def _open(self, read_only: bool) -> Any:
+        """A new connection, its transactions read-only snapshots or read-write ones."""
+        try:
+            raw = self.connect()
+        except Exception as exc:  # noqa: BLE001 -- the driver's own, whose text may name the server
+            raise sqlite3.OperationalError(
+                f"the PostgreSQL server could not be reached ({_driver_reason(exc)})"
+            ) from None
+        mode = "REPEATABLE READ, READ ONLY" if read_only else "READ COMMITTED, READ WRITE"
+        _Speaking(raw).execute(f"SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {mode}")
+        with _as_sqlite_errors(raw):
+            raw.commit()
+        return raw
+
+
+def _host_name(directory: Path) -> str:
+    """This data directory's name among the hosts that share a server: made once (the machine's
+    name and six hex digits, so two directories on one machine differ), then kept in it."""
+    path = directory / "host-name"
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        name = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with suppress(FileExistsError), open(path, "x", encoding="utf-8") as file:
+            file.write(name + "\n")
+        return path.read_text(encoding="utf-8").strip()  # another process's, if it was first
+
+
+class _Speaking:
+    """A DB-API connection to PostgreSQL that takes the file's SQLite statements and raises
+    sqlite3's errors, so that every caller (your tools' too) is written once."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        cursor = self.raw.cursor()
+        statement = _postgres_sql(sql, isinstance(parameters, Mapping))
+        if statement is not None:  # None: BEGIN, which a reading has begun already
+            with _as_sqlite_errors(self.raw):
+                cursor.execute(statement, parameters)
+        return cursor
+
+    def executemany(self, sql: str, rows: Iterable[Any]) -> Any:
+        rows = list(rows)
+        cursor = self.raw.cursor()
+        if rows:
+            statement = _postgres_sql(sql, isinstance(rows[0], Mapping))
+            with _as_sqlite_errors(self.raw):
+                cursor.executemany(statement, rows)
+        return cursor
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _rolled_back(raw: Any) -> bool:
+    """What the block left open, undone; False (and the connection closed) if it cannot be."""
+    try:
+        raw.rollback()
+    except Exception:  # noqa: BLE001 -- a connection the server dropped: let go of it
+        with suppress(Exception):
+            raw.close()
+        return False
+    return True
+
+
+@contextmanager
+def _as_sqlite_errors(raw: Any) -> Iterator[None]:
+    """The driver's errors as sqlite3's, named by their SQLSTATE, never by their text (which
+    may quote SQL, a value or the server)."""
+    errors = (
+        raw if hasattr(raw, "IntegrityError") else sys.modules[type(raw).__module__.split(".")[0]]
+    )
+    try:
+        yield
+    except errors.IntegrityError as exc:
+        raise sqlite3.IntegrityError(_driver_reason(exc)) from None
+    except errors.OperationalError as exc:
+        raise sqlite3.OperationalError(_driver_reason(exc)) from None
+    except errors.Error as exc:
+        raise sqlite3.DatabaseError(_driver_reason(exc)) from None
+
+
+def _driver_reason(exc: BaseException) -> str:
+    """A driver's error by its SQLSTATE (40001: a serialization failure) and class name."""
+    code = getattr(exc, "sqlstate", None)
+    return f"{type(exc).__name__} {code}" if isinstance(code, str) else type(exc).__name__
+
+
+@functools.lru_cache(maxsize=1024)
+def _postgres_sql(sql: str, named: bool) -> str | None:
+    """One of the file's statements as PostgreSQL says it (the list above); None for BEGIN."""
+    text = re.sub(r"^(\s*--[^\n]*\n)*", "", sql).strip().rstrip(";").rstrip()  # no comment first
+    if text.upper() == "BEGIN":
+        return None
+    if re.match(r"(?i)(CREATE TABLE|ALTER TABLE)\b", text):
+        text = re.sub(r"\bINTEGER\b", "BIGINT", text)
+        text = re.sub(r"\bREAL\b", "DOUBLE PRECISION", text)
+        text = re.sub(r"\bGLOB\b", "SIMILAR TO", text)
+    if re.match(r"(?i)CREATE TABLE\b", text):  # its rowid, after its own columns
+        text = text[:-1].rstrip() + "\n    , rowid BIGSERIAL\n)"
+    text = text.replace("%", "%%")
+    if re.match(r"(?i)INSERT OR IGNORE INTO\b", text):
+        text = "INSERT INTO" + text[len("INSERT OR IGNORE INTO") :] + " ON CONFLICT DO NOTHING"
+    # MAX and MIN of two values with no call inside (the file's only such uses)
+    text = re.sub(r"\bMAX\(([^(),]+),([^(),]+)\)", r"GREATEST(\1,\2)", text)
+    text = re.sub(r"\bMIN\(([^(),]+),([^(),]+)\)", r"LEAST(\1,\2)", text)
+    if named:
+        return re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", text)
+    return text.replace("?", "%s")
+
+
+# <<< POSTGRES
 # >>> CONVERSATIONS: saved conversations. Everything from this line to the "<<< CONVERSATIONS"
 # line keeps the turns of `chat` (and of `ask --conversation ID`) in the data directory's
 # database, so that a conversation can pause, be carried on by another process, and hear of

@@ -9,6 +9,7 @@ groups follow the module's sections. Run: `python3 test_function_calling.py` (pr
 from __future__ import annotations
 
 import ast
+import atexit
 import base64
 import collections
 import concurrent.futures
@@ -3883,12 +3884,147 @@ class ApprovalCase(LoopTestCase):
         return told
 
     def refunds(self) -> list[tuple[str, str, int]]:
-        with closing(sqlite3.connect(self.db_path)) as db:
-            return db.execute("SELECT order_id, action_id, amount_cents FROM refunds").fetchall()
+        with self.database.reading() as db:  # on whichever database the test runs
+            rows = db.execute("SELECT order_id, action_id, amount_cents FROM refunds").fetchall()
+        return [tuple(row) for row in rows]
 
     def sql(self, statement: str, *params: Any) -> None:
-        with closing(sqlite3.connect(self.db_path)) as db, db:
+        with self.database.write_transaction() as db:
             db.execute(statement, params)
+
+
+# ------------------------------------------------------------------ a real PostgreSQL server
+
+PG_VENV = HERE / ".venv-pg"  # `make pg-driver` installs psycopg 3 there, for one Python
+
+
+def postgres_driver() -> Any:
+    """psycopg from .venv-pg when it was made for this Python; None otherwise. The module
+    itself never imports a driver: a test hands it psycopg.connect, as a user would."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = PG_VENV / "lib" / version / "site-packages"
+    if not site.is_dir():
+        return None
+    if str(site) not in sys.path:
+        sys.path.append(str(site))
+    try:
+        import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- where a test asks
+    except ImportError:
+        return None
+    return psycopg
+
+
+def postgres_binary(name: str) -> str | None:
+    """A PostgreSQL server program: on PATH, else the newest of Debian's packages."""
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3])
+    )
+    return str(versions[-1]) if versions else None
+
+
+class PostgresServer:
+    """One PostgreSQL server for the suite, started by it: initdb and pg_ctl as an unprivileged
+    user, listening on a Unix socket in a temporary directory only (no TCP port), stopped as
+    the suite ends. Each test gets a schema of its own, so none sees another's tables."""
+
+    _shared: ClassVar[PostgresServer | None] = None
+    _why_not: ClassVar[str | None] = None
+
+    @classmethod
+    def shared(cls) -> PostgresServer:
+        """The suite's server, started at the first call; unittest.SkipTest saying why not."""
+        if cls._shared is None and cls._why_not is None:
+            try:
+                cls._shared = cls()
+            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                cls._why_not = f"PostgreSQL could not start here: {exc}"
+        if cls._shared is None:
+            raise unittest.SkipTest(str(cls._why_not))
+        return cls._shared
+
+    def __init__(self) -> None:
+        self.driver = postgres_driver()
+        if self.driver is None:
+            raise RuntimeError(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        initdb, pg_ctl = postgres_binary("initdb"), postgres_binary("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            raise RuntimeError("no initdb and pg_ctl (Debian's package postgresql)")
+        self.pg_ctl = pg_ctl
+        self.user = self._unprivileged_user()
+        self.directory = Path(tempfile.mkdtemp(prefix="fc-pg-"))
+        if self.user is not None:
+            os.chown(self.directory, pwd.getpwnam(self.user).pw_uid, -1)
+        self.data = self.directory / "data"
+        self._run(initdb, "-D", str(self.data), "-U", "fc", "--auth=trust", "-E", "UTF8", "-N")
+        self.start()
+        atexit.register(self.stop)
+        self._schemas = itertools.count(1)
+
+    @staticmethod
+    def _unprivileged_user() -> str | None:
+        """Who runs the server: PostgreSQL refuses root; None when we are not root."""
+        if os.geteuid() != 0:
+            return None
+        for name in ("postgres", "nobody"):
+            with suppress(KeyError):
+                pwd.getpwnam(name)
+                return name
+        raise RuntimeError("running as root, and there is no unprivileged user to run it as")
+
+    def _run(self, *command: str) -> None:
+        done = subprocess.run(
+            command, user=self.user, capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-300:]}")
+
+    def start(self) -> None:
+        options = f"-k {self.directory} -c listen_addresses='' -c max_connections=300"
+        log = str(self.directory / "server.log")
+        self._run(
+            self.pg_ctl, "-D", str(self.data), "-w", "-t", "60", "-l", log, "-o", options, "start"
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.data.is_dir():
+            with suppress(subprocess.SubprocessError, RuntimeError):
+                self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", mode, "stop")
+        if mode == "fast":
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stopped at once (as a crash: every connection dropped), then started again."""
+        self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", "immediate", "stop")
+        self.start()
+
+    @property
+    def url(self) -> str:
+        quoted = urllib.parse.quote(str(self.directory), safe="")
+        return f"postgresql:///postgres?host={quoted}&user=fc"
+
+    def fresh_schema(self) -> Callable[[], Any]:
+        """A connect function whose connections see only a new, empty schema."""
+        schema = f"test_{os.getpid()}_{next(self._schemas)}"
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        return functools.partial(self.driver.connect, self.url, options=f"-c search_path={schema}")
+
+
+class OnPostgres(LoopTestCase):
+    """The test's database is a PostgresDatabase on the suite's server (a schema of its own);
+    the data directory, audit log and tools are the test's own, as before."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.server = PostgresServer.shared()
+        self.connect = self.server.fresh_schema()
+        self.database = fc.PostgresDatabase(self.connect, self.data_dir)
+        self.addCleanup(self.database.close)
+        self.approvals = Approvals(self.database, self.audit)
+        self.tools = fc.shop_tools(self.database)
 
 
 class ApprovalTest(ApprovalCase):
@@ -4105,6 +4241,10 @@ else:
     fc.AuditFile.append = killing_append
 sys.exit(fc.main(command, fc.SHOP))
 """
+
+
+class PostgresApprovalTest(OnPostgres, ApprovalTest):
+    """ApprovalTest, every test of it, on PostgreSQL."""
 
 
 class CrashTest(ApprovalCase):
@@ -5626,7 +5766,7 @@ class CopyTest(unittest.TestCase):
     is), a --help and a docstring that name only what is there, and a demo where the example
     stayed."""
 
-    PARTS = ("conversations", "ledger", "mcp", "inbox", "example")
+    PARTS = ("postgres", "conversations", "ledger", "mcp", "inbox", "example")
 
     def run_python(
         self, *args: str, cwd: Path, preexec_fn: Callable[[], None] | None = None
@@ -5756,7 +5896,7 @@ class CopyTest(unittest.TestCase):
             )
             self.assertEqual(odd.returncode, 2)
             self.assertIn(
-                "no part named shop here; this file's parts: conversations, ledger, mcp, inbox,",
+                "no part named shop here; this file's parts: postgres, conversations, ledger, mcp,",
                 odd.stderr,
             )
             self.assertFalse((folder / "new.py").exists())
