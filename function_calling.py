@@ -26,13 +26,13 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,497 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,600 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,270 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,300 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -151,8 +151,7 @@ __version__ = "2026-12-03+61c955f"
 #       _tool_choice_json  tool_choice as JSON text (start-up checks, server quirks)
 #   _start_calls, _runs_inline  calls start on daemon threads, one future each, in order, or
 #       a lone call to an inline tool on the loop's thread; timed_out_call, skip_calls,
-#       _not_run_content  a call that does not run is answered and audited all the same
-#       (the workers)
+#       _not_run_content  a call that does not run is answered and audited (the workers)
 #   _arguments_text, _asks_again, _api_failure, _call_written_as_text, _TEXT_CALL_HINT,
 #       _CUT_CALLS, portable_history  what real servers send that the protocol does not
 #       say, made into plain cases (server quirks)
@@ -169,7 +168,7 @@ __version__ = "2026-12-03+61c955f"
 #       removed after its last; a row a crash left is settled before the next step (the
 #       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome, _EDITS_SCHEMA, _edit_action
 #       a decision's result and a person's edit (checked as the model's arguments are),
-#       kept in the decision's own transaction (the same)
+#       kept in the decision's own transaction; _HOSTS_SCHEMA  which host wrote what (the same)
 # sqlite3 and concurrent.futures are imported at their first use (_OnFirstUse, at the top).
 
 # ---------------------------------------------------------------------------------- settings
@@ -511,14 +510,17 @@ class AuditLog:
     Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
     The file is written whatever logging is set to do: logging.disable() cannot drop a line.
     The records never reach the root logger: they may hold exception text meant for operators.
-    fsync=False trades durability for speed (see `make bench`); head_file, if given, receives
-    the chain's head after every append, to anchor it where the log's writer cannot reach.
+    fsync=False trades durability for speed (`make bench`); head_file gets the chain's head
+    after each append, out of the log writer's reach; a host, if given, is named in each line.
     """
 
-    def __init__(self, path: Path, fsync: bool = True, head_file: Path | None = None) -> None:
+    def __init__(
+        self, path: Path, fsync: bool = True, head_file: Path | None = None, host: str = ""
+    ) -> None:
         self.path = path.resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._file = AuditFile.of(self.path, fsync, head_file)
+        self._host = {"host": host} if host else {}
         self._logger = logging.getLogger(AUDIT_LOGGER)
         self._logger.propagate = False
 
@@ -537,7 +539,7 @@ class AuditLog:
         return _one_fsync(self._file)
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
-        record = {"time": _utc_now(), "event": event}
+        record = {"time": _utc_now(), "event": event, **self._host}
         record.update((k, _scrubbed(v) if k in _FREE_TEXT else v) for k, v in fields.items())
         try:
             self._file.append(record, sync)
@@ -1312,6 +1314,7 @@ class Approvals:
         database.install("approvals", 1, _APPROVALS_SCHEMA + _IN_FLIGHT_SCHEMA)
         database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
         database.install("approval_edits", 1, _EDITS_SCHEMA)
+        database.install("approval_hosts", 1, _HOSTS_SCHEMA)
         self.database = database
         self.audit = audit
         self.ttl_seconds = ttl_seconds
@@ -3516,8 +3519,8 @@ def _file_action(
         try:
             db.execute(
                 "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
-                " binding_sha256, summary_json, created_at, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " binding_sha256, summary_json, created_at, expires_at, filed_by)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     action_id,
                     context.customer_id,
@@ -3527,13 +3530,14 @@ def _file_action(
                     canonical_json(summary),
                     _iso(now),
                     expires,
+                    approvals.database.host,
                 ),
             )
         except sqlite3.IntegrityError:  # the one-open-action index
             raise ToolError("this request is already waiting for a person to approve it") from None
         db.execute(  # its journal row, from before its first line
-            "INSERT INTO in_flight (intent_id, action_id, step) VALUES (?, ?, 'propose')",
-            (action_id, action_id),
+            "INSERT INTO in_flight (intent_id, action_id, step, host) VALUES (?, ?, 'propose', ?)",
+            (action_id, action_id, approvals.database.host),
         )
     return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
 
@@ -3559,9 +3563,9 @@ def _mark(
 ) -> None:
     """Mark the action decided, in the decision's transaction: no second use."""
     marked = db.execute(
-        "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
+        "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?, decided_on = ?"
         " WHERE action_id = ? AND status = 'pending'",
-        (status, _iso(approvals.clock()), operator, action.action_id),
+        (status, _iso(approvals.clock()), operator, approvals.database.host, action.action_id),
     )
     if marked.rowcount != 1:
         raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
@@ -3724,12 +3728,25 @@ CREATE TABLE IF NOT EXISTS in_flight (
 """
 
 
+# Which host wrote what, where several share one database (PostgresDatabase): a step's journal
+# row is settled only by the host whose audit log holds its lines, never by another that would
+# find them missing from its own log; an action names the host that filed it and the one that
+# decided it. One host (a SQLite file) leaves them ''.
+_HOSTS_SCHEMA = """
+ALTER TABLE in_flight ADD COLUMN host TEXT NOT NULL DEFAULT '';
+ALTER TABLE pending_actions ADD COLUMN filed_by TEXT NOT NULL DEFAULT '';
+ALTER TABLE pending_actions ADD COLUMN decided_on TEXT;
+"""
+
+
 def _intend(approvals: Approvals, intent: Mapping[str, str], operator: str) -> None:
     """A decision's in_flight row, then its approval_intent line (or neither)."""
+    host = approvals.database.host
     with approvals.database.write_transaction() as db:
         db.execute(
-            "INSERT INTO in_flight (intent_id, action_id, step, operator) VALUES (?, ?, ?, ?)",
-            (intent["intent_id"], intent["action_id"], intent["decision"], operator),
+            "INSERT INTO in_flight (intent_id, action_id, step, operator, host)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (intent["intent_id"], intent["action_id"], intent["decision"], operator, host),
         )
     try:
         approvals.audit.record("approval_intent", **intent, operator=operator)
@@ -3827,6 +3844,8 @@ def _settle(approvals: Approvals) -> None:
     with approvals.database.reading() as db:
         rows = db.execute(
             "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
+            " WHERE host = ?",  # this host's steps: their lines are in its log, or nowhere
+            (approvals.database.host,),
         ).fetchall()
     if not rows:
         return
@@ -3903,23 +3922,32 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
                 "rejected",
             ):
                 decided[str(record.get("action_id"))] = str(record["outcome"])
+    here = database.host  # where hosts share the database, this log holds this host's steps
     with database.reading() as db:
-        actions = dict(db.execute("SELECT action_id, status FROM pending_actions").fetchall())
-        in_doubt = {row[0] for row in db.execute("SELECT action_id FROM in_flight")}
+        rows = db.execute(
+            "SELECT action_id, status, filed_by, COALESCE(decided_on, filed_by)"
+            " FROM pending_actions ORDER BY action_id"
+        ).fetchall()
+        in_doubt = {
+            row[0] for row in db.execute("SELECT action_id FROM in_flight WHERE host = ?", (here,))
+        }
     problems = [
         f"{action_id}: in doubt: a filing or decision was interrupted; the next one settles it"
         for action_id in sorted(in_doubt)
     ]
-    for action_id, status in sorted(actions.items()):
+    for action_id, status, filed_by, decided_on in rows:
+        logged = decided.get(action_id)
         if action_id in in_doubt:
             continue
-        logged = decided.get(action_id)
-        if action_id not in filed:
+        if filed_by == here and action_id not in filed:
             problems.append(f"{action_id}: the database holds it {status}; the log never filed it")
-        elif logged != status and (logged or status in _DECIDED.values()):
+        elif decided_on != here and logged:
+            problems.append(f"{action_id}: the log decides it; the database says {decided_on} did")
+        elif decided_on == here and logged != status and (logged or status in _DECIDED.values()):
             said = f"says {logged}" if logged else "has no decision for it"
             problems.append(f"{action_id}: the database holds it {status}; the log {said}")
-    for action_id in sorted(filed - actions.keys()):
+    actions = {row[0] for row in rows}
+    for action_id in sorted(filed - actions):
         problems.append(f"{action_id}: the log files it; the database has no such action")
     return problems
 
@@ -3930,6 +3958,8 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
 class Database:
     """The data directory's SQLite database, shared by its components, each with its own
     tables and its own schema version (so your tables and the approvals' never collide)."""
+
+    host = ""  # this host's name among those that share the database; a file has one host
 
     def __init__(self, path: Path) -> None:
         self.path = path.resolve()
@@ -4254,7 +4284,8 @@ class App:
     tools: called once per command with the data directory's Database, returns the tools (a
       good place to `database.install` your tables, so approved writes commit with their
       approval). customer: who `ask` and `chat` act for without --customer (None: the OS
-      user). database: the SQLite file, in the data directory unless absolute. demo: the
+      user). database: the SQLite file, in the data directory unless absolute, or a function
+      of the data directory that returns the Database (a PostgresDatabase, say). demo: the
       turns `demo` plays against a scripted model.
     """
 
@@ -4264,7 +4295,7 @@ class App:
     repeated_calls_answer: str = REPEATED_CALLS_ANSWER
     budget: Budget = Budget()  # what may be spent; the --max-…-tokens flags override it
     customer: str | None = None
-    database: str = DATABASE_FILE
+    database: str | Callable[[Path], Database] = DATABASE_FILE
     demo: Sequence[DemoTurn] = ()
 
 
@@ -4360,6 +4391,8 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         help="database and audit log (default $FUNCTION_CALLING_DATA or ./.function_calling;"
         " for demo, a temporary directory)",
     )
+    for kind in DATABASE_KINDS:
+        kind.add_arguments(data)
     talk = argparse.ArgumentParser(add_help=False)
     talk.add_argument(
         "--customer",
@@ -4596,16 +4629,49 @@ def _data_dir(args: argparse.Namespace) -> Path:
     return chosen or Path(os.environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR)
 
 
-def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
-    """The data directory; with create=False it must hold a database already. A directory
-    that cannot be used is a ConfigError naming it; a damaged database is left untouched."""
+class DatabaseKind:
+    """A database other than the data directory's SQLite file (a part further down may add
+    one): the flags that name it, and the Database they name (None: they name none)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        raise NotImplementedError
+
+    def open(self, args: argparse.Namespace, directory: Path) -> Database | None:
+        raise NotImplementedError
+
+
+DATABASE_KINDS: list[DatabaseKind] = []  # sections further down add theirs
+
+
+def _named_database(args: argparse.Namespace, app: App, directory: Path) -> Database | None:
+    """The database a DatabaseKind's flag names, else App.database's function; None: the
+    data directory's SQLite file."""
+    named = next(filter(None, (kind.open(args, directory) for kind in DATABASE_KINDS)), None)
+    if named is None and callable(app.database):
+        named = app.database(directory)
+    return named
+
+
+def _existing_database(args: argparse.Namespace, app: App) -> Database | None:
+    """The data directory's database, if it has one already; none is made."""
     directory = _data_dir(args)
-    path = directory / app.database
-    if not create and not path.is_file():  # a mistyped --data-dir must not start an empty one
-        raise ConfigError(f"no database at {path.resolve()}; check --data-dir")
+    named = _named_database(args, app, directory)
+    path = directory / app.database if isinstance(app.database, str) else directory
+    return named or (Database(path) if path.is_file() else None)
+
+
+def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
+    """The data directory; with create=False its SQLite file must be there already. A
+    directory that cannot be used is a ConfigError naming it; a damaged database is left
+    untouched. A flag of a DatabaseKind's, else App.database, may name another database."""
+    directory = _data_dir(args)
+    named = _named_database(args, app, directory)
+    path = directory / app.database if isinstance(app.database, str) else directory
+    if named is None and not create and not path.is_file():  # a mistyped --data-dir must
+        raise ConfigError(f"no database at {path.resolve()}; check --data-dir")  # not start one
     try:
-        database = Database(path)
-        audit = AuditLog(directory / "audit.log")
+        database = named or Database(path)
+        audit = AuditLog(directory / "audit.log", host=database.host)
         return _Workspace(directory, database, audit, Approvals(database, audit))
     except OSError as exc:  # a file where the directory should be, no permission, …
         reason = exc.strerror or type(exc).__name__
@@ -4613,7 +4679,8 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc) or "busy" in str(exc):
             raise  # another process holds it: main says to try again
-        raise ConfigError(f"cannot use the database {path} ({exc})") from None
+        shown = path if named is None else "the PostgreSQL database"
+        raise ConfigError(f"cannot use {shown} ({exc})") from None
     except sqlite3.DatabaseError as exc:  # "file is not a database": we write nothing to it
         raise ConfigError(
             f"{path} is not a database this code can use ({exc}); left untouched"
@@ -4929,9 +4996,9 @@ def _cmd_verify_audit(args: argparse.Namespace, app: App) -> int:
         where = f"line {check.broken_line}: " if check.broken_line else ""
         print(f"{path}: {where}{check.problem}", file=sys.stderr)
         return EXIT_FAILED
-    database = _data_dir(args) / app.database
-    if (args.path is None or args.data_dir) and database.is_file():  # the log's own database
-        problems = audit_disagreements(path, Database(database))
+    database = _existing_database(args, app) if args.path is None or args.data_dir else None
+    if database is not None:  # the log's own database
+        problems = audit_disagreements(path, database)
         for problem in problems:
             print(f"{path}: disagrees with the database: {problem}", file=sys.stderr)
         if problems:
@@ -4966,9 +5033,8 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
-    path = _data_dir(args) / app.database
-    kept_here = SPEND_KEEPERS and args.path is None and path.is_file()
-    ledger = SPEND_KEEPERS[0].held(Database(path)) if kept_here else None
+    database = _existing_database(args, app) if SPEND_KEEPERS and args.path is None else None
+    ledger = SPEND_KEEPERS[0].held(database) if database is not None else None
     for title, spend, scope in (
         ("spend by day", "customer_days", "customer "),
         ("spend by conv.", "conversations", "conversation "),
@@ -5465,6 +5531,44 @@ class PostgresDatabase(Database):
         with _as_sqlite_errors(raw):
             raw.commit()
         return raw
+
+
+class _PostgresUrl(DatabaseKind):
+    """--database-url postgresql://…, else $FUNCTION_CALLING_DATABASE_URL: the server, through
+    psycopg 3 (imported only then). The password is the driver's business (PGPASSWORD,
+    ~/.pgpass, a service file): a URL that holds one is refused, since `ps` would show it."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--database-url",
+            metavar="URL",
+            default=os.environ.get("FUNCTION_CALLING_DATABASE_URL"),
+            help="keep what hosts share on this PostgreSQL server (postgresql://…; default"
+            " $FUNCTION_CALLING_DATABASE_URL); the password from PGPASSWORD or ~/.pgpass",
+        )
+
+    def open(self, args: argparse.Namespace, directory: Path) -> Database | None:
+        url = args.database_url
+        if not url:
+            return None
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise ConfigError("--database-url must be a postgresql:// URL")
+        if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
+            raise ConfigError(
+                "--database-url holds a password, which `ps` shows to every user here; put it"
+                " in PGPASSWORD or ~/.pgpass instead"
+            )
+        try:
+            import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- yours, if any
+        except ImportError:
+            raise ConfigError(
+                "--database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'"
+            ) from None
+        return PostgresDatabase(functools.partial(psycopg.connect, url), directory)
+
+
+DATABASE_KINDS.append(_PostgresUrl())
 
 
 def _host_name(directory: Path) -> str:

@@ -84,6 +84,7 @@ from function_calling import (
 )
 
 DEMO_CUSTOMER = SHOP_CUSTOMER
+SHOP_FILE = str(SHOP.database)  # the example's SQLite file, in a data directory
 # The module's warnings (a retry, a settled crash) are tested with assertLogs; with no handler
 # at all, logging's last resort would print them among the dots.
 logging.getLogger("function_calling").addHandler(logging.NullHandler())
@@ -118,7 +119,7 @@ class LoopTestCase(unittest.TestCase):
         scratch = tempfile.TemporaryDirectory()
         self.addCleanup(scratch.cleanup)
         self.data_dir = Path(scratch.name)
-        self.db_path = self.data_dir / SHOP.database
+        self.db_path = self.data_dir / SHOP_FILE
         self.database = Database(self.db_path)
         self.audit_path = self.data_dir / "audit.log"
         self.audit = AuditLog(self.audit_path)
@@ -4012,6 +4013,21 @@ class PostgresServer:
             admin.execute(f"CREATE SCHEMA {schema}")
         return functools.partial(self.driver.connect, self.url, options=f"-c search_path={schema}")
 
+    def url_of_fresh_schema(self) -> str:
+        """A URL whose connections see only a new, empty schema (for processes of their own)."""
+        schema = f"test_{os.getpid()}_{next(self._schemas)}"
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        return self.url + "&options=" + urllib.parse.quote(f"-c search_path={schema}")
+
+    def waiting_for_the_write_lock(self) -> int:
+        """How many connections wait for an advisory lock now (the writers' turn)."""
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone()
+        return int(row[0])
+
 
 class OnPostgres(LoopTestCase):
     """The test's database is a PostgresDatabase on the suite's server (a schema of its own);
@@ -4245,6 +4261,216 @@ sys.exit(fc.main(command, fc.SHOP))
 
 class PostgresApprovalTest(OnPostgres, ApprovalTest):
     """ApprovalTest, every test of it, on PostgreSQL."""
+
+
+# An app of the README's shape whose write shows each time it runs outside any database (a
+# line in $APPLIED), and can be held inside `apply` ($PAUSE: it waits there for that file).
+HOST_APP = """
+import os, sys, time
+from pathlib import Path
+from typing import Any
+import function_calling as fc
+
+
+class MarkShipped(fc.Tool):
+    name = "markShipped"
+    writes = True
+    description = "Ask for an order to be marked shipped; a person approves it."
+    parameters = {
+        "type": "object",
+        "properties": {"orderId": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},
+        "required": ["orderId"],
+        "additionalProperties": False,
+    }
+
+    def execute(self, args: dict[str, Any], context: fc.ToolContext) -> dict[str, Any]:
+        return {"orderId": args["orderId"]}
+
+    def apply(self, args: dict[str, Any], context: fc.ToolContext, db: Any) -> dict[str, Any]:
+        pause = os.environ.get("PAUSE")
+        if pause:
+            Path(pause + ".in").touch()
+            while not Path(pause).exists():
+                time.sleep(0.01)
+        with open(os.environ["APPLIED"], "a", encoding="utf-8") as applied:
+            applied.write(context.approval_id + "\\n")
+        db.execute("INSERT INTO shipped VALUES (?)", (args["orderId"],))
+        return {"orderId": args["orderId"], "shipped": True}
+
+
+def tools(database: fc.Database) -> list[fc.Tool]:
+    database.install("shipped", 1, "CREATE TABLE shipped (order_id TEXT PRIMARY KEY);")
+    return [MarkShipped()]
+
+
+sys.exit(fc.main(app=fc.App(tools=tools, customer="alice")))
+"""
+
+
+class ManyHostsTest(unittest.TestCase):
+    """Hosts as separate processes with separate data directories and audit logs, sharing one
+    PostgreSQL database (`--database-url`, from the environment), as replicas on K machines."""
+
+    def setUp(self) -> None:
+        self.server = PostgresServer.shared()
+        scratch = tempfile.TemporaryDirectory()
+        self.addCleanup(scratch.cleanup)
+        self.root = Path(scratch.name)
+        (self.root / "host_app.py").write_text(HOST_APP)
+        self.url = self.server.url_of_fresh_schema()
+        self.applied = self.root / "applied.log"
+
+    def host_command(self, host: str, *args: str, **env: str) -> tuple[list[str], dict[str, str]]:
+        environment = {
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": str(HERE),
+            "FUNCTION_CALLING_DATA": str(self.root / host),
+            "FUNCTION_CALLING_DATABASE_URL": self.url,
+            "APPLIED": str(self.applied),
+            **env,
+        }
+        return [str(PG_VENV / "bin" / "python"), str(self.root / "host_app.py"), *args], environment
+
+    def on(self, host: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        command, environment = self.host_command(host, *args, **env)
+        done = subprocess.run(
+            command, env=environment, capture_output=True, text=True, timeout=120, check=False
+        )
+        self.assertNotIn("Traceback", done.stderr)
+        return done
+
+    def start_on(self, host: str, *args: str, **env: str) -> subprocess.Popen[str]:
+        command, environment = self.host_command(host, *args, **env)
+        child = subprocess.Popen(
+            command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.addCleanup(child.kill)
+        return child
+
+    def file_on(self, host: str, order_id: str = "ORD-1001") -> str:
+        """A turn on `host` in which the model asks to mark an order shipped; its approval id."""
+        script = [
+            tool_call_reply([("markShipped", json.dumps({"orderId": order_id}))]),
+            text_reply("A person will confirm it."),
+        ]
+        with ScriptedChatServer(script) as model:
+            done = self.on(host, "ask", "Ship it", OPENAI_BASE_URL=model.base_url)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (told,) = tool_results(model.requests[1])
+        return str(told["approvalId"])
+
+    def audit_of(self, host: str) -> list[dict[str, Any]]:
+        text = (self.root / host / "audit.log").read_text(encoding="ascii")
+        return [json.loads(line) for line in text.splitlines()]
+
+    def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
+        self,
+    ) -> None:
+        action_id = self.file_on("host-a")
+        listed = self.on("host-b", "pending", "--json")  # every host sees every host's filing
+        self.assertEqual(
+            [json.loads(line)["action_id"] for line in listed.stdout.splitlines()], [action_id]
+        )
+        pause = self.root / "go"
+        first = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
+        for _ in range(6000):  # host-a is inside apply, holding the writers' lock
+            if Path(str(pause) + ".in").exists() or first.poll() is not None:
+                break
+            time.sleep(0.01)
+        if first.poll() is not None:
+            self.fail(first.communicate())
+        second = self.start_on("host-b", "approve", action_id)
+        for _ in range(6000):  # host-b waits for that lock: both are deciding at this moment
+            if self.server.waiting_for_the_write_lock() or second.poll() is not None:
+                break
+            time.sleep(0.01)
+        self.assertEqual(self.server.waiting_for_the_write_lock(), 1)
+        pause.touch()
+        outs = [child.communicate(timeout=120) for child in (first, second)]
+        self.assertEqual((first.returncode, second.returncode), (0, 1), outs)
+        self.assertIn("already approved", outs[1][1])
+        self.assertEqual(self.applied.read_text().splitlines(), [action_id])  # apply ran once
+        decided = {
+            host: [r for r in self.audit_of(host) if r["event"] == "approval_decision"]
+            for host in ("host-a", "host-b")
+        }
+        self.assertEqual([r["outcome"] for r in decided["host-a"]], ["approved"])
+        self.assertNotIn("approved", [r["outcome"] for r in decided["host-b"]])
+        for host in ("host-a", "host-b"):
+            named = (self.root / host / "host-name").read_text().strip()
+            self.assertTrue(all(r["host"] == named for r in self.audit_of(host)), host)
+        self.assertEqual(self.on("host-b", "pending", "--json").stdout, "")
+        for host in ("host-a", "host-b"):  # each log agrees with the database on its own steps
+            checked = self.on(host, "verify-audit")
+            self.assertEqual(checked.returncode, 0, checked.stderr)
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            db.execute("UPDATE pending_actions SET status = 'rejected'")  # a hand on the server
+        checked = self.on("host-a", "verify-audit")  # the host whose log decided it sees it
+        self.assertEqual(checked.returncode, 1)
+        self.assertIn(
+            f"{action_id}: the database holds it rejected; the log says approved", checked.stderr
+        )
+        self.assertEqual(self.on("host-b", "verify-audit").returncode, 0)  # not its decision
+
+
+class DatabaseUrlTest(unittest.TestCase):
+    """--database-url: refused in one line (exit 2) when it holds a password, is not
+    postgresql://, has no driver to use, or names a server that is not there."""
+
+    def cli(self, python: str, *args: str) -> subprocess.CompletedProcess[str]:
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(
+                [python, str(MODULE), "pending", "--data-dir", scratch, *args],
+                env={"PATH": os.environ.get("PATH", "")},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertEqual(done.stderr.count("\n"), 1, done.stderr)  # one line
+        return done
+
+    def test_a_password_in_the_url_or_another_scheme_is_refused_before_anything(self) -> None:
+        for url, said in (
+            ("postgresql://app:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?password=s3cret-pw", "holds a password"),
+            ("mysql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
+        ):
+            with self.subTest(url=url):
+                done = self.cli(sys.executable, "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn("s3cret", done.stderr)
+
+    def test_without_a_driver_it_says_which_to_install(self) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(  # python -S: no site-packages, so no driver whatever is there
+                [sys.executable, "-S", str(MODULE), "pending", "--data-dir", scratch],
+                env={"FUNCTION_CALLING_DATABASE_URL": "postgresql://app@db.internal/helpdesk"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(
+            done.stderr,
+            "error: --database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'\n",
+        )
+
+    def test_a_server_that_is_not_there_is_one_line_and_exit_2(self) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        with tempfile.TemporaryDirectory() as nowhere:
+            url = f"postgresql:///helpdesk?host={urllib.parse.quote(nowhere, safe='')}"
+            done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn(
+            "cannot use the PostgreSQL database (the PostgreSQL server could not be reached",
+            done.stderr,
+        )
+        self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
 
 
 class CrashTest(ApprovalCase):
@@ -4755,7 +4981,7 @@ class AnyWriterTest(LoopTestCase):
     def test_a_writer_that_fails_at_approval_is_one_clear_line_and_applies_nothing(self) -> None:
         tool = CrashingWriter(self.database)
         action_id = self.propose_note(tool)
-        app = fc.App(tools=lambda database: [CrashingWriter(database)], database=SHOP.database)
+        app = fc.App(tools=lambda database: [CrashingWriter(database)], database=SHOP_FILE)
         err = io.StringIO()
         with redirect_stdout(io.StringIO()), redirect_stderr(err):
             code = fc.main(["approve", action_id, "--data-dir", str(self.data_dir)], app=app)
@@ -4776,7 +5002,13 @@ class DatabaseTest(LoopTestCase):
             return dict(db.execute("SELECT component, version FROM schema_versions"))
 
     def test_each_part_keeps_its_own_schema_version(self) -> None:
-        kept = {"approvals": 1, "approval_outcomes": 1, "approval_edits": 1, "shop": 1}
+        kept = {
+            "approvals": 1,
+            "approval_outcomes": 1,
+            "approval_edits": 1,
+            "approval_hosts": 1,
+            "shop": 1,
+        }
         self.assertEqual(self.versions(), kept)
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
         self.database.install("extra", 3, "CREATE TABLE extra (x); INSERT INTO extra VALUES (1)")
@@ -4857,7 +5089,7 @@ class DatabaseTest(LoopTestCase):
     def test_a_data_directory_from_before_schema_versions_keeps_its_pending_actions(self) -> None:
         old = self.data_dir / "old"
         old.mkdir()
-        with closing(sqlite3.connect(old / SHOP.database)) as db:  # as the previous layout was
+        with closing(sqlite3.connect(old / SHOP_FILE)) as db:  # as the previous layout was
             db.executescript(fc._APPROVALS_SCHEMA + fc._SHOP_SCHEMA + "PRAGMA user_version = 1;")
             db.execute("INSERT INTO customers VALUES ('CUST-0001', 'Ada Lovelace', 'a@b.c')")
             db.execute(
@@ -4867,11 +5099,11 @@ class DatabaseTest(LoopTestCase):
                 " '2999-01-01T00:00:00Z')"
             )
             db.commit()
-        database = Database(old / SHOP.database)
+        database = Database(old / SHOP_FILE)
         approvals = Approvals(database, self.audit)
         fc.shop_tools(database)
         self.assertEqual([a.action_id for a in approvals.pending()], ["appr-0"])
-        with closing(sqlite3.connect(old / SHOP.database)) as db:
+        with closing(sqlite3.connect(old / SHOP_FILE)) as db:
             self.assertEqual(db.execute("SELECT COUNT(*) FROM customers").fetchone(), (2,))
 
 
@@ -5260,7 +5492,7 @@ class CliTest(LoopTestCase):
                 done = self.cli(*args, "--data-dir", str(typo))
                 self.assertEqual(done.returncode, 2)
                 self.assertEqual(
-                    done.stderr, f"error: no database at {typo / SHOP.database}; check --data-dir\n"
+                    done.stderr, f"error: no database at {typo / SHOP_FILE}; check --data-dir\n"
                 )
         self.assertFalse(typo.exists())
 
@@ -5295,7 +5527,7 @@ class CliTest(LoopTestCase):
             )
             self.assertEqual((ran.returncode, ran.stderr), (0, ""), command)
         self.assertIn("approved", ran.stdout)
-        with closing(sqlite3.connect(kept / SHOP.database)) as db:
+        with closing(sqlite3.connect(kept / SHOP_FILE)) as db:
             self.assertEqual(db.execute("SELECT order_id FROM refunds").fetchall(), [("ORD-1003",)])
         other = self.data_dir / "other dir"  # a second demo, its write decided on the page
         done = self.cli("demo", "--data-dir", str(other))
@@ -6209,7 +6441,7 @@ class ClearOutcomeTest(LoopTestCase):
         a_file.write_text("not a directory")
         damaged = self.data_dir / "damaged"
         damaged.mkdir()
-        (damaged / SHOP.database).write_bytes(b"this is not a SQLite database" * 100)
+        (damaged / SHOP_FILE).write_bytes(b"this is not a SQLite database" * 100)
         for data_dir, says, pending_says in (
             (a_file, "cannot use", "no database at"),
             (a_file / "below", "cannot use", "no database at"),
@@ -6224,9 +6456,7 @@ class ClearOutcomeTest(LoopTestCase):
                     self.assertIn(says if command[0] == "ask" else pending_says, done.stderr)
                     self.assertIn(str(data_dir), done.stderr)
                     self.assertEqual(server.requests, [])
-        self.assertEqual(
-            (damaged / SHOP.database).read_bytes(), b"this is not a SQLite database" * 100
-        )
+        self.assertEqual((damaged / SHOP_FILE).read_bytes(), b"this is not a SQLite database" * 100)
         self.assertEqual(a_file.read_text(), "not a directory")
 
     def test_a_database_locked_by_another_process_is_one_clear_line(self) -> None:
@@ -8048,7 +8278,7 @@ class McpEnvironmentTest(McpCase):
 class McpTamperTest(McpCase):
     def test_a_server_that_writes_the_database_is_caught_by_verify_audit(self) -> None:
         script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
-        database = self.data_dir / SHOP.database
+        database = self.data_dir / SHOP_FILE
         done, _ = self.ask(
             script,
             "--mcp-read-only",
