@@ -6314,12 +6314,13 @@ def _add_spent(
 ) -> None:
     """Add `tally` to each scope, and `estimated` to its tokens no server counted; a figure
     below 0 gives back what was charged, and none goes below 0."""
-    # named, not numbered (?1): Python 3.12 warns of numbered ones given a sequence
+    # named, not numbered (?1): Python 3.12 warns of numbered ones given a sequence; the row's
+    # own columns by its table's name, as PostgreSQL needs beside `excluded` (PostgresDatabase)
     db.executemany(
         "INSERT INTO spending VALUES (:key, MAX(:input, 0), MAX(:output, 0), MAX(:calls, 0))"
-        " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(input_tokens + :input, 0),"
-        " output_tokens = MAX(output_tokens + :output, 0),"
-        " tool_calls = MAX(tool_calls + :calls, 0)",
+        " ON CONFLICT (scope) DO UPDATE SET input_tokens = MAX(spending.input_tokens + :input, 0),"
+        " output_tokens = MAX(spending.output_tokens + :output, 0),"
+        " tool_calls = MAX(spending.tool_calls + :calls, 0)",
         [
             {"key": key, "input": tally.input, "output": tally.output, "calls": tally.calls}
             for key, _, _ in scopes
@@ -6327,7 +6328,7 @@ def _add_spent(
     )
     db.executemany(
         "INSERT INTO spending_estimated VALUES (:key, MAX(:tokens, 0))"
-        " ON CONFLICT (scope) DO UPDATE SET tokens = MAX(tokens + :tokens, 0)",
+        " ON CONFLICT (scope) DO UPDATE SET tokens = MAX(spending_estimated.tokens + :tokens, 0)",
         [{"key": key, "tokens": estimated} for key, _, _ in scopes],
     )
 
@@ -6337,7 +6338,7 @@ def _learn(db: sqlite3.Connection, learned: tuple[str, float | None]) -> None:
     if learned[1] is not None:
         db.execute(
             "INSERT INTO token_ratios VALUES (?, ?) ON CONFLICT (origin) DO UPDATE"
-            " SET bytes_per_token = MIN(bytes_per_token, excluded.bytes_per_token)",
+            " SET bytes_per_token = MIN(token_ratios.bytes_per_token, excluded.bytes_per_token)",
             learned,
         )
 

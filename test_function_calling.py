@@ -4265,11 +4265,18 @@ class PostgresApprovalTest(OnPostgres, ApprovalTest):
 
 # An app of the README's shape whose write shows each time it runs outside any database (a
 # line in $APPLIED), and can be held inside `apply` ($PAUSE: it waits there for that file).
+# With $GO, it says it is ready ($GO.PID) and starts its command only once $GO exists.
 HOST_APP = """
 import os, sys, time
 from pathlib import Path
 from typing import Any
 import function_calling as fc
+
+GO = os.environ.get("GO")
+if GO:
+    Path(f"{GO}.{os.getpid()}").touch()
+    while not Path(GO).exists():
+        time.sleep(0.002)
 
 
 class MarkShipped(fc.Tool):
@@ -4362,6 +4369,54 @@ class ManyHostsTest(unittest.TestCase):
     def audit_of(self, host: str) -> list[dict[str, Any]]:
         text = (self.root / host / "audit.log").read_text(encoding="ascii")
         return [json.loads(line) for line in text.splitlines()]
+
+    def test_a_daily_limit_that_fits_one_turn_lets_one_of_eight_on_two_hosts_through(
+        self,
+    ) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as model:  # the size of one ask's request
+            self.assertEqual(
+                self.on("host-a", "ask", "Ship it?", OPENAI_BASE_URL=model.base_url).returncode, 0
+            )
+        # what that turn spent, the next request's input at the first estimate and a little
+        # more: the first turn to ask is charged all the room left, for its reply's bound
+        limit = str(15 + len(model.requests[0].body) // fc.BYTES_PER_TOKEN + 100)
+        gate = threading.Event()
+
+        def held(request: RecordedRequest) -> bytes:
+            gate.wait(120)  # answered once every other turn has ended
+            return text_reply("ok")
+
+        go = self.root / "go"
+        with ScriptedChatServer([held, *[text_reply("late")] * 7]) as model:
+            turns = [
+                self.start_on(
+                    host,
+                    "ask",
+                    "Ship it?",
+                    "--max-daily-tokens",
+                    limit,
+                    OPENAI_BASE_URL=model.base_url,
+                    GO=str(go),
+                )
+                for host in ["host-a", "host-b"] * 4
+            ]
+            for _ in range(12000):  # every process started, waiting for the word
+                if len(list(self.root.glob("go.*"))) == len(turns):
+                    break
+                time.sleep(0.01)
+            go.touch()
+            for _ in range(12000):  # all at once: seven end, refused, while one is in flight
+                if sum(turn.poll() is not None for turn in turns) >= 7:
+                    break
+                time.sleep(0.01)
+            gate.set()
+            ended = [(turn.communicate(timeout=120), turn.returncode) for turn in turns]
+        codes = sorted(code for _, code in ended)
+        self.assertEqual(codes, [0] + [4] * 7, ended)
+        self.assertEqual(len(model.requests), 1)  # the seven never sent theirs
+        for (out, err), code in ended:
+            if code == 4:
+                self.assertIn(f"the daily ({utc_day()}) total-token limit", err)
 
     def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
         self,
