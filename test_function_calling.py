@@ -4414,7 +4414,7 @@ class ManyHostsTest(unittest.TestCase):
         codes = sorted(code for _, code in ended)
         self.assertEqual(codes, [0] + [4] * 7, ended)
         self.assertEqual(len(model.requests), 1)  # the seven never sent theirs
-        for (out, err), code in ended:
+        for (_, err), code in ended:
             if code == 4:
                 self.assertIn(f"the daily ({utc_day()}) total-token limit", err)
 
