@@ -1284,6 +1284,7 @@ class PendingAction:
     created_at: str
     expires_at: str
     status: str
+    filed_by: str = ""  # the host that filed it, where hosts share one database
     edit: Mapping[str, str] | None = None  # what was proposed, if a person edited it
 
 
@@ -1300,8 +1301,7 @@ class Approvals:
     - deciding: an in_flight row; an approval_intent line; the change, the action's status and
       the row's result_json in one transaction; an approval_decision line; the row goes.
 
-    A row left behind is a crash; the next filing or decision settles it first (Part II, the
-    approvals' journal, says how each case ends).
+    A row left behind is a crash, settled by the next step (Part II: the approvals' journal).
     """
 
     def __init__(
@@ -3601,7 +3601,7 @@ def _about(action: PendingAction) -> dict[str, str]:
 
 _ACTION_COLUMNS = (
     "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
-    " created_at, expires_at, status"
+    " created_at, expires_at, status, filed_by"
 )
 
 
@@ -4939,6 +4939,7 @@ def _cmd_pending(args: argparse.Namespace, app: App) -> int:
         print(
             f"{action.action_id}  {action.customer_id}  {action.tool} {action.arguments_json}"
             f"  {summary}  expires {action.expires_at}"
+            + (f"  filed on {action.filed_by}" if action.filed_by else "")
         )
     if not actions:
         print("no pending actions")
@@ -6451,7 +6452,9 @@ class Ledger(SpendKeeper):
     def spent(self) -> dict[str, Tally]:
         """Every scope's figures, by key."""
         with self.database.reading() as db:
-            rows = db.execute("SELECT * FROM spending ORDER BY scope").fetchall()
+            rows = db.execute(
+                "SELECT scope, input_tokens, output_tokens, tool_calls FROM spending ORDER BY scope"
+            ).fetchall()
         return {key: Tally(int(i), int(o), int(c)) for key, i, o, c in rows}
 
     @staticmethod
@@ -9350,7 +9353,7 @@ class Inbox:
             if (
                 not action_ids
                 or not db.execute(
-                    "SELECT 1 FROM sqlite_master WHERE name = 'conversation_actions'"
+                    "SELECT 1 FROM schema_versions WHERE component = 'conversation_actions'"
                 ).fetchone()
             ):
                 return {}  # no conversation was ever saved here
@@ -9532,6 +9535,7 @@ class _Card:
         rows += [
             ("The change", summary),
             ("Filed", f"{action.created_at} ({_ago(action.created_at, self.now)})"),
+            *([("Filed on host", action.filed_by)] if action.filed_by else []),
             ("Expires", f"{action.expires_at} ({_ago(action.expires_at, self.now)})"),
         ]
         if self.led_to:

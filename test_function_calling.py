@@ -4418,14 +4418,117 @@ class ManyHostsTest(unittest.TestCase):
             if code == 4:
                 self.assertIn(f"the daily ({utc_day()}) total-token limit", err)
 
+    def test_a_conversation_saved_on_one_host_goes_on_on_another_and_a_race_has_one_winner(
+        self,
+    ) -> None:
+        with ScriptedChatServer([text_reply("one")]) as model:
+            command, environment = self.host_command(
+                "host-a", "chat", OPENAI_BASE_URL=model.base_url
+            )
+            started = subprocess.run(
+                command,
+                env=environment,
+                input="first\n",
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        found = CONVERSATION_LINE.search(started.stderr)
+        assert found is not None, started.stderr
+        conversation_id = found.group(1)
+        release = threading.Event()
+
+        def slowly(request: RecordedRequest) -> bytes:
+            release.wait(60)  # while host-a's model writes, host-b saves a turn
+            return text_reply("the slow answer")
+
+        # one model for both hosts, as a real one keeps its URL: the history goes byte for byte
+        with ScriptedChatServer([text_reply("two"), slowly, text_reply("the other")]) as model:
+            resumed = self.on(
+                "host-b",
+                "ask",
+                "second",
+                "--conversation",
+                conversation_id,
+                OPENAI_BASE_URL=model.base_url,
+            )
+            self.assertEqual((resumed.returncode, resumed.stdout), (0, "two\n"), resumed.stderr)
+            sent = model.requests[0].json()["messages"]
+            self.assertEqual([m["content"] for m in sent[1:]], ["first", "one", "second"])
+            loser = self.start_on(
+                "host-a",
+                "ask",
+                "third",
+                "--conversation",
+                conversation_id,
+                OPENAI_BASE_URL=model.base_url,
+            )
+            for _ in range(12000):  # host-a's request is in; its answer waits
+                if len(model.requests) == 2 or loser.poll() is not None:
+                    break
+                time.sleep(0.01)
+            winner = self.on(
+                "host-b",
+                "ask",
+                "fourth",
+                "--conversation",
+                conversation_id,
+                OPENAI_BASE_URL=model.base_url,
+            )
+            self.assertEqual((winner.returncode, winner.stdout), (0, "the other\n"), winner.stderr)
+            release.set()
+            out, err = loser.communicate(timeout=120)
+        self.assertEqual((loser.returncode, out), (1, "the slow answer\n"), err)  # shown, unsaved
+        self.assertIn("was answered but not saved", err)
+        with ScriptedChatServer([text_reply("five")]) as model:
+            self.on(
+                "host-a",
+                "ask",
+                "fifth",
+                "--conversation",
+                conversation_id,
+                OPENAI_BASE_URL=model.base_url,
+            )
+        said = [m["content"] for m in model.requests[0].json()["messages"][1:]]
+        self.assertEqual(said, ["first", "one", "second", "two", "fourth", "the other", "fifth"])
+
+    def test_the_inbox_on_one_host_shows_what_another_filed_and_which_host_filed_it(
+        self,
+    ) -> None:
+        action_id = self.file_on("host-a")
+        inbox = self.start_on("host-b", "inbox", "--operator", "bob")
+        assert inbox.stdout is not None
+        link = re.search(
+            r"http://([0-9.]+):([0-9]+)(/\?token=[A-Za-z0-9_-]+)", inbox.stdout.readline()
+        )
+        assert link is not None
+        connection = http.client.HTTPConnection(link.group(1), int(link.group(2)), timeout=60)
+        connection.request("GET", link.group(3))
+        signed_in = connection.getresponse()
+        signed_in.read()
+        cookie = signed_in.headers["Set-Cookie"].split(";")[0]
+        connection.request("GET", "/", headers={"Cookie": cookie})
+        page = html_text(connection.getresponse().read().decode())
+        connection.close()
+        inbox.send_signal(signal.SIGINT)
+        _, said = inbox.communicate(timeout=60)
+        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
+        self.assertNotIn("error", said)
+        self.assertIn(action_id, page)
+        self.assertIn(f"Filed on host {filed_on}", page)
+
     def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
         self,
     ) -> None:
         action_id = self.file_on("host-a")
         listed = self.on("host-b", "pending", "--json")  # every host sees every host's filing
+        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
         self.assertEqual(
-            [json.loads(line)["action_id"] for line in listed.stdout.splitlines()], [action_id]
+            [(r["action_id"], r["filed_by"]) for r in map(json.loads, listed.stdout.splitlines())],
+            [(action_id, filed_on)],
         )
+        self.assertIn(f"  filed on {filed_on}\n", self.on("host-b", "pending").stdout)
         pause = self.root / "go"
         first = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
         for _ in range(6000):  # host-a is inside apply, holding the writers' lock
