@@ -5486,7 +5486,8 @@ class PostgresDatabase(Database):
     def reading(self) -> Iterator[Any]:
         with self._lending:
             raw = self._idle.pop() if self._idle else None
-        raw = raw or self._open(read_only=True)
+        if raw is None or _dropped(raw):
+            raw = self._open(read_only=True)
         try:
             yield _Speaking(raw)
         finally:
@@ -5497,8 +5498,9 @@ class PostgresDatabase(Database):
     @contextmanager
     def write_transaction(self) -> Iterator[Any]:
         with self._writing:
-            raw = self._raw_writer or self._open(read_only=False)
-            self._raw_writer = raw
+            raw = self._raw_writer
+            if raw is None or _dropped(raw):
+                raw = self._raw_writer = self._open(read_only=False)
             db = _Speaking(raw)
             try:
                 db.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))  # the turn's lock
@@ -5612,6 +5614,23 @@ class _Speaking:
 
     def close(self) -> None:
         self.raw.close()
+
+
+def _dropped(raw: Any) -> bool:
+    """Has the server closed a kept connection (a restart, an idle timeout), or sent it
+    anything, while it sat idle? Either makes it readable: looked at, not waited on, and
+    replaced before any statement, so that a restart between two steps fails neither."""
+    fileno = getattr(raw, "fileno", None)
+    if fileno is None:  # a driver that does not say: its first statement will
+        return False
+    try:
+        dropped = bool(select.select([fileno()], [], [], 0)[0])
+    except Exception:  # noqa: BLE001 -- a closed connection's fileno raises: it is dropped
+        dropped = True
+    if dropped:
+        with suppress(Exception):
+            raw.close()
+    return dropped
 
 
 def _rolled_back(raw: Any) -> bool:

@@ -4631,6 +4631,68 @@ class DatabaseUrlTest(unittest.TestCase):
         self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
 
 
+class RestartingRefund(fc.RequestShippingRefund):
+    """The shop's refund, whose apply restarts the PostgreSQL server halfway: after its own
+    checks, before its write (a crash of the server in the middle of an approval)."""
+
+    server: PostgresServer
+
+    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
+        db.execute("SELECT 1 FROM orders")
+        self.server.restart()
+        return super().apply(args, context, db)
+
+
+class PostgresFaultTest(OnPostgres, ApprovalCase):
+    """The server restarted between steps and in the middle of one."""
+
+    def test_a_restart_between_two_steps_fails_neither(self) -> None:
+        told = self.propose()
+        self.server.restart()  # every kept connection, reading and writing, is dropped
+        (waiting,) = self.approvals.pending()
+        self.assertEqual(waiting.action_id, told["approvalId"])
+        self.server.restart()
+        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
+        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
+
+    def test_a_restart_while_the_model_writes_is_not_seen_by_the_turn(self) -> None:
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+
+        def restarted(request: RecordedRequest) -> bytes:
+            self.server.restart()  # after the ledger's charge, before its count and the save
+            return text_reply("ok")
+
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        with ScriptedChatServer([restarted]) as model:
+            client = ChatClient(Settings(base_url=model.base_url, model="m"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals, budget=budget)
+            result, _ = conversations.turn(
+                loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
+            )
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "ok"))
+        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+        self.assertEqual(saved.turn_count, 1)
+        spent = fc.Ledger(self.database).spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"]
+        self.assertEqual(spent.input + spent.output, 15)  # the server's count, not the charge
+
+    def test_a_restart_in_the_middle_of_an_approval_applies_nothing_and_the_log_agrees(
+        self,
+    ) -> None:
+        told = self.propose()
+        restarting = RestartingRefund(fc.OrderStore(self.database))
+        restarting.server = self.server
+        with self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed"):
+            self.approvals.approve(told["approvalId"], fc.tool_table([restarting]), "alice")
+        self.assertEqual(self.refunds(), [])  # nothing of it committed
+        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
+        self.assertEqual(waiting.action_id, told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
+        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+
 class CrashTest(ApprovalCase):
     """The audit log and the database never disagree about an action, wherever the process
     dies or a write fails; the next run settles what a crash left half done."""
@@ -5941,6 +6003,43 @@ class MakeItYoursTest(HelpDeskCase):
             with self.subTest(code=code[:60]):
                 done = self.in_folder("-c", code)
                 self.assertEqual(done.returncode, 0, done.stderr)
+
+    def test_my_app_shared_on_postgresql_through_app_database(self) -> None:
+        server = PostgresServer.shared()
+        url = server.url_of_fresh_schema()
+        environment = {
+            "PATH": os.environ.get("PATH", ""),
+            "HELPDESK_DATABASE_URL": url,
+            "FUNCTION_CALLING_DATA": str(self.app_data),
+        }
+
+        def shared(*args: str, model: str = "") -> subprocess.CompletedProcess[str]:
+            done = subprocess.run(
+                [str(PG_VENV / "bin" / "python"), "my_shared_app.py", *args],
+                env={**environment, "OPENAI_BASE_URL": model} if model else environment,
+                cwd=self.folder,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            self.assertNotIn("Traceback", done.stderr)
+            return done
+
+        script = [
+            tool_call_reply([("closeTicket", json.dumps({"ticketId": "T-000123"}))]),
+            text_reply("A person will confirm it."),
+        ]
+        with ScriptedChatServer(script) as model:
+            asked = shared("ask", "Please close T-000123", model=model.base_url)
+        self.assertEqual(asked.returncode, 0, asked.stderr)
+        (told,) = tool_results(model.requests[1])
+        approved = shared("approve", told["approvalId"], "--operator", "bob")
+        self.assertEqual(approved.returncode, 0, approved.stderr)
+        with closing(server.driver.connect(url)) as db:  # on the server, not in a file
+            state = db.execute("SELECT state FROM tickets WHERE ticket_id = 'T-000123'")
+            self.assertEqual(state.fetchone(), ("closed",))
+        self.assertFalse((self.app_data / "data.db").exists())
 
     def test_every_readme_section_the_file_points_to_is_there(self) -> None:
         flat = re.sub(r"\n\s*#?\s*", " ", MODULE.read_text())  # a reference may wrap
