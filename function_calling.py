@@ -5067,7 +5067,8 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     kept = [line for n, line in enumerate(lines) if n not in cut]
     if kept[0].startswith("# function_calling.py "):
         what = ", ".join(kept_parts) or "no part"
-        kept[0] = f"# function_calling.py {__version__}: a copy keeping {what}\n"
+        # "kept", not "a copy keeping": with every part named the line is still 100 wide
+        kept[0] = f"# function_calling.py {__version__}: kept {what}\n"
     _write_new(args.out, "".join(kept))
     left_out = f" (without {', '.join(args.without)})" if args.without else ""
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")

@@ -6289,7 +6289,7 @@ class CopyTest(unittest.TestCase):
         self.assertIn(f"{len(copy):,} of {len(original):,} lines", made.stdout)
         kept = [part for part in self.PARTS if part not in without]
         what = ", ".join(kept) or "no part"
-        header = f"# function_calling.py {fc.__version__}: a copy keeping {what}\n"
+        header = f"# function_calling.py {fc.__version__}: kept {what}\n"
         self.assertEqual(copy[0], header)
         expected = original
         for part in without:
@@ -11043,6 +11043,111 @@ class Benchmarks(LoopTestCase):
             )
         )
 
+    def test_postgresql_against_sqlite(self) -> None:
+        server = PostgresServer.shared()  # skipped, and said why, where there is none
+        counted = CountingConnect(server.fresh_schema())
+        on_postgres = fc.PostgresDatabase(counted, self.data_dir / "pg")
+        self.addCleanup(on_postgres.close)
+        databases = {"sqlite": self.database, "postgresql": on_postgres}
+        audits = {name: AuditLog(self.data_dir / f"{name}.log", fsync=False) for name in databases}
+        approvals = {name: Approvals(databases[name], audits[name]) for name in databases}
+        script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        runs = 101
+        with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
+            loops = {
+                name: ToolLoop(
+                    ChatClient(Settings(base_url=server.base_url, model="bench")),
+                    [TrivialTool()],
+                    audits[name],
+                    approvals=approvals[name],
+                    budget=fc.Budget(
+                        daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(databases[name])
+                    ),
+                )
+                for name, server in (("postgresql", one), ("sqlite", other))
+            }
+            for loop in loops.values():
+                loop.run("warm up", ToolContext(DEMO_CUSTOMER))
+            rounds = [
+                functools.partial(loops[name].run, "where?", ToolContext(DEMO_CUSTOMER))
+                for name in ("postgresql", "sqlite")
+            ]
+            before = counted.statements
+            rounds[0]()
+            per_round = counted.statements - before
+            pairs = interleaved(rounds[0], rounds[1], runs)
+        report(
+            ratio_line(
+                "a turn of one tool round with a daily limit (ledger), on PostgreSQL over its Unix"
+                f" socket ({per_round} statements) / the same on SQLite (audit fsync off)",
+                pairs,
+            )
+        )
+        writer = BenchWrite()
+
+        def approval(name: str) -> None:
+            told = approvals[name].propose(
+                writer, {"n": secrets.token_hex(4)}, ToolContext(DEMO_CUSTOMER), {}
+            )
+            approvals[name].approve(told["approvalId"], {writer.name: writer}, "bench")
+
+        for name, database in databases.items():
+            database.install("bench_writes", 1, "CREATE TABLE bench_writes (n TEXT);")
+            approval(name)
+        before = counted.statements
+        approval("postgresql")
+        per_approval = counted.statements - before
+        pairs = interleaved(
+            functools.partial(approval, "postgresql"), functools.partial(approval, "sqlite"), runs
+        )
+        report(
+            ratio_line(
+                f"a write filed and approved on PostgreSQL ({per_approval} statements) / the same"
+                " on SQLite (audit fsync off)",
+                pairs,
+            )
+        )
+        saved = {}
+        for name, database in databases.items():
+            conversations = fc.Conversations(database)
+            conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+            loop_shaped_turns(database, conversation.conversation_id, 300)
+            saved[name] = (conversations, conversation.conversation_id)
+        answers = [text_reply("ok")]
+        with ServerInAChild(answers, runs + 2) as one, ServerInAChild(answers, runs + 2) as other:
+            plain = {
+                name: ToolLoop(
+                    ChatClient(Settings(base_url=server.base_url, model="bench")),
+                    [TrivialTool()],
+                    audits[name],
+                    approvals=approvals[name],
+                )
+                for name, server in (("postgresql", one), ("sqlite", other))
+            }
+
+            def saved_turn(name: str) -> None:
+                conversations, conversation_id = saved[name]
+                loaded = conversations.load(conversation_id, DEMO_CUSTOMER)
+                conversations.turn(plain[name], loaded, "and?", ToolContext(DEMO_CUSTOMER))
+
+            for name in databases:
+                saved_turn(name)
+            before = counted.statements
+            saved_turn("postgresql")
+            per_turn = counted.statements - before
+            pairs = interleaved(
+                functools.partial(saved_turn, "postgresql"),
+                functools.partial(saved_turn, "sqlite"),
+                runs,
+            )
+        report(
+            ratio_line(
+                "a saved turn (load, turn, save) of 300 loop-shaped turns on PostgreSQL"
+                f" ({per_turn} statements) / the same on SQLite (audit fsync off)",
+                pairs,
+            )
+        )
+
     def test_four_processes_appending_to_one_audit_log_against_the_bare_disk(self) -> None:
         ours, bare = self.data_dir / "ours.log", self.data_dir / "bare.log"
         pairs = alternating(  # timed from "go": the children's start-up is not counted
@@ -11564,6 +11669,73 @@ def ratio_line(label: str, pairs: Sequence[tuple[float, float]]) -> str:
 
 def kept_connection(base_url: str) -> http.client.HTTPConnection:
     return http.client.HTTPConnection("127.0.0.1", int(base_url.rsplit(":", 1)[1].split("/", 1)[0]))
+
+
+class CountingConnect:
+    """A connect function whose connections count the statements they run (for `make bench`:
+    each is a round trip to the server)."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self.connect = connect
+        self.statements = 0
+
+    def __call__(self) -> Any:
+        return CountingConnection(self, self.connect())
+
+
+class CountingConnection:
+    def __init__(self, counter: CountingConnect, raw: Any) -> None:
+        self.counter, self.raw = counter, raw
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+    def cursor(self) -> Any:
+        counter, cursor = self.counter, self.raw.cursor()
+
+        class Counted:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(cursor, name)
+
+            def __iter__(self) -> Iterator[Any]:
+                return iter(cursor)
+
+            def execute(self, *args: Any) -> Any:
+                counter.statements += 1
+                return cursor.execute(*args)
+
+            def executemany(self, *args: Any) -> Any:
+                counter.statements += 1
+                return cursor.executemany(*args)
+
+        return Counted()
+
+    def commit(self) -> None:
+        self.counter.statements += 1
+        self.raw.commit()
+
+    def rollback(self) -> None:
+        self.counter.statements += 1
+        self.raw.rollback()
+
+
+class BenchWrite(Tool):
+    """A write whose apply inserts one row: what is left of an approval is its own cost."""
+
+    name, writes, description = "benchWrite", True, "Writes one row. Use it in benchmarks."
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"n": {"type": "string"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        return {"n": args["n"]}
+
+    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
+        db.execute("INSERT INTO bench_writes VALUES (?)", (args["n"],))
+        return {"n": args["n"]}
 
 
 def timed(action: Callable[[], object]) -> float:
