@@ -4518,6 +4518,41 @@ class ManyHostsTest(unittest.TestCase):
         self.assertIn(action_id, page)
         self.assertIn(f"Filed on host {filed_on}", page)
 
+    def test_a_host_killed_mid_decision_is_settled_by_itself_not_by_another(self) -> None:
+        action_id = self.file_on("host-a")
+        pause = self.root / "never"
+        killed = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
+        for _ in range(12000):  # inside apply: its intent line written, its change not committed
+            if Path(f"{pause}.in").exists() or killed.poll() is not None:
+                break
+            time.sleep(0.01)
+        killed.kill()
+        killed.communicate(timeout=60)
+        journal = "SELECT action_id FROM in_flight"
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])
+        self.assertEqual(self.on("host-b", "pending").returncode, 0)  # its log lacks the lines
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])  # left alone
+        self.assertEqual(self.on("host-a", "pending").returncode, 0)  # host-a settles its own
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [])
+        (settled,) = [r for r in self.audit_of("host-a") if r["event"] == "approval_decision"]
+        self.assertEqual((settled["outcome"], settled["recovered"]), ("not_applied", True))
+        self.assertEqual(self.applied.read_text() if self.applied.exists() else "", "")
+        checked = self.on("host-a", "verify-audit")  # host-b wrote no line: it has no log
+        self.assertEqual(checked.returncode, 0, checked.stderr)
+
+    def test_a_database_made_by_another_version_is_one_line_and_exit_2(self) -> None:
+        self.file_on("host-a")
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            db.execute("UPDATE schema_versions SET version = 99 WHERE component = 'approvals'")
+        done = self.on("host-b", "pending")
+        self.assertEqual(done.returncode, 2)
+        self.assertEqual(
+            done.stderr, "error: the database holds approvals schema 99; this code knows schema 1\n"
+        )
+
     def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
         self,
     ) -> None:
