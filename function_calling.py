@@ -5579,14 +5579,17 @@ def _host_name(directory: Path) -> str:
     """This data directory's name among the hosts that share a server: made once (the machine's
     name and six hex digits, so two directories on one machine differ), then kept in it."""
     path = directory / "host-name"
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        name = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+    if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with suppress(FileExistsError), open(path, "x", encoding="utf-8") as file:
-            file.write(name + "\n")
-        return path.read_text(encoding="utf-8").strip()  # another process's, if it was first
+        made = path.with_name(f"host-name.{secrets.token_hex(4)}")
+        made.write_text(f"{socket.gethostname()}-{secrets.token_hex(3)}\n", encoding="utf-8")
+        with suppress(FileExistsError):  # another process's was first: it is the name
+            os.link(made, path)  # whole, never over another's: no process reads half a name
+        made.unlink()
+    name = path.read_text(encoding="utf-8").strip()
+    if not name or not name.isprintable():
+        raise ConfigError(f"{path} holds no host name; delete it and one is made")
+    return name
 
 
 class _Speaking:
