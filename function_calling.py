@@ -5555,7 +5555,10 @@ class _PostgresUrl(DatabaseKind):
         url = args.database_url
         if not url:
             return None
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:  # "[bad": no URL at all
+            raise ConfigError("--database-url is not a URL") from None
         if parts.scheme not in ("postgresql", "postgres"):
             raise ConfigError("--database-url must be a postgresql:// URL")
         if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):

@@ -4572,6 +4572,8 @@ class ManyHostsTest(unittest.TestCase):
             time.sleep(0.01)
         if first.poll() is not None:
             self.fail(first.communicate())
+        beside = self.on("host-b", "pending", "--json")  # a reading does not wait for the lock
+        self.assertEqual((beside.returncode, beside.stdout.count("\n")), (0, 1), beside.stderr)
         second = self.start_on("host-b", "approve", action_id)
         for _ in range(6000):  # host-b waits for that lock: both are deciding at this moment
             if self.server.waiting_for_the_write_lock() or second.poll() is not None:
@@ -4629,6 +4631,7 @@ class DatabaseUrlTest(unittest.TestCase):
             ("postgresql://app:s3cret-pw@db.internal/helpdesk", "holds a password"),
             ("postgresql://app@db.internal/helpdesk?password=s3cret-pw", "holds a password"),
             ("mysql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
+            ("postgresql://[s3cret", "is not a URL"),
         ):
             with self.subTest(url=url):
                 done = self.cli(sys.executable, "--database-url", url)
@@ -4710,6 +4713,30 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
         self.assertEqual(saved.turn_count, 1)
         spent = fc.Ledger(self.database).spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"]
         self.assertEqual(spent.input + spent.output, 15)  # the server's count, not the charge
+
+    def test_a_restart_in_the_middle_of_a_save_leaves_the_turn_before_and_the_next_saves(
+        self,
+    ) -> None:
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        index_turn = fc._index_turn
+
+        def restarting(*args: Any) -> None:
+            self.server.restart()  # inside the save's transaction: its row is written
+            index_turn(*args)
+
+        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
+            client = ChatClient(Settings(base_url=model.base_url, model="m"))
+            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            cut = mock.patch.object(fc, "_index_turn", restarting)
+            with cut, self.assertRaises(sqlite3.OperationalError):
+                conversations.turn(loop, conversation, "a", ToolContext(DEMO_CUSTOMER))
+            unsaved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+            self.assertEqual(unsaved.turn_count, 0)  # none of that turn
+            conversations.turn(loop, unsaved, "b", ToolContext(DEMO_CUSTOMER))
+        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+        self.assertEqual(saved.turn_count, 1)
+        self.assertIn('"two"', saved.turns[0].messages[-1])
 
     def test_a_restart_in_the_middle_of_an_approval_applies_nothing_and_the_log_agrees(
         self,
