@@ -4652,12 +4652,16 @@ def _named_database(args: argparse.Namespace, app: App, directory: Path) -> Data
     return named
 
 
+def _database_file(app: App, directory: Path) -> Path:
+    """Where the data directory's SQLite file is (the directory, if App names no file)."""
+    return directory / app.database if isinstance(app.database, str) else directory
+
+
 def _existing_database(args: argparse.Namespace, app: App) -> Database | None:
     """The data directory's database, if it has one already; none is made."""
     directory = _data_dir(args)
-    named = _named_database(args, app, directory)
-    path = directory / app.database if isinstance(app.database, str) else directory
-    return named or (Database(path) if path.is_file() else None)
+    path = _database_file(app, directory)
+    return _named_database(args, app, directory) or (Database(path) if path.is_file() else None)
 
 
 def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
@@ -4666,7 +4670,7 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     untouched. A flag of a DatabaseKind's, else App.database, may name another database."""
     directory = _data_dir(args)
     named = _named_database(args, app, directory)
-    path = directory / app.database if isinstance(app.database, str) else directory
+    path = _database_file(app, directory)
     if named is None and not create and not path.is_file():  # a mistyped --data-dir must
         raise ConfigError(f"no database at {path.resolve()}; check --data-dir")  # not start one
     try:
@@ -4679,7 +4683,7 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc) or "busy" in str(exc):
             raise  # another process holds it: main says to try again
-        shown = path if named is None else "the PostgreSQL database"
+        shown = path if named is None else "the database"
         raise ConfigError(f"cannot use {shown} ({exc})") from None
     except sqlite3.DatabaseError as exc:  # "file is not a database": we write nothing to it
         raise ConfigError(

@@ -4663,7 +4663,7 @@ class DatabaseUrlTest(unittest.TestCase):
             done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
         self.assertEqual(done.returncode, 2)
         self.assertIn(
-            "cannot use the PostgreSQL database (the PostgreSQL server could not be reached",
+            "cannot use the database (the PostgreSQL server could not be reached",
             done.stderr,
         )
         self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
