@@ -5508,7 +5508,7 @@ class PostgresDatabase(Database):
                 raw = self._raw_writer = self._open(read_only=False)
             db = _Speaking(raw)
             try:
-                db.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))  # the turn's lock
+                db.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))  # every host's writers
                 yield db
                 with _as_sqlite_errors(raw):
                     raw.commit()
@@ -5522,9 +5522,10 @@ class PostgresDatabase(Database):
             writer, self._raw_writer = self._raw_writer, None
         with self._lending:
             idle, self._idle = self._idle, []
-        for raw in [writer, *idle] if writer is not None else idle:
-            with suppress(Exception):
-                raw.close()
+        for raw in (writer, *idle):
+            if raw is not None:
+                with suppress(Exception):
+                    raw.close()
 
     def _open(self, read_only: bool) -> Any:
         """A new connection, its transactions read-only snapshots or read-write ones."""
