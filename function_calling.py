@@ -32,7 +32,7 @@ at its end marker: settings · errors · tools and validation · audit · the re
 together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,300 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,310 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
