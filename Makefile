@@ -45,14 +45,16 @@ bench:
 	$(PYTHON) test_function_calling.py Benchmarks 2>&1
 
 # PostgreSQL's driver, psycopg 3, for the tests that run on a real PostgreSQL server (started by
-# the suite from Debian's package `postgresql`, which .ci/run installs where missing); the
-# module itself imports no driver. The suite finds it when it runs on the Python that made it.
-pg-driver: $(PG_VENV)/.installed
+# the suite from Debian's package `postgresql`, which .ci/run installs where missing), in
+# .venv-pg/X.Y/ for the Python $(PYTHON) is (test-all makes one for each); the module itself
+# imports no driver.
+PG_PYTHON := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+pg-driver: $(PG_VENV)/$(PG_PYTHON)/.installed
 
-$(PG_VENV)/.installed:
-	rm -rf $(PG_VENV)
-	$(PYTHON) -m venv $(PG_VENV)
-	$(PG_VENV)/bin/pip install --quiet --disable-pip-version-check '$(PG_DRIVER)'
+$(PG_VENV)/$(PG_PYTHON)/.installed:
+	rm -rf $(PG_VENV)/$(PG_PYTHON)
+	$(PYTHON) -m venv $(PG_VENV)/$(PG_PYTHON)
+	$(PG_VENV)/$(PG_PYTHON)/bin/pip install --quiet --disable-pip-version-check '$(PG_DRIVER)'
 	touch $@
 
 $(BENCH_VENV)/.installed:

@@ -3896,12 +3896,13 @@ class ApprovalCase(LoopTestCase):
 
 # ------------------------------------------------------------------ a real PostgreSQL server
 
-PG_VENV = HERE / ".venv-pg"  # `make pg-driver` installs psycopg 3 there, for one Python
+# `make pg-driver` installs psycopg 3 there, for the Python it is run with (test-all: each)
+PG_VENV = HERE / ".venv-pg" / f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
 def postgres_driver() -> Any:
-    """psycopg from .venv-pg when it was made for this Python; None otherwise. The module
-    itself never imports a driver: a test hands it psycopg.connect, as a user would."""
+    """psycopg from this Python's .venv-pg; None if there is none. The module itself never
+    imports a driver: a test hands it psycopg.connect, as a user would."""
     version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
     site = PG_VENV / "lib" / version / "site-packages"
     if not site.is_dir():
