@@ -4355,6 +4355,14 @@ class ManyHostsTest(unittest.TestCase):
         self.addCleanup(child.kill)
         return child
 
+    @staticmethod
+    def until(condition: Callable[[], bool], seconds: float = 120) -> None:
+        """Wait, polling, for `condition` (or `seconds`: what follows asserts the state)."""
+        for _ in range(int(seconds * 100)):
+            if condition():
+                return
+            time.sleep(0.01)
+
     def file_on(self, host: str, order_id: str = "ORD-1001") -> str:
         """A turn on `host` in which the model asks to mark an order shipped; its approval id."""
         script = [
@@ -4401,15 +4409,11 @@ class ManyHostsTest(unittest.TestCase):
                 )
                 for host in ["host-a", "host-b"] * 4
             ]
-            for _ in range(12000):  # every process started, waiting for the word
-                if len(list(self.root.glob("go.*"))) == len(turns):
-                    break
-                time.sleep(0.01)
+            # every process started, waiting for the word
+            self.until(lambda: len(list(self.root.glob("go.*"))) == len(turns))
             go.touch()
-            for _ in range(12000):  # all at once: seven end, refused, while one is in flight
-                if sum(turn.poll() is not None for turn in turns) >= 7:
-                    break
-                time.sleep(0.01)
+            # all at once: seven end, refused, while one is in flight
+            self.until(lambda: sum(turn.poll() is not None for turn in turns) >= 7)
             gate.set()
             ended = [(turn.communicate(timeout=120), turn.returncode) for turn in turns]
         codes = sorted(code for _, code in ended)
@@ -4440,57 +4444,30 @@ class ManyHostsTest(unittest.TestCase):
         conversation_id = found.group(1)
         release = threading.Event()
 
+        def asking(question: str) -> tuple[str, ...]:
+            return "ask", question, "--conversation", conversation_id
+
         def slowly(request: RecordedRequest) -> bytes:
             release.wait(60)  # while host-a's model writes, host-b saves a turn
             return text_reply("the slow answer")
 
         # one model for both hosts, as a real one keeps its URL: the history goes byte for byte
         with ScriptedChatServer([text_reply("two"), slowly, text_reply("the other")]) as model:
-            resumed = self.on(
-                "host-b",
-                "ask",
-                "second",
-                "--conversation",
-                conversation_id,
-                OPENAI_BASE_URL=model.base_url,
-            )
+            resumed = self.on("host-b", *asking("second"), OPENAI_BASE_URL=model.base_url)
             self.assertEqual((resumed.returncode, resumed.stdout), (0, "two\n"), resumed.stderr)
             sent = model.requests[0].json()["messages"]
             self.assertEqual([m["content"] for m in sent[1:]], ["first", "one", "second"])
-            loser = self.start_on(
-                "host-a",
-                "ask",
-                "third",
-                "--conversation",
-                conversation_id,
-                OPENAI_BASE_URL=model.base_url,
-            )
-            for _ in range(12000):  # host-a's request is in; its answer waits
-                if len(model.requests) == 2 or loser.poll() is not None:
-                    break
-                time.sleep(0.01)
-            winner = self.on(
-                "host-b",
-                "ask",
-                "fourth",
-                "--conversation",
-                conversation_id,
-                OPENAI_BASE_URL=model.base_url,
-            )
+            loser = self.start_on("host-a", *asking("third"), OPENAI_BASE_URL=model.base_url)
+            # host-a's request is in; its answer waits
+            self.until(lambda: len(model.requests) == 2 or loser.poll() is not None)
+            winner = self.on("host-b", *asking("fourth"), OPENAI_BASE_URL=model.base_url)
             self.assertEqual((winner.returncode, winner.stdout), (0, "the other\n"), winner.stderr)
             release.set()
             out, err = loser.communicate(timeout=120)
         self.assertEqual((loser.returncode, out), (1, "the slow answer\n"), err)  # shown, unsaved
         self.assertIn("was answered but not saved", err)
         with ScriptedChatServer([text_reply("five")]) as model:
-            self.on(
-                "host-a",
-                "ask",
-                "fifth",
-                "--conversation",
-                conversation_id,
-                OPENAI_BASE_URL=model.base_url,
-            )
+            self.on("host-a", *asking("fifth"), OPENAI_BASE_URL=model.base_url)
         said = [m["content"] for m in model.requests[0].json()["messages"][1:]]
         self.assertEqual(said, ["first", "one", "second", "two", "fourth", "the other", "fifth"])
 
@@ -4523,10 +4500,8 @@ class ManyHostsTest(unittest.TestCase):
         action_id = self.file_on("host-a")
         pause = self.root / "never"
         killed = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
-        for _ in range(12000):  # inside apply: its intent line written, its change not committed
-            if Path(f"{pause}.in").exists() or killed.poll() is not None:
-                break
-            time.sleep(0.01)
+        # inside apply: its intent line written, its change not committed
+        self.until(lambda: Path(f"{pause}.in").exists() or killed.poll() is not None)
         killed.kill()
         killed.communicate(timeout=60)
         journal = "SELECT action_id FROM in_flight"
@@ -4567,19 +4542,18 @@ class ManyHostsTest(unittest.TestCase):
         self.assertIn(f"  filed on {filed_on}\n", self.on("host-b", "pending").stdout)
         pause = self.root / "go"
         first = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
-        for _ in range(6000):  # host-a is inside apply, holding the writers' lock
-            if Path(str(pause) + ".in").exists() or first.poll() is not None:
-                break
-            time.sleep(0.01)
+        # host-a is inside apply, holding the writers' lock
+        self.until(lambda: Path(f"{pause}.in").exists() or first.poll() is not None, 60)
         if first.poll() is not None:
             self.fail(first.communicate())
         beside = self.on("host-b", "pending", "--json")  # a reading does not wait for the lock
         self.assertEqual((beside.returncode, beside.stdout.count("\n")), (0, 1), beside.stderr)
         second = self.start_on("host-b", "approve", action_id)
-        for _ in range(6000):  # host-b waits for that lock: both are deciding at this moment
-            if self.server.waiting_for_the_write_lock() or second.poll() is not None:
-                break
-            time.sleep(0.01)
+        # host-b waits for that lock: both are deciding at this moment
+        self.until(
+            lambda: bool(self.server.waiting_for_the_write_lock()) or second.poll() is not None,
+            60,
+        )
         self.assertEqual(self.server.waiting_for_the_write_lock(), 1)
         pause.touch()
         outs = [child.communicate(timeout=120) for child in (first, second)]
