@@ -587,9 +587,9 @@ def _request_body(
     `tool_choice` is JSON text; `output_bound` is (field, tokens), a budget's bound.
     """
     pieces = ['{"model":', json.dumps(model), ',"messages":[']
-    for message in messages:
-        pieces += (message, ",")
-    pieces[-1] = "]"
+    for position, message in enumerate(messages):
+        pieces += ("," if position else "", message)  # a comma between, never one to take back
+    pieces.append("]")
     if tools_json != "[]":  # some servers reject tool_choice when no tools are offered
         pieces += (',"tools":', tools_json, ',"tool_choice":', tool_choice)
         if parallel_tool_calls is not None:

@@ -970,6 +970,15 @@ class AuditChainTest(LoopTestCase):
 
 
 class WireTest(LoopTestCase):
+    def test_no_message_list_makes_the_body_anything_but_json(self) -> None:
+        with ScriptedChatServer([text_reply("a"), text_reply("b")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
+            client.complete([])
+            client.complete(['{"role":"user","content":"hi"}'])
+        empty, one = (request.json() for request in server.requests)
+        self.assertEqual((empty["model"], empty["messages"]), ("m", []))
+        self.assertEqual(one["messages"], [{"role": "user", "content": "hi"}])
+
     def test_one_round_on_the_wire(self) -> None:
         result, requests = self.run_turn(
             [
