@@ -8126,9 +8126,7 @@ def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
     """A decoded value with every secret cut from its strings (its keys too), and a number
     whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
     if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, "[redacted]")
-        return value
+        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
     if isinstance(value, dict):
         return {
             _without_secrets(key, secrets): _without_secrets(item, secrets)
@@ -8142,18 +8140,28 @@ def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=64)
+def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Any of `secrets`, in any case: a server or a header may change a value's case (a
+    Content-Type is read lowercased), and a secret said in capitals is the secret all the same.
+    Longest first, as _secret_values orders them, so that a longer one is cut whole."""
+    return re.compile("|".join(map(re.escape, secrets)), re.IGNORECASE)
+
+
 def _window_without_secrets(text: str, secrets: Sequence[str]) -> str:
     """A window onto a longer text with every secret cut out, and the piece of one that
-    either edge of the window cut through (four characters or more) too."""
+    either edge of the window cut through (four characters or more) too, in any case."""
     text = _without_secrets(text, secrets)
     for secret in secrets:
         for size in range(len(secret) - 1, 3, -1):
-            if text.endswith(secret[:size]):
-                text = text[:-size] + "[redacted]"
+            end = re.search(re.escape(secret[:size]) + r"\Z", text, re.IGNORECASE)
+            if end:
+                text = text[: end.start()] + "[redacted]"
                 break
         for size in range(len(secret) - 1, 3, -1):
-            if text.startswith(secret[-size:]):
-                text = "[redacted]" + text[size:]
+            start = re.match(re.escape(secret[-size:]), text, re.IGNORECASE)
+            if start:
+                text = "[redacted]" + text[start.end() :]
                 break
     return text
 

@@ -10298,6 +10298,8 @@ class FakeRemoteMcp:
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
             block = {"type": "text", "text": f"invalid token {self.secret()}"}
             return {"result": {"content": [block], "isError": True}}
+        if method == "tools/call" and "rpc_token_upper" in self.behaviours:  # in its own case
+            return {"error": {"code": -32603, "message": f"invalid token {self.secret().upper()}"}}
         if method == "tools/call" and "rpc_token" in self.behaviours:
             return {"error": {"code": -32603, "message": f"invalid token {self.secret()}"}}
         if method == "tools/call" and "rpc_secret" in self.behaviours:  # secrets of its own
@@ -10647,6 +10649,16 @@ class RemoteMcpTest(LoopTestCase):
                 self.audit_path.unlink(missing_ok=True)
                 done, _ = self.ask_saying_token([behaviour])
                 self.assertEqual(done.returncode, 1, done.stderr)
+
+    def test_a_token_said_back_in_another_case_is_redacted_too(self) -> None:
+        token = "S3cret-TOKEN-Mixed-456"  # a Content-Type this code lowercases to read it
+        for behaviour in ("ctype_token", "rpc_token_upper"):
+            with self.subTest(behaviour):
+                self.audit_path.unlink(missing_ok=True)
+                done, _, remote = self.ask_with_secret([behaviour], "Authorization", token)
+                self.assertIn(token, json.dumps(remote.requests))  # it was sent…
+                seen = (self.audit_path.read_text() + done.stdout + done.stderr).lower()
+                self.assertNotIn(token.lower()[:10], seen)  # …and kept nowhere, in any case
 
     def test_a_numeric_header_value_is_redacted_without_breaking_the_result(self) -> None:
         done, requests, _ = self.ask_with_secret(["numeric"], "X-Api-Key", "12345678")
