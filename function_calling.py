@@ -3963,6 +3963,7 @@ class Database:
 
     def __init__(self, path: Path) -> None:
         self.path = path.resolve()
+        self.where = str(self.path)  # what a user is told it is: here, its file
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._writer: sqlite3.Connection | None = None  # opened by the first write
         self._writing = threading.Lock()  # one transaction at a time on it (tool threads too)
@@ -4683,9 +4684,10 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc) or "busy" in str(exc):
             raise  # another process holds it: main says to try again
-        shown = path if named is None else "the database"
-        raise ConfigError(f"cannot use {shown} ({exc})") from None
+        raise ConfigError(f"cannot use {path if named is None else named.where} ({exc})") from None
     except sqlite3.DatabaseError as exc:  # "file is not a database": we write nothing to it
+        if named is not None:
+            raise ConfigError(f"cannot use {named.where} ({exc})") from None
         raise ConfigError(
             f"{path} is not a database this code can use ({exc}); left untouched"
         ) from None
@@ -5477,8 +5479,11 @@ class PostgresDatabase(Database):
     driver. `directory` is this host's data directory: its audit log and the lock its
     approvals take stay there, and its name (Database.host) marks what it files."""
 
-    def __init__(self, connect: Callable[[], Any], directory: Path) -> None:
+    def __init__(
+        self, connect: Callable[[], Any], directory: Path, where: str = "the PostgreSQL database"
+    ) -> None:
         super().__init__(directory / "postgresql")  # no such file: only the locks beside it
+        self.where = where  # what a user is told it is: its URL, without anything secret
         self.connect = connect
         self.host = _host_name(directory)
         self._raw_writer: Any = None
@@ -5577,7 +5582,12 @@ class _PostgresUrl(DatabaseKind):
             raise ConfigError(
                 "--database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'"
             ) from None
-        return PostgresDatabase(functools.partial(psycopg.connect, url), directory)
+        shown = f"{parts.scheme}://{parts.netloc}{parts.path}"
+        return PostgresDatabase(
+            functools.partial(psycopg.connect, url),
+            directory,
+            where=f"the PostgreSQL database {shown}",  # no query: what it holds is the server's
+        )
 
 
 DATABASE_KINDS.append(_PostgresUrl())
@@ -5674,9 +5684,26 @@ def _as_sqlite_errors(raw: Any) -> Iterator[None]:
 
 
 def _driver_reason(exc: BaseException) -> str:
-    """A driver's error by its SQLSTATE (40001: a serialization failure) and class name."""
+    """A driver's error by its SQLSTATE (40001: a serialization failure) and class name, and
+    what to do about the ones a user can fix (_SQLSTATE_HINTS)."""
     code = getattr(exc, "sqlstate", None)
-    return f"{type(exc).__name__} {code}" if isinstance(code, str) else type(exc).__name__
+    if not isinstance(code, str):
+        return type(exc).__name__
+    hint = _SQLSTATE_HINTS.get(code)
+    return f"{type(exc).__name__} {code}" + (f": {hint}" if hint else "")
+
+
+# What the server's refusals a user can fix mean, in our words: its own text may quote SQL, a
+# value or a name of the server's, and is never shown.
+_SQLSTATE_HINTS = {
+    "42501": "the role lacks a privilege it needs: CREATE on its schema (the first run makes"
+    " the tables), and SELECT, INSERT, UPDATE and DELETE on them",
+    "25006": "the server takes no writes (a standby, or default_transaction_read_only on)",
+    "55P03": "another session held the lock past lock_timeout",
+    "57014": "the statement ran past statement_timeout, and was cancelled",
+    "53100": "the server's disk is full",
+    "53300": "the server has no connection to spare (max_connections)",
+}
 
 
 @functools.lru_cache(maxsize=1024)

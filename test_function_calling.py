@@ -4647,10 +4647,29 @@ class DatabaseUrlTest(unittest.TestCase):
             done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
         self.assertEqual(done.returncode, 2)
         self.assertIn(
-            "cannot use the database (the PostgreSQL server could not be reached",
+            "cannot use the PostgreSQL database postgresql:///helpdesk (the PostgreSQL server"
+            " could not be reached",
             done.stderr,
         )
         self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
+
+
+    def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
+        server = PostgresServer.shared()
+        role = f"weak_{os.getpid()}_{secrets.token_hex(3)}"
+        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE ROLE {role} LOGIN")
+            admin.execute(f"CREATE SCHEMA {role}")  # fc's: the role may use it, not create in it
+            admin.execute(f"GRANT USAGE ON SCHEMA {role} TO {role}")
+        url = server.url.replace("user=fc", f"user={role}")
+        url += "&options=" + urllib.parse.quote(f"-c search_path={role}")
+        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("cannot use the PostgreSQL database postgresql:///postgres", done.stderr)
+        self.assertIn("CREATE", done.stderr)  # the privilege it lacks
+        self.assertIn("42501", done.stderr)
+        self.assertNotIn(".db", done.stderr)  # no SQLite file, which there is none of
+        self.assertNotIn(str(server.directory), done.stderr)
 
 
 class RestartingRefund(fc.RequestShippingRefund):
