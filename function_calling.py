@@ -5569,19 +5569,22 @@ class _PostgresUrl(DatabaseKind):
             parts = urllib.parse.urlsplit(url)
         except ValueError:  # "[bad": no URL at all
             raise ConfigError("--database-url is not a URL") from None
-        if parts.scheme not in ("postgresql", "postgres"):
+        if not url.startswith(("postgresql://", "postgres://")):  # libpq's test, to the letter
             raise ConfigError("--database-url must be a postgresql:// URL")
-        if parts.password is not None or "password" in urllib.parse.parse_qs(parts.query):
-            raise ConfigError(
-                "--database-url holds a password, which `ps` shows to every user here; put it"
-                " in PGPASSWORD or ~/.pgpass instead"
-            )
+        if _libpq_would_read_a_password(url):
+            raise ConfigError(_PASSWORD_IN_URL)
         try:
             import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- yours, if any
         except ImportError:
             raise ConfigError(
                 "--database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'"
             ) from None
+        try:  # and as libpq itself reads it, which is what will connect
+            read = psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.Error:
+            raise ConfigError("--database-url is not a URL PostgreSQL's libpq can read") from None
+        if read.keys() & _PASSWORD_KEYS:
+            raise ConfigError(_PASSWORD_IN_URL)
         shown = f"{parts.scheme}://{parts.netloc}{parts.path}"
         return PostgresDatabase(
             functools.partial(psycopg.connect, url),
@@ -5591,6 +5594,26 @@ class _PostgresUrl(DatabaseKind):
 
 
 DATABASE_KINDS.append(_PostgresUrl())
+_PASSWORD_KEYS = {"password", "sslpassword"}  # libpq's keys whose value is a secret
+_PASSWORD_IN_URL = (
+    "--database-url holds a password, which `ps` shows to every user here; put it in"
+    " PGPASSWORD or ~/.pgpass instead"
+)
+
+
+def _libpq_would_read_a_password(url: str) -> bool:
+    """Would libpq read a password from this postgresql:// URL? Judged as libpq parses one
+    (conninfo_uri_parse_options), not as urllib does, so that no password slips between them:
+    libpq knows no fragment ('#' is an ordinary character), takes everything before the first
+    '@' that comes before any '/' as user[:password] ('?' and '#' in it too), reads parameters
+    from the first '?' after that, and percent-decodes their names."""
+    rest = url.split("://", 1)[1]
+    credentials = re.match(r"[^@/]*@", rest)
+    if credentials and ":" in credentials.group():
+        return True
+    query = rest[credentials.end() if credentials else 0 :].partition("?")[2]
+    names = (urllib.parse.unquote(pair.partition("=")[0]) for pair in query.split("&"))
+    return any(name.strip().lower() in _PASSWORD_KEYS for name in names)
 
 
 def _host_name(directory: Path) -> str:

@@ -4616,11 +4616,33 @@ class DatabaseUrlTest(unittest.TestCase):
             ("postgresql://app@db.internal/helpdesk?password=s3cret-pw", "holds a password"),
             ("mysql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
             ("postgresql://[s3cret", "is not a URL"),
+            # as libpq reads a URL, not as urllib does: '#' is no fragment to libpq, and its
+            # user and password run to the first '@' before any '/', '?' and '#' included
+            ("postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk", "password"),
+            ("postgresql://app?sslmode=x:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app#:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?sslpassword=s3cret-pw", "holds a password"),
+            (" postgresql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
         ):
             with self.subTest(url=url):
                 done = self.cli(sys.executable, "--database-url", url)
                 self.assertEqual(done.returncode, 2)
                 self.assertIn(said, done.stderr)
+                self.assertNotIn("s3cret", done.stderr)
+
+    def test_a_password_is_judged_by_libpq_itself_where_the_driver_is(self) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        for url in (
+            "postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk",
+            "postgresql://app?x:s3cret-pw@db.internal/helpdesk",
+            "postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw",
+        ):
+            with self.subTest(url=url):
+                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn("holds a password", done.stderr)
                 self.assertNotIn("s3cret", done.stderr)
 
     def test_without_a_driver_it_says_which_to_install(self) -> None:
