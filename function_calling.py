@@ -9915,8 +9915,11 @@ def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHT
             else:
                 try:
                     body = self.rfile.read(int(length)).decode("utf-8")
-                    pairs = urllib.parse.parse_qsl(
-                        body, strict_parsing=bool(body), max_num_fields=8
+                    pairs = urllib.parse.parse_qsl(  # subtle: blank values kept: an emptied
+                        body,  # arguments box is an edit to check, not "no edit" (the model's)
+                        keep_blank_values=True,
+                        strict_parsing=bool(body),
+                        max_num_fields=8,
                     )
                 except (ValueError, UnicodeDecodeError):
                     self._page(400, "Refused", "That form could not be read.")

@@ -9789,6 +9789,20 @@ class EditBeforeApproveTest(InboxCase):
         (line,) = [r for r in self.decision_lines() if r["outcome"] == "approved"]
         self.assertEqual(line["edited_by"], pwd.getpwuid(os.getuid()).pw_name)
 
+    def test_an_emptied_arguments_box_is_an_edit_refused_never_the_model_request(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        for emptied in ("", "   "):
+            with self.subTest(emptied=emptied):
+                status, _ = self.decide(origin, cookie, decision="approve", arguments=emptied)
+                self.assertEqual(status, 303)
+                self.assertIn("the edit was refused", self.page(origin, cookie))
+        (still,) = self.approvals.pending()  # as proposed, and still waiting
+        self.assertEqual(still.action_id, self.action_id)
+        self.assertEqual([line["outcome"] for line in self.decision_lines()], ["refused"] * 2)
+        with self.assertRaisesRegex(fc.ApprovalError, "the edit was refused"):
+            self.approvals.approve(self.action_id, self.table, "alice", "")
+
     def test_a_rejection_needs_a_reason(self) -> None:
         for reason in ("", "   ", "x" * 501, "two\nlines"):
             with self.subTest(reason=reason), self.assertRaisesRegex(fc.ApprovalError, "reason"):
