@@ -251,6 +251,45 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
+def _busy(text: str) -> Exception:
+    """sqlite3's error for a write that could not begin in time (SQLITE_BUSY), because
+    another writer held the database's write lock, or this data directory's turn, all along:
+    nothing of it was done. The text is ours: it names the holder where the database can
+    tell, and never quotes SQL."""
+    error = sqlite3.OperationalError(text)
+    setattr(error, "sqlite_errorname", "SQLITE_BUSY")  # noqa: B010 -- not in 3.10's stubs
+    return error
+
+
+def _sqlite_error(exc: Exception) -> str:
+    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
+    quote SQL."""
+    name = str(getattr(exc, "sqlite_errorname", type(exc).__name__))
+    return f"{name}: {exc}" if name == "SQLITE_BUSY" else name  # who held it (_busy), no SQL
+
+
+_WAITS = threading.local()  # this thread's deadline for waits on the database (_waits_until)
+
+
+@contextmanager
+def _waits_until(deadline: float) -> Iterator[None]:
+    """Every wait for the database's write lock this thread starts in the block ends by
+    `deadline` (a time.monotonic() value), or sooner: a turn's by the turn's deadline."""
+    before = getattr(_WAITS, "deadline", math.inf)
+    _WAITS.deadline = min(before, deadline)
+    try:
+        yield
+    finally:
+        _WAITS.deadline = before
+
+
+def _write_wait() -> float:
+    """How long a write may wait for the write lock now: DATABASE_BUSY_TIMEOUT_S at most, and
+    no longer than this thread's deadline (_waits_until) leaves."""
+    left = getattr(_WAITS, "deadline", math.inf) - time.monotonic()
+    return max(0.0, min(DATABASE_BUSY_TIMEOUT_S, left))
+
+
 def _redacted(text: str, key: str | None, keep: str = "") -> str:
     """Text from a server, fit to show: a server may echo the request back, so the key,
     and any start of it long enough to matter (a body cut mid-key), is redacted; control
@@ -1003,11 +1042,14 @@ class ToolLoop:
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.spend.origin, turn.spend.ratio = " ".join(self._origin), self._bytes_per_token
         turn.messages.append(_message("user", user_message))
-        try:  # round after round, until a reply asks for no tool or a guard or failure ends it
-            while True:
-                ended = self._round(turn, context, on_text)
-                if ended:
-                    return ended
+        # round after round, until a reply asks for no tool or a guard or failure ends it; a
+        # wait for the database on this thread (a budget's ledger) ends by the turn's deadline
+        try:
+            with _waits_until(turn.deadline):
+                while True:
+                    ended = self._round(turn, context, on_text)
+                    if ended:
+                        return ended
         except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
             turn.close_open_calls("interrupted")
             self._finish(turn, context, "interrupted", error="interrupted")
@@ -3801,8 +3843,9 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
     other threads of this one; the kernel lets go of it when its process dies."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        waited = _write_wait() if wait else 0.0  # a turn, like a write, is waited for in time
         if fcntl is None:  # pragma: no cover -- Windows: one process at a time, its threads in turn
-            if _TURNS_WITHOUT_FLOCK.acquire(blocking=wait):
+            if _TURNS_WITHOUT_FLOCK.acquire(timeout=waited):
                 try:
                     yield True
                 finally:
@@ -3810,9 +3853,9 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
             else:
                 yield False
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
+        if not _flocked(fd, waited):
+            if wait:
+                raise _busy(f"another filing or decision here held its turn past {waited:.3g} s")
             yield False
             return
         try:
@@ -3821,6 +3864,22 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _flocked(fd: int, wait: float) -> bool:
+    """An exclusive flock taken on `fd` within `wait` seconds, or False. flock takes no
+    deadline of its own, so it is asked without waiting, every 10 ms."""
+    if fcntl is None:  # pragma: no cover -- Windows: _turn_lock does not ask
+        return True
+    until = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.01)
 
 
 @contextmanager
@@ -3833,22 +3892,28 @@ def _taking_turns(approvals: Approvals) -> Iterator[None]:
 
 
 def _settle_if_free(approvals: Approvals) -> None:
-    """Settle what a crash left half done, unless a filing or decision is under way."""
+    """Settle what a crash left half done, unless a filing or decision is under way, or the
+    database's write lock stays held (then the next filing, decision or look settles it)."""
     with _turn_lock(approvals.lock_path, wait=False) as ours:
         if ours:
-            _settle(approvals)
+            try:
+                _settle(approvals)
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY":
+                    raise
 
 
 def _settle(approvals: Approvals) -> None:
     """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
     with approvals.database.reading() as db:
-        rows = db.execute(
-            "SELECT intent_id, action_id, step, operator, result_json FROM in_flight"
-            " WHERE host = ?",  # this host's steps: their lines are in its log, or nowhere
-            (approvals.database.host,),
-        ).fetchall()
+        rows = _journal_rows(db, approvals.database.host)
     if not rows:
         return
+    # subtle: read again under the write lock. A transaction of this host's that the server
+    # has not ended (its connection cut while it committed) holds that lock, and what it did
+    # is known only once it ends: settled sooner, a commit could be logged as not applied.
+    with approvals.database.write_transaction() as db:
+        rows = _journal_rows(db, approvals.database.host)
     written = _events_naming(approvals.audit.path, {row[0] for row in rows})
     for intent_id, action_id, step, operator, result_json in rows:
         events = written.get(intent_id, set())
@@ -3861,6 +3926,14 @@ def _settle(approvals: Approvals) -> None:
             _recover_decision(approvals, intent_id, action_id, step, operator, result_json)
             continue
         _step_finished(approvals, intent_id)  # every line it needed is there, or nothing was done
+
+
+def _journal_rows(db: sqlite3.Connection, host: str) -> list[Any]:
+    """This host's steps in in_flight: their lines are in its log, or nowhere."""
+    return db.execute(
+        "SELECT intent_id, action_id, step, operator, result_json FROM in_flight WHERE host = ?",
+        (host,),
+    ).fetchall()
 
 
 def _recover_decision(
@@ -3966,6 +4039,7 @@ class Database:
         self.where = str(self.path)  # what a user is told it is: here, its file
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._writer: sqlite3.Connection | None = None  # opened by the first write
+        self._busy_ms = 0  # its busy timeout, as last set
         self._writing = threading.Lock()  # one transaction at a time on it (tool threads too)
         self._readers: list[tuple[sqlite3.Connection, tuple[int, int]]] = []  # idle, and of what
         self._lending = threading.Lock()
@@ -4046,16 +4120,47 @@ class Database:
         subtle: on one connection kept open, in WAL mode, so that a commit costs one fsync
         (of the log it appends to). A connection opened per transaction paid four with a
         rollback journal, and two with WAL (SQLite syncs the directory of a file it opens
-        to create). Durable all the same: synchronous=FULL syncs the WAL at every commit."""
-        with self._writing:
+        to create). Durable all the same: synchronous=FULL syncs the WAL at every commit.
+
+        The wait for the write lock (this process's threads', then the file's) ends within
+        _write_wait(), then fails closed (_busy): nothing is done."""
+        with self._held_within(_write_wait()) as wait:
             db = self._writer or self._open_writer()
             try:
-                db.execute("BEGIN IMMEDIATE")  # take the write lock now, not halfway through
+                self._begin(db, wait)
                 yield db
                 db.execute("COMMIT")
             except BaseException:
                 self._roll_back(db)
                 raise
+
+    @contextmanager
+    def _held_within(self, wait: float) -> Iterator[float]:
+        """This process's one transaction at a time, waited for `wait` seconds at most; the
+        wait that is left."""
+        started = time.monotonic()
+        if not self._writing.acquire(timeout=wait):
+            raise _busy(f"another thread of this process held the database past {wait:.3g} s")
+        try:
+            yield max(0.0, wait - (time.monotonic() - started))
+        finally:
+            self._writing.release()
+
+    def _begin(self, db: sqlite3.Connection, wait: float) -> None:
+        """BEGIN IMMEDIATE: the file's write lock taken now, not halfway through, waited for
+        `wait` seconds at most (SQLite's busy timeout, set only when it changes)."""
+        busy_ms = round(wait * 1000)
+        if busy_ms != self._busy_ms:
+            db.execute(f"PRAGMA busy_timeout = {busy_ms:d}")
+            self._busy_ms = busy_ms
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            name = getattr(exc, "sqlite_errorname", None)  # Python 3.11 on; before, its text
+            if name != "SQLITE_BUSY" and not (name is None and "locked" in str(exc)):
+                raise
+            held = f"another process held the database's write lock past {wait:.3g} s"
+            raise _busy(held) from None
 
     def close(self) -> None:
         """Close the kept connections; a later write or reading opens another."""
@@ -4082,6 +4187,7 @@ class Database:
             timeout=DATABASE_BUSY_TIMEOUT_S,
             check_same_thread=False,
         )
+        self._busy_ms = round(DATABASE_BUSY_TIMEOUT_S * 1000)
         db.execute("PRAGMA journal_mode = WAL")  # kept in the file: every process uses it
         db.execute("PRAGMA synchronous = FULL")
         db.execute("PRAGMA foreign_keys = ON")
@@ -5471,13 +5577,27 @@ DB-API driver you install (psycopg 3); each host keeps its own data directory an
 #   - the schema-version table: the same one, written in each component's own transaction.
 
 WRITE_LOCK = 0x66635F7772697465  # the advisory lock's key: b"fc_write"
+POSTGRES_STATEMENT_TIMEOUT_S = 15.0  # a statement the server spends longer on, it cancels
+POSTGRES_IDLE_IN_TRANSACTION_S = 60.0  # a session idle this long inside a transaction is ended
+POSTGRES_CONNECT_TIMEOUT_S = 5  # --database-url's connect_timeout (each try: libpq may make two)
+POSTGRES_CUT_AFTER_S = 20.0  # a statement unanswered this long: its connection is cut (_Watch)
+APPLICATION_NAME = (
+    "function_calling "  # then the host's name: who holds the lock, in pg_stat_activity
+)
 
 
 class PostgresDatabase(Database):
     """A Database on a PostgreSQL server, reached with `connect`, a DB-API 2.0 connect function
-    that takes no arguments: functools.partial(psycopg.connect, url), say. The file imports no
+    that takes no arguments: functools.partial(psycopg.connect, url, connect_timeout=10), say
+    (a connection that cannot be made waits as long as `connect` lets it). The file imports no
     driver. `directory` is this host's data directory: its audit log and the lock its
-    approvals take stay there, and its name (Database.host) marks what it files."""
+    approvals take stay there, and its name (Database.host) marks what it files.
+
+    Every wait has a deadline: a writer waits for the write lock until _write_wait() (the
+    busy timeout, or a turn's deadline), the server cancels a statement past
+    POSTGRES_STATEMENT_TIMEOUT_S and ends a session idle inside a transaction past
+    POSTGRES_IDLE_IN_TRANSACTION_S (freeing its lock), and a statement a stopped server or
+    backend never answers has its connection cut (_Watch): its transaction is lost whole."""
 
     def __init__(
         self, connect: Callable[[], Any], directory: Path, where: str = "the PostgreSQL database"
@@ -5507,16 +5627,15 @@ class PostgresDatabase(Database):
 
     @contextmanager
     def write_transaction(self) -> Iterator[Any]:
-        with self._writing:
+        with self._held_within(_write_wait()) as wait:
             raw = self._raw_writer
             if raw is None or _dropped(raw):
                 raw = self._raw_writer = self._open(read_only=False)
             db = _Speaking(raw)
             try:
-                db.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))  # every host's writers
+                self._lock_for_writing(db, wait)
                 yield db
-                with _as_sqlite_errors(raw):
-                    raw.commit()
+                _committed(raw)
             except BaseException:
                 if not _rolled_back(raw):
                     self._raw_writer = None  # broken: the next transaction opens another
@@ -5532,19 +5651,161 @@ class PostgresDatabase(Database):
                 with suppress(Exception):
                     raw.close()
 
+    def _lock_for_writing(self, db: _Speaking, wait: float) -> None:
+        """Every host's writers take turns: the advisory lock, waited for `wait` seconds at
+        most (lock_timeout, set for this transaction in the same round trip), else _busy,
+        naming who held it."""
+        try:  # subtle: the subquery's set_config runs first (a volatile call keeps it a subquery)
+            db.execute(
+                "SELECT pg_advisory_xact_lock(?) FROM (SELECT set_config('lock_timeout', ?, true))"
+                " AS for_this_transaction",
+                (WRITE_LOCK, _ms(max(wait, 0.001))),  # 0 would mean no timeout at all
+            )
+        except sqlite3.OperationalError as exc:
+            if "55P03" not in str(exc):  # lock_not_available: the wait ran out
+                raise
+            raise _busy(
+                f"{self._holder()} held the database's write lock past {wait:.3g} s"
+            ) from None
+
+    def _holder(self) -> str:
+        """Who holds the write lock now, as a user may be told: one of our hosts by its name,
+        else the session's role and application; "another session" if none can be told."""
+        try:
+            with self.reading() as db:
+                row = db.execute(
+                    "SELECT a.pid, a.usename, a.application_name FROM pg_locks l"
+                    " JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory'"
+                    " AND l.granted AND CAST(l.classid AS BIGINT) = ?"
+                    " AND CAST(l.objid AS BIGINT) = ?",
+                    (WRITE_LOCK >> 32, WRITE_LOCK & 0xFFFFFFFF),
+                ).fetchone()
+        except sqlite3.Error:
+            row = None
+        if row is None:
+            return "another session"
+        pid, role, application = row[0], _control_escaped(str(row[1]))[:40], str(row[2] or "")
+        if application.startswith(APPLICATION_NAME):
+            return f"host {_control_escaped(application[len(APPLICATION_NAME) :])} (pid {pid})"
+        shown = _control_escaped(application)[:40] or "no application name"
+        return f"another session (role {role}, {shown}, pid {pid})"
+
     def _open(self, read_only: bool) -> Any:
-        """A new connection, its transactions read-only snapshots or read-write ones."""
+        """A new connection, its transactions read-only snapshots or read-write ones, and
+        every wait of its own bounded (the class's docstring), in one round trip."""
         try:
             raw = self.connect()
         except Exception as exc:  # noqa: BLE001 -- the driver's own, whose text may name the server
             raise sqlite3.OperationalError(
                 f"the PostgreSQL server could not be reached ({_driver_reason(exc)})"
             ) from None
-        mode = "REPEATABLE READ, READ ONLY" if read_only else "READ COMMITTED, READ WRITE"
-        _Speaking(raw).execute(f"SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {mode}")
-        with _as_sqlite_errors(raw):
-            raw.commit()
+        settings = {
+            "application_name": (APPLICATION_NAME + self.host)[:63],
+            "statement_timeout": _ms(POSTGRES_STATEMENT_TIMEOUT_S),
+            "lock_timeout": _ms(DATABASE_BUSY_TIMEOUT_S),
+            "idle_in_transaction_session_timeout": _ms(POSTGRES_IDLE_IN_TRANSACTION_S),
+            "default_transaction_isolation": "repeatable read" if read_only else "read committed",
+            "default_transaction_read_only": "on" if read_only else "off",
+        }
+        calls = ", ".join("set_config(?, ?, false)" for _ in settings)
+        try:
+            _Speaking(raw).execute(
+                f"SELECT {calls}", [v for pair in settings.items() for v in pair]
+            )
+            _committed(raw)
+        except BaseException:
+            with suppress(Exception):
+                raw.close()
+            raise
         return raw
+
+
+def _ms(seconds: float) -> str:
+    """A PostgreSQL setting's time, in whole milliseconds: '1500ms'."""
+    return f"{round(seconds * 1000)}ms"
+
+
+class _Watch:
+    """Cuts the connection of a statement nobody answers in time. A server that stopped, or a
+    backend the OS stopped, cancels nothing itself (statement_timeout runs in it), and the
+    driver waits on its socket without a deadline; past POSTGRES_CUT_AFTER_S the socket is
+    shut, so that wait ends in an error, and the transaction is lost whole, as in a restart.
+    One thread watches every connection: started by the first statement it must watch, gone
+    once it has had nothing to watch for a while."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._due: dict[int, tuple[float, Any]] = {}
+        self._numbers = iter(range(1 << 62))
+        self._wakes_at = math.inf  # when the watching thread looks next; inf: no thread
+        self.cut: set[int] = set()
+
+    @contextmanager
+    def answered(self, raw: Any) -> Iterator[None]:
+        """The block's statement, its connection cut if it is not answered in time."""
+        within = POSTGRES_CUT_AFTER_S
+        due = time.monotonic() + within
+        with self._changed:
+            number = next(self._numbers)
+            self._due[number] = (due, raw)
+            if self._wakes_at == math.inf:
+                self._wakes_at = due
+                threading.Thread(target=self._watch, name="fc-postgres-watch", daemon=True).start()
+            elif due < self._wakes_at:
+                self._changed.notify()
+        try:
+            yield
+        except Exception:
+            with self._changed:
+                cut = number in self.cut
+                self.cut.discard(number)
+            if cut:
+                raise sqlite3.OperationalError(
+                    f"the PostgreSQL server did not answer within {within:g} s; its connection"
+                    " was cut, and what the transaction did is undone"
+                ) from None
+            raise
+        finally:
+            with self._changed:
+                self._due.pop(number, None)
+                self.cut.discard(number)
+
+    def _watch(self) -> None:
+        idle_since = math.inf
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for number, (due, raw) in list(self._due.items()):
+                    if due <= now:
+                        del self._due[number]
+                        self.cut.add(number)
+                        _shut(raw)
+                idle_since = math.inf if self._due else min(idle_since, now)
+                if now - idle_since >= POSTGRES_CUT_AFTER_S:
+                    self._wakes_at = math.inf  # idle a while: the next statement starts one
+                    return
+                nearest = (due for due, _ in self._due.values())
+                self._wakes_at = min(nearest, default=now + POSTGRES_CUT_AFTER_S)
+                self._changed.wait(max(self._wakes_at - now, 0.0))
+
+
+def _shut(raw: Any) -> None:
+    """The connection's socket shut both ways (a duplicate of its descriptor, so the driver
+    still owns and closes its own): whatever waits on it wakes to an end of file."""
+    fileno = getattr(raw, "fileno", None)
+    if fileno is None:  # a driver that does not say: only the server's own timeouts hold
+        return
+    with suppress(Exception), socket.socket(fileno=os.dup(fileno())) as connection:  # or gone
+        connection.shutdown(socket.SHUT_RDWR)
+
+
+_WATCH = _Watch()
+
+
+def _committed(raw: Any) -> None:
+    """COMMIT, answered in time or cut (_Watch), and an error of sqlite3's if it failed."""
+    with _as_sqlite_errors(raw), _WATCH.answered(raw):
+        raw.commit()
 
 
 class _PostgresUrl(DatabaseKind):
@@ -5572,7 +5833,7 @@ class _PostgresUrl(DatabaseKind):
         if not url.startswith(("postgresql://", "postgres://")):  # libpq's test, to the letter
             raise ConfigError("--database-url must be a postgresql:// URL")
         if _libpq_would_read_a_password(url):
-            raise ConfigError(_PASSWORD_IN_URL)
+            raise ConfigError(_URL_REFUSAL)
         try:
             import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- yours, if any
         except ImportError:
@@ -5584,10 +5845,13 @@ class _PostgresUrl(DatabaseKind):
         except psycopg.Error:
             raise ConfigError("--database-url is not a URL PostgreSQL's libpq can read") from None
         if read.keys() & _PASSWORD_KEYS:
-            raise ConfigError(_PASSWORD_IN_URL)
+            raise ConfigError(_URL_REFUSAL)
         shown = f"{parts.scheme}://{parts.netloc}{parts.path}"
+        deadline = (
+            {} if "connect_timeout" in read else {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
+        )
         return PostgresDatabase(
-            functools.partial(psycopg.connect, url),
+            functools.partial(psycopg.connect, url, **deadline),
             directory,
             where=f"the PostgreSQL database {shown}",  # no query: what it holds is the server's
         )
@@ -5595,7 +5859,7 @@ class _PostgresUrl(DatabaseKind):
 
 DATABASE_KINDS.append(_PostgresUrl())
 _PASSWORD_KEYS = {"password", "sslpassword"}  # libpq's keys whose value is a secret
-_PASSWORD_IN_URL = (
+_URL_REFUSAL = (  # what a URL from which libpq would read a password gets
     "--database-url holds a password, which `ps` shows to every user here; put it in"
     " PGPASSWORD or ~/.pgpass instead"
 )
@@ -5644,7 +5908,7 @@ class _Speaking:
         cursor = self.raw.cursor()
         statement = _postgres_sql(sql, isinstance(parameters, Mapping))
         if statement is not None:  # None: BEGIN, which a reading has begun already
-            with _as_sqlite_errors(self.raw):
+            with _as_sqlite_errors(self.raw), _WATCH.answered(self.raw):
                 cursor.execute(statement, parameters)
         return cursor
 
@@ -5653,7 +5917,7 @@ class _Speaking:
         cursor = self.raw.cursor()
         if rows:
             statement = _postgres_sql(sql, isinstance(rows[0], Mapping))
-            with _as_sqlite_errors(self.raw):
+            with _as_sqlite_errors(self.raw), _WATCH.answered(self.raw):
                 cursor.executemany(statement, rows)
         return cursor
 
@@ -5681,7 +5945,8 @@ def _dropped(raw: Any) -> bool:
 def _rolled_back(raw: Any) -> bool:
     """What the block left open, undone; False (and the connection closed) if it cannot be."""
     try:
-        raw.rollback()
+        with _WATCH.answered(raw):
+            raw.rollback()
     except Exception:  # noqa: BLE001 -- a connection the server dropped: let go of it
         with suppress(Exception):
             raw.close()
@@ -6383,12 +6648,6 @@ The ledger ("# >>> LEDGER" to "# <<< LEDGER"): what each customer spends in a UT
 conversation in all its turns, kept for every process, against --max-daily-tokens and
 --max-conversation-tokens; the command line counts every turn in it.
 """
-
-
-def _sqlite_error(exc: Exception) -> str:
-    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
-    quote SQL."""
-    return str(getattr(exc, "sqlite_errorname", type(exc).__name__))
 
 
 def _add_spent(
@@ -9262,9 +9521,11 @@ class _Session:
 
 
 class Inbox:
-    """The page and its decisions, for one data directory and one operator. Each request is
-    served whole under one lock: Approvals, the audit log and the database see one decision
-    or one reading at a time, as on the command line."""
+    """The page and its decisions, for one data directory and one operator. A page is read
+    under one lock, and never waits on a decision or another writer: its readings are
+    snapshots, and what it would settle waits for the next look if the database is held.
+    Decisions take turns through Approvals, as on the command line, each within the busy
+    timeout."""
 
     def __init__(
         self, workspace: _Workspace, tools: Mapping[str, Tool], operator: str, token: str
@@ -9297,8 +9558,9 @@ class Inbox:
         by Approvals itself, and the note says so. Returns where the operator goes back to:
         the page and filter they were on, at the card after the one decided."""
         action_id, decision = form.get("action_id", ""), form.get("decision")
+        note = self._decided(action_id, decision, form)  # outside the lock pages are read under
         with self._lock:
-            session.notes.append(self._decided(action_id, decision, form))
+            session.notes.append(note)
         after = form.get("next", "")
         card = after if _ACTION_ID.fullmatch(after) else "waiting"
         return f"/?{_View.of(form.get('view', '')).query()}#{card}"
@@ -9321,8 +9583,8 @@ class Inbox:
             return "refused", f"{exc}{_missing_tool_hint(self.workspace, action_id, self.tools)}"
         except AuditError as exc:
             return "refused", str(exc)
-        except sqlite3.OperationalError:  # "database is locked": another process holds it
-            return "refused", f"{action_id}: the database is busy; nothing was done, try again"
+        except sqlite3.OperationalError as exc:  # the write lock held past the busy timeout
+            return "refused", f"{action_id}: nothing was done ({_sqlite_error(exc)}); try again"
         return "refused", "neither approve nor reject; nothing was done"
 
     def page(self, session: _Session, view: _View) -> str:
@@ -9332,7 +9594,8 @@ class Inbox:
         day = datetime.fromtimestamp(now, timezone.utc).date().isoformat()
         with self._lock:
             notes, session.notes = session.notes, []
-            _settle_if_free(self.workspace.approvals)
+            with _waits_until(time.monotonic()):  # no wait for a writer: settled at a later look
+                _settle_if_free(self.workspace.approvals)
             count, waiting, mark, changed = self._waiting(view)
             led_to = self._what_led_to([a.action_id for a in waiting])
             keeper = SPEND_KEEPERS[0] if SPEND_KEEPERS else SpendKeeper

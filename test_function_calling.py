@@ -4675,6 +4675,28 @@ class DatabaseUrlTest(unittest.TestCase):
         )
         self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
 
+    def test_a_server_that_takes_the_connection_and_never_answers_is_given_up_in_time(
+        self,
+    ) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        taken: list[socket.socket] = []
+
+        def take() -> None:  # every connection accepted, and never a byte said
+            with suppress(OSError):
+                while True:
+                    taken.append(listener.accept()[0])
+
+        threading.Thread(target=take, daemon=True).start()
+        url = f"postgresql://app@127.0.0.1:{listener.getsockname()[1]}/helpdesk"
+        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)  # 120 s at most
+        for connection in taken:
+            connection.close()
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("could not be reached", done.stderr)
+        self.assertTrue(taken)  # it did connect, and was let wait
 
     def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
         server = PostgresServer.shared()
@@ -4777,6 +4799,103 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
         self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
         self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
         self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+
+class StoppingRefund(fc.RequestShippingRefund):
+    """The shop's refund, whose apply stops its own PostgreSQL backend (SIGSTOP, as a frozen
+    server) after its checks: its next statement is never answered while it is stopped."""
+
+    stopped: list[int]
+
+    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
+        (pid,) = db.execute("SELECT pg_backend_pid()").fetchone()
+        self.stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        return super().apply(args, context, db)
+
+
+class PostgresDeadlineTest(OnPostgres, ApprovalCase):
+    """Every wait on the server has a deadline: a writer held off by another session fails
+    closed within the busy timeout, naming who held the lock; a turn's waits end by its
+    deadline; a statement a stopped backend never answers is cut, and undone."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.told = self.propose()  # before the lock is held, and with the default waits
+        patch = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.5)
+        patch.start()
+        self.addCleanup(patch.stop)
+
+    def hold_the_write_lock(self) -> int:
+        """An operator's psql takes the writers' lock and sits on it; its server pid."""
+        holder = self.server.driver.connect(self.server.url, application_name="psql")
+        self.addCleanup(holder.close)
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (fc.WRITE_LOCK,))
+        self.addCleanup(holder.rollback)
+        return int(holder.info.backend_pid)
+
+    def test_a_writer_held_off_fails_closed_within_the_busy_timeout_naming_the_holder(
+        self,
+    ) -> None:
+        pid = self.hold_the_write_lock()
+        named = f"another session (role fc, psql, pid {pid}) held the database's write lock"
+        with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
+            self.sql("DELETE FROM refunds")
+        for decide in (
+            lambda: self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a"),
+            lambda: self.approvals.reject(self.told["approvalId"], "a", "not late"),
+        ):
+            with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
+                decide()
+        (waiting,) = self.approvals.pending()  # a look neither waits nor fails meanwhile
+        self.assertEqual(waiting.action_id, self.told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+    def test_a_turn_with_a_daily_limit_stops_closed_sending_nothing(self) -> None:
+        ledger = fc.Ledger(self.database)  # its tables made, as at start
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
+        self.hold_the_write_lock()
+        with self.assertLogs("function_calling", "WARNING") as warned:
+            result, requests = self.run_turn([text_reply("never")], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, requests), ("budget", []))
+        self.assertIn("held the database's write lock", "\n".join(warned.output))
+
+    def test_a_turns_waits_end_by_its_deadline_not_the_busy_timeout(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        self.hold_the_write_lock()
+        started = time.monotonic()
+        with (
+            mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 60.0),
+            self.assertLogs("function_calling", "WARNING"),
+        ):
+            result, _ = self.run_turn(
+                [text_reply("never")], loop={"budget": budget, "turn_timeout": 1.0}
+            )
+        self.assertEqual(result.stop_reason, "budget")
+        self.assertLess(time.monotonic() - started, 30.0)  # 1 s is needed; 60 s without it
+
+    def test_a_statement_a_stopped_backend_never_answers_is_cut_and_undone(self) -> None:
+        stopping = StoppingRefund(fc.OrderStore(self.database))
+        stopping.stopped = []
+
+        def go_on() -> None:
+            for pid in stopping.stopped:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        self.addCleanup(go_on)
+        refused = self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed")
+        with mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0), refused:
+            self.approvals.approve(self.told["approvalId"], fc.tool_table([stopping]), "a")
+        go_on()  # the backend wakes to a closed connection: its transaction is rolled back
+        self.assertEqual(self.refunds(), [])
+        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
+        self.assertEqual(waiting.action_id, self.told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # the stopped one's end
+            self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a")
+        self.assertEqual([row[1] for row in self.refunds()], [self.told["approvalId"]])
         self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
 
 
@@ -6818,7 +6937,8 @@ class ClearOutcomeTest(LoopTestCase):
         self.assertEqual((code, read), (1, 0))
         self.assertEqual(
             err.getvalue(),
-            "error: the database could not be used (database is locked); try again\n",
+            "error: the database could not be used (another process held the database's write"
+            " lock past 0.1 s); try again\n",
         )
 
     def test_a_tls_certificate_that_cannot_be_verified_is_one_clear_line(self) -> None:
@@ -9385,6 +9505,37 @@ class InboxTest(InboxCase):
         self.page(origin, cookie.split(";")[0])
         self.assertEqual(self.request(origin, "GET", "/", headers={"Cookie": "x=1"})[0], 403)
 
+    def test_a_page_never_waits_on_a_decision_that_waits_for_another_writer(self) -> None:
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        form = {"csrf": self.csrf_of(origin, cookie), "action_id": self.action_id}
+        body = urllib.parse.urlencode({**form, "decision": "reject", "reason": "late"}).encode()
+        holder = sqlite3.connect(self.db_path, isolation_level=None)
+        self.addCleanup(holder.close)
+        holder.execute("BEGIN IMMEDIATE")  # another process writes, and goes on writing
+        decided: list[int] = []
+
+        def decide() -> None:  # waits the inbox's busy timeout (10 s), then is refused
+            host, port = origin.removeprefix("http://").split(":")
+            connection = http.client.HTTPConnection(host, int(port), timeout=120)
+            headers = {"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}
+            connection.request("POST", "/decide", body, headers)
+            decided.append(connection.getresponse().status)
+            connection.close()
+
+        deciding = threading.Thread(target=decide)
+        deciding.start()
+        time.sleep(0.5)  # the decision reaches the lock in milliseconds, then waits there
+        self.assertIn(self.action_id, self.page(origin, cookie))
+        self.assertTrue(deciding.is_alive())  # the page came while the decision still waited
+        deciding.join(timeout=120)
+        holder.execute("ROLLBACK")
+        self.assertEqual(decided, [303])
+        page = self.page(origin, cookie)
+        self.assertIn("nothing was done (SQLITE_BUSY: another process held the database", page)
+        (still,) = self.approvals.pending()
+        self.assertEqual(still.action_id, self.action_id)
+
     def test_the_page_shows_what_waits_and_what_led_to_it_all_as_text(self) -> None:
         origin, link = self.start_inbox()
         status, headers, body = self.request(
@@ -10353,10 +10504,10 @@ class FakeRemoteMcp:
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
             block = {"type": "text", "text": f"invalid token {self.secret()}"}
             return {"result": {"content": [block], "isError": True}}
-        if method == "tools/call" and "rpc_token_upper" in self.behaviours:  # in its own case
-            return {"error": {"code": -32603, "message": f"invalid token {self.secret().upper()}"}}
-        if method == "tools/call" and "rpc_token" in self.behaviours:
-            return {"error": {"code": -32603, "message": f"invalid token {self.secret()}"}}
+        if method == "tools/call" and {"rpc_token", "rpc_token_upper"} & self.behaviours:
+            upper = "rpc_token_upper" in self.behaviours  # said back in a case of its own
+            said = self.secret().upper() if upper else self.secret()
+            return {"error": {"code": -32603, "message": f"invalid token {said}"}}
         if method == "tools/call" and "rpc_secret" in self.behaviours:  # secrets of its own
             error = {"code": -32603, "message": 'upstream said "token": "zz-9f8e7d6c5b4a"'}
             return {"error": {**error, "data": {"password": "pw-1a2b3c4d5e6f"}}}
