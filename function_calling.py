@@ -299,6 +299,79 @@ def _redacted(text: str, key: str | None, keep: str = "") -> str:
     return _control_escaped(text, keep)
 
 
+MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
+_IN_USE: tuple[str, ...] = ()  # the secrets this process holds, longest first (_keep_secret)
+_KEEPING = threading.Lock()
+
+
+def _keep_secret(*values: str | None) -> None:
+    """These values (the API key, a tool server's token) never rest outside this process: they
+    are redacted from whatever the model or a server wrote that this process prints, saves or
+    logs (_without_secrets_in_use), however they came to be in it."""
+    found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
+    global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
+    with _KEEPING:
+        _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
+
+
+def _without_secrets_in_use(value: Any) -> Any:
+    """`value` (a text, or a decoded JSON value) with every secret this process holds cut
+    out, in any case, whole or by a start long enough to matter; `value` itself if it holds
+    none, so that a text without one keeps its exact bytes."""
+    secrets = _IN_USE
+    return _without_secrets(value, secrets) if secrets and _holds_secret(value, secrets) else value
+
+
+def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
+    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere?"""
+    if not secrets:
+        return False
+    if isinstance(value, str):
+        return _secrets_pattern(secrets).search(value) is not None
+    if isinstance(value, dict):
+        return any(
+            _holds_secret(key, secrets) or _holds_secret(item, secrets)
+            for key, item in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        return any(_holds_secret(item, secrets) for item in value)
+    return isinstance(value, (int, float)) and _without_secrets(value, secrets) != value
+
+
+def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
+    """A decoded value with every secret cut from its strings (its keys too), and a number
+    whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
+    if isinstance(value, str):
+        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
+    if isinstance(value, dict):
+        return {
+            _without_secrets(key, secrets): _without_secrets(item, secrets)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_secrets(item, secrets) for item in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        digits = repr(value)
+        return "[redacted]" if any(secret in digits for secret in secrets) else value
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Any of `secrets` (_secret_shape), in any case: a server or a header may change a
+    value's case (a Content-Type is read lowercased), and a secret said in capitals is the
+    secret all the same. Longest first, so that a longer one is cut whole."""
+    return re.compile("|".join(map(_secret_shape, secrets)), re.IGNORECASE)
+
+
+def _secret_shape(secret: str) -> str:
+    """A secret as a pattern: whole, or any start of it longer than KEY_PREFIX_SHOWN (a text
+    cut mid-secret), the longest there is."""
+    head = min(len(secret), KEY_PREFIX_SHOWN + 1)
+    rest = secret[head:]
+    return re.escape(secret[:head]) + "".join(f"(?:{re.escape(c)}" for c in rest) + ")?" * len(rest)
+
+
 def _control_escaped(text: str, keep: str = "") -> str:
     """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
     return "".join(
@@ -580,6 +653,7 @@ class AuditLog:
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
         record = {"time": _utc_now(), "event": event, **self._host}
         record.update((k, _scrubbed(v) if k in _FREE_TEXT else v) for k, v in fields.items())
+        record = _without_secrets_in_use(record)  # the model's arguments too: never the key
         try:
             self._file.append(record, sync)
         except OSError as exc:
@@ -884,6 +958,8 @@ def _execute(
         return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
     try:
         args = parse_arguments(call.arguments_json)
+        if _holds_secret(args, _IN_USE):  # said back by a server, or guessed: never a tool's
+            raise ArgumentError("the arguments hold a credential of this application")
         result = tool.run(args, context)
         if not tool.writes:
             return _cap_result(_compact(result)), "ok", {}
@@ -1791,6 +1867,7 @@ class ChatClient:
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.settings = settings
+        _keep_secret(settings.api_key)  # never shown, saved or logged, whoever says it back
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
         self._jitter = jitter
         https = settings.base_url.startswith("https:")
@@ -4413,6 +4490,7 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     """Run the command line for `app` (App() if None: no tools); returns the exit code and
     never lets a traceback out."""
     app = app or App()
+    _keep_secret(os.environ.get("OPENAI_API_KEY"))  # shown nowhere, whoever says it back
     _tolerant_streams()
     _log.addFilter(_SHOWN_REDACTED)  # once: a logger keeps one copy of a filter
     parser = _build_parser(app)
@@ -4454,7 +4532,8 @@ def _shown_to_user(text: str) -> str:
     """A text as a user is shown it: what looks like a secret (_scrubbed), and the OpenAI key
     whole or by its start, redacted; control characters escaped. An error may quote a server
     (the stderr of one that died at start), and no server's words are trusted."""
-    return _redacted(_scrubbed(text), os.environ.get("OPENAI_API_KEY"), keep="\n")
+    shown = _without_secrets_in_use(_scrubbed(text))
+    return _redacted(shown, os.environ.get("OPENAI_API_KEY"), keep="\n")
 
 
 class _ShownRedacted(logging.Filter):
@@ -4972,14 +5051,23 @@ def _read_lines(stream: TextIO) -> Iterator[str]:
 
 class _Printer:
     """Prints streamed text the moment it arrives (flushed), and can end its line. A reader
-    that went away (a broken pipe) stops the printing, not the turn: it is still audited."""
+    that went away (a broken pipe) stops the printing, not the turn: it is still audited.
+
+    A secret of this process's (the key, said back) is never printed, even split across two
+    pieces: the end of what came that could begin one is held until the next piece shows
+    whether it does (_held_back), and printed, redacted, when the text ends."""
 
     def __init__(self) -> None:
         self.line_open = False
         self.broken = False
+        self._held = ""
 
     def __call__(self, text: str) -> None:
-        if self.broken:
+        shown, self._held = _held_back(self._held + text)
+        self._write(_without_secrets_in_use(shown))
+
+    def _write(self, text: str) -> None:
+        if self.broken or not text:
             return
         # subtle: set before writing, so a Ctrl-C the moment the text shows still ends its line
         self.line_open = not text.endswith("\n")
@@ -4990,9 +5078,23 @@ class _Printer:
             self.broken = True
 
     def end_line(self) -> None:
+        held, self._held = self._held, ""
+        self._write(_without_secrets_in_use(held))
         if self.line_open and not self.broken:
             self.line_open = False
             print(flush=True)
+
+
+def _held_back(text: str) -> tuple[str, str]:
+    """`text` as (what may be printed now, its end that could be the start of a secret of
+    this process's), so that a secret split across two streamed pieces is never printed."""
+    held = 0
+    for secret in _IN_USE:
+        for size in range(min(len(secret) - 1, len(text)), held, -1):
+            if text[-size:].casefold() == secret[:size].casefold():
+                held = size
+                break
+    return text[: len(text) - held], text[len(text) - held :]
 
 
 def _report(result: TurnResult, printer: _Printer | None = None, base_url: str = "") -> int:
@@ -5004,21 +5106,22 @@ def _report(result: TurnResult, printer: _Printer | None = None, base_url: str =
         if printer.broken:
             raise BrokenPipeError  # main exits the way Unix tools do
         printer.end_line()
+    answer = _without_secrets_in_use(result.answer)  # what the model wrote: maybe the key
     if result.stop_reason in ("answered", "returned_direct", "refused"):
         if not streamed:
-            print(result.answer, flush=True)
+            print(answer, flush=True)
         return EXIT_OK
     if result.stop_reason in _CUT_SHORT:
-        if result.answer and not streamed:
-            print(result.answer, flush=True)
+        if answer and not streamed:
+            print(answer, flush=True)
         _say_error(result.error or _CUT_SHORT[result.stop_reason])
         return EXIT_FAILED
     if result.stop_reason in GUARD_STOPS:
-        print(result.answer, flush=True)
+        print(answer, flush=True)
         print(f"stopped: {_GUARD_NOTES[result.stop_reason]}", file=sys.stderr)
         return EXIT_GUARD
     if result.stop_reason == "budget":
-        print(result.answer, flush=True)
+        print(answer, flush=True)
         print(f"stopped: {result.error}", file=sys.stderr)
         return EXIT_BUDGET
     error = str(result.error)
@@ -5570,9 +5673,14 @@ DB-API driver you install (psycopg 3); each host keeps its own data directory an
 #     take turns as a file's do, and each check-then-write holds against all of them;
 #   - upserts: INSERT OR IGNORE is INSERT … ON CONFLICT DO NOTHING; MAX and MIN of two values
 #     are GREATEST and LEAST;
-#   - types: INTEGER is 64 bits (BIGINT), REAL is DOUBLE PRECISION, GLOB is SIMILAR TO, and each
-#     table gets the rowid a SQLite table has (a BIGSERIAL): taken in turns, it counts in the
+#   - types, by SQLite's affinity: an integer is 64 bits (BIGINT), a real DOUBLE PRECISION, a
+#     text compares byte by byte (COLLATE "C", as SQLite's BINARY), a blob BYTEA; each table
+#     gets the rowid a SQLite table has (a BIGSERIAL), which, taken in turns, counts in the
 #     order the writes commit;
+#   - GLOB 'pattern' is ~ and the regular expression that matches the same texts;
+#   - what no translation makes mean the same (LIKE, INSERT OR REPLACE, a column of no type,
+#     …: _NOT_THE_SAME) is refused in one line naming the statement, never sent changed;
+#   - strings, quoted names and comments are never read as code: '?' in 'why?' is no parameter;
 #   - readings: one snapshot each (REPEATABLE READ, READ ONLY), as a SQLite read transaction;
 #   - the schema-version table: the same one, written in each component's own transaction.
 
@@ -5996,25 +6104,198 @@ _SQLSTATE_HINTS = {
 
 @functools.lru_cache(maxsize=1024)
 def _postgres_sql(sql: str, named: bool) -> str | None:
-    """One of the file's statements as PostgreSQL says it (the list above); None for BEGIN."""
-    text = re.sub(r"^(\s*--[^\n]*\n)*", "", sql).strip().rstrip(";").rstrip()  # no comment first
-    if text.upper() == "BEGIN":
+    """One of SQLite's statements as PostgreSQL says it, meaning the same (the list above);
+    None for BEGIN. What it cannot say so is refused (_refused), never sent changed.
+
+    The statement's strings, quoted names and comments are set aside first (_set_aside), so
+    that nothing in them is read as code: a '?' in 'why?' stays a question mark."""
+    code, kept = _set_aside(sql.strip().rstrip(";").rstrip())
+    code = re.sub(r"\A(?:\s|\x01\d+\x01)*", "", code)  # no comment first: what it is, first
+    words = code.split()
+    if [w.upper() for w in words] == ["BEGIN"] or not words:
         return None
-    if re.match(r"(?i)(CREATE TABLE|ALTER TABLE)\b", text):
-        text = re.sub(r"\bINTEGER\b", "BIGINT", text)
-        text = re.sub(r"\bREAL\b", "DOUBLE PRECISION", text)
-        text = re.sub(r"\bGLOB\b", "SIMILAR TO", text)
-    if re.match(r"(?i)CREATE TABLE\b", text):  # its rowid, after its own columns
-        text = text[:-1].rstrip() + "\n    , rowid BIGSERIAL\n)"
-    text = text.replace("%", "%%")
-    if re.match(r"(?i)INSERT OR IGNORE INTO\b", text):
-        text = "INSERT INTO" + text[len("INSERT OR IGNORE INTO") :] + " ON CONFLICT DO NOTHING"
-    # MAX and MIN of two values with no call inside (the file's only such uses)
-    text = re.sub(r"\bMAX\(([^(),]+),([^(),]+)\)", r"GREATEST(\1,\2)", text)
-    text = re.sub(r"\bMIN\(([^(),]+),([^(),]+)\)", r"LEAST(\1,\2)", text)
+    for shape, why in _NOT_THE_SAME:
+        if re.search(shape, code):
+            raise _refused(sql, why)
+    if re.match(r"(?i)\s*(CREATE\s+TABLE|ALTER\s+TABLE)\b", code):
+        code = _column_types(code, sql)
+    if re.match(r"(?i)\s*CREATE\s+TABLE\b", code):  # its rowid, after its own columns
+        code = code[: code.rindex(")")].rstrip() + "\n    , rowid BIGSERIAL\n)"
+    code = _globs(code, kept, sql).replace("%", "%%")
+    if re.match(r"(?i)\s*INSERT\s+OR\s+IGNORE\s+INTO\b", code):
+        code = re.sub(r"(?i)OR\s+IGNORE\s+", "", code, count=1) + " ON CONFLICT DO NOTHING"
+    # MAX and MIN of two values with no call inside (MAX(x) alone is the aggregate)
+    code = re.sub(r"\bMAX\(([^(),]+),([^(),]+)\)", r"GREATEST(\1,\2)", code)
+    code = re.sub(r"\bMIN\(([^(),]+),([^(),]+)\)", r"LEAST(\1,\2)", code)
     if named:
-        return re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", text)
-    return text.replace("?", "%s")
+        code = re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", code)
+    else:
+        code = code.replace("?", "%s")
+    return re.sub(r"[\x00\x01](\d+)[\x00\x01]", lambda m: _restored(kept[int(m[1])]), code)
+
+
+def _restored(piece: str) -> str:
+    """A string, quoted name or comment set aside, back in the statement: its % doubled, as
+    the driver reads every % (its placeholders'), and a line comment ended, so that nothing
+    added after it (ON CONFLICT …) is taken into it."""
+    return piece.replace("%", "%%") + ("\n" if piece.startswith("--") else "")
+
+
+# A string, a quoted name, a comment (each as SQLite ends it), or code up to where one may begin.
+_SQL_PIECE = re.compile(
+    r"'(?:[^']|'')*'?|\"(?:[^\"]|\"\")*\"?|--[^\n]*|/\*.*?(?:\*/|\Z)|[^'\"\-/]+|.", re.S
+)
+# What SQLite and PostgreSQL read differently, and no translation here makes the same.
+_NOT_THE_SAME = (
+    (r"(?i)\bLIKE\b", "LIKE ignores case on SQLite and not on PostgreSQL (use GLOB, or lower())"),
+    (r"(?i)\bGLOB\s*\(|\bGLOB\s*(?!\x00\d+\x00)\S", "GLOB's pattern must be a string literal"),
+    (r"(?i)\bREPLACE\s+INTO\b|\bOR\s+(REPLACE|ABORT|FAIL|ROLLBACK)\b", "only INSERT OR IGNORE"),
+    (r"\?\d|[@$][A-Za-z_]", "parameters are ? or :name"),
+    (r"[`\[]", "names are quoted with double quotes"),
+    (r"(?i)\b(AUTOINCREMENT|PRAGMA|WITHOUT\s+ROWID|ATTACH|VACUUM)\b", "SQLite's alone"),
+    (r"(?i)\bINTEGER\s+PRIMARY\s+KEY\b", "INTEGER PRIMARY KEY is SQLite's rowid, filled in"),
+    (r"(?i)\bCOLLATE\b", "SQLite's collations are not PostgreSQL's"),
+)
+
+
+def _set_aside(sql: str) -> tuple[str, list[str]]:
+    """The statement's code, each string and quoted name in it replaced by its number between
+    NULs (\\x00), and each comment by its number between \\x01s; and those pieces, in order."""
+    code: list[str] = []
+    kept: list[str] = []
+    for piece in _SQL_PIECE.findall(sql):
+        if piece[0] in "'\"" or piece.startswith(("--", "/*")):
+            mark = "\x01" if piece[0] in "-/" else "\x00"
+            code.append(f"{mark}{len(kept)}{mark}")
+            kept.append(piece)
+        else:
+            code.append(piece)
+    return "".join(code), kept
+
+
+def _refused(sql: str, why: str) -> Exception:
+    """A statement this part will not send, refused as its code's mistake (as a schema that
+    cannot be used is, at start): one line naming it by its start, and why."""
+    start = " ".join(sql.split())
+    start = start if len(start) <= 60 else start[:60] + "…"
+    return ConfigError(f"PostgreSQL would not read this statement as SQLite does ({why}): {start}")
+
+
+def _column_types(code: str, sql: str) -> str:
+    """CREATE TABLE's or ADD COLUMN's declared types as PostgreSQL's that hold the same
+    (_postgres_type); a table's constraints as they are."""
+    if re.match(r"(?i)\s*ALTER\b", code):
+        added = re.search(r"(?i)\bADD\s+(?:COLUMN\s+)?", code)
+        return code if added is None else code[: added.end()] + _column(code[added.end() :], sql)
+    head, paren, body = code.partition("(")
+    end = body.rindex(")")
+    columns = _top_level_commas(body[:end])
+    return head + paren + ",".join(_column(column, sql) for column in columns) + body[end:]
+
+
+def _column(definition: str, sql: str) -> str:
+    """One column's definition with its type as PostgreSQL's, or a table constraint as it is."""
+    found = _COLUMN.match(definition)
+    if found is None or found["name"].upper() in _TABLE_CONSTRAINTS:
+        return definition
+    shown = _postgres_type(found["type"].strip(), sql)
+    return f"{found['lead']}{found['name']} {shown} {found['rest']}"
+
+
+# A column's definition: what leads it (space, comments), its name (maybe quoted), its type
+# (the words before its first constraint), and the rest.
+_COLUMN = re.compile(
+    r"(?P<lead>(?:\s|\x01\d+\x01)*)(?P<name>\x00\d+\x00|[A-Za-z_]\w*)\s*"
+    r"(?P<type>(?:(?!(?:CONSTRAINT|PRIMARY|NOT|NULL|UNIQUE|CHECK|DEFAULT|COLLATE|REFERENCES"
+    r"|GENERATED|AS)\b)[A-Za-z_]+(?:\s*\([^)]*\))?\s*)*)(?P<rest>.*)\Z",
+    re.S | re.I,
+)
+_TABLE_CONSTRAINTS = ("CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN")
+
+
+def _postgres_type(declared: str, sql: str) -> str:
+    """A SQLite type as the PostgreSQL type that holds the same, by SQLite's affinity rules:
+    any integer is 64 bits, text compares byte by byte as SQLite's BINARY does."""
+    upper = declared.upper()
+    if "INT" in upper:
+        return "BIGINT"
+    if any(word in upper for word in ("CHAR", "CLOB", "TEXT")):
+        return 'TEXT COLLATE "C"'
+    if "BLOB" in upper:
+        return "BYTEA"
+    if any(word in upper for word in ("REAL", "FLOA", "DOUB")):
+        return "DOUBLE PRECISION"
+    raise _refused(sql, f"a column typed {declared or 'nothing'} holds anything on SQLite")
+
+
+def _top_level_commas(text: str) -> list[str]:
+    """`text` split at each comma outside parentheses."""
+    pieces, depth, start = [], 0, 0
+    for position, character in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(character, 0)
+        if character == "," and depth == 0:
+            pieces.append(text[start:position])
+            start = position + 1
+    return [*pieces, text[start:]]
+
+
+def _globs(code: str, kept: list[str], sql: str) -> str:
+    """x GLOB 'pattern' as x ~ 'regex' that matches exactly the same texts (NOT GLOB: !~)."""
+
+    def regex(found: re.Match[str]) -> str:
+        pattern = kept[int(found[3])]
+        kept[int(found[3])] = "'" + _glob_regex(pattern[1:-1].replace("''", "'"), sql) + "'"
+        return ("!~ " if found[1] else "~ ") + found[2]
+
+    return re.sub(r"(?i)(\bNOT\s+)?\bGLOB\s*(\x00(\d+)\x00)", regex, code)
+
+
+def _glob_regex(glob: str, sql: str) -> str:
+    """SQLite's GLOB pattern as a PostgreSQL regular expression, anchored, quotes doubled: *
+    any text, ? one character, [...] a set ([^...] its complement, ] first is itself, a-z a
+    range), every other character itself, case and all."""
+    out, position = ["^"], 0
+    while position < len(glob):
+        character = glob[position]
+        position += 1
+        if character == "*":
+            out.append(".*")
+        elif character == "?":
+            out.append(".")
+        elif character == "[":
+            members, position = _glob_set(glob, position, sql)
+            out.append(members)
+        else:
+            out.append(character if character.isalnum() else "\\" + character)
+    return ("".join(out) + "$").replace("'", "''")
+
+
+def _glob_set(glob: str, position: int, sql: str) -> tuple[str, int]:
+    """The set that starts at glob[position] (after its '['), as a bracket expression, and
+    where the pattern goes on; refused if it never ends, or holds a range from high to low."""
+    out = ["["]
+    if glob[position : position + 1] == "^":
+        out.append("^")
+        position += 1
+    first = True
+    while position < len(glob) and (first or glob[position] != "]"):
+        low = glob[position]
+        if (
+            glob[position + 1 : position + 2] == "-"
+            and glob[position + 2 : position + 3] not in "]"
+        ):
+            high = glob[position + 2]
+            if high < low:
+                raise _refused(sql, "a GLOB set's range runs from high to low")
+            out.append(f"\\{low}-\\{high}" if not (low + high).isalnum() else f"{low}-{high}")
+            position += 3
+        else:
+            out.append(low if low.isalnum() else "\\" + low)
+            position += 1
+        first = False
+    if position >= len(glob):
+        raise _refused(sql, "a GLOB set is never closed")
+    return "".join(out) + "]", position + 1
 
 
 # <<< POSTGRES
@@ -6407,9 +6688,15 @@ class Conversations:
         told: tuple[str, ...],
         max_history_bytes: int = MAX_HISTORY_BYTES,
     ) -> Conversation:
-        """The turn, whole, in one transaction: a crash before the commit leaves none of it."""
+        """The turn, whole, in one transaction: a crash before the commit leaves none of it.
+        A message that holds a secret of this process's (the key, said back by a server) is
+        saved with it redacted (_as_saved), the only one not saved byte for byte."""
         turn = SavedTurn(
-            tuple(messages), result.origin, result.stop_reason, told, _iso(self.clock())
+            tuple(map(_as_saved, messages)),
+            result.origin,
+            result.stop_reason,
+            told,
+            _iso(self.clock()),
         )
         try:
             self._insert(conversation, turn)
@@ -6446,6 +6733,18 @@ class Conversations:
 
 
 _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
+def _as_saved(message_json: str) -> str:
+    """A message as it is saved: its exact text, unless it holds a secret of this process's;
+    then re-encoded with it redacted. Looked for in the decoded text too, where an escape
+    (\\u0073k-…) would hide it from a look at the raw one."""
+    if not _IN_USE or not (_holds_secret(message_json, _IN_USE) or "\\u" in message_json):
+        return message_json  # the echo, byte for byte
+    decoded = json.loads(message_json)
+    if not _holds_secret(decoded, _IN_USE):
+        return message_json
+    return _compact(_without_secrets_in_use(decoded))
 
 
 def _newest_turns(
@@ -7907,6 +8206,7 @@ class McpServer:
         self.label = _cut(shlex.join(self.command), 200)  # for the user and the audit only
         self.env = dict(env or {})
         self._secrets = _secret_values(self.env.values())  # never said back: _unsaid
+        _keep_secret(*self._secrets)
         self.timeout = timeout
         self.probe_timeout = probe_timeout
         self.startup_timeout = startup_timeout
@@ -8417,7 +8717,6 @@ def _declined(request: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
-MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
 
 
 def _secret_values(values: Iterable[str]) -> tuple[str, ...]:
@@ -8429,32 +8728,6 @@ def _secret_values(values: Iterable[str]) -> tuple[str, ...]:
         _, space, credential = value.partition(" ")
         found.update((value, credential.strip()) if space else (value,))
     return tuple(sorted((v for v in found if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True))
-
-
-def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
-    """A decoded value with every secret cut from its strings (its keys too), and a number
-    whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
-    if isinstance(value, str):
-        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
-    if isinstance(value, dict):
-        return {
-            _without_secrets(key, secrets): _without_secrets(item, secrets)
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [_without_secrets(item, secrets) for item in value]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        digits = repr(value)
-        return "[redacted]" if any(secret in digits for secret in secrets) else value
-    return value
-
-
-@functools.lru_cache(maxsize=64)
-def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
-    """Any of `secrets`, in any case: a server or a header may change a value's case (a
-    Content-Type is read lowercased), and a secret said in capitals is the secret all the same.
-    Longest first, as _secret_values orders them, so that a longer one is cut whole."""
-    return re.compile("|".join(map(re.escape, secrets)), re.IGNORECASE)
 
 
 def _window_without_secrets(text: str, secrets: Sequence[str]) -> str:
@@ -8572,6 +8845,7 @@ class McpHttpServer(McpServer):
         # the label, in every message and log line, leaves out the query: it may hold a key
         self.label = _cut(self._url._replace(query="", fragment="").geturl(), 200)
         self._secrets = _secret_values((headers or {}).values())  # never said back: _unsaid
+        _keep_secret(*self._secrets)
         self._headers = dict(headers or {})
         # the CA store is loaded once (as ChatClient does), not for every connection
         https = self._url.scheme == "https"
@@ -9790,7 +10064,9 @@ def _turn_text(messages_json: str, action_id: str) -> tuple[str, str, str]:
                 said.append(text)
     except (ValueError, TypeError, AttributeError, RecursionError):
         return "(the saved turn could not be read)", "", ""
-    return user, "\n".join(before), "\n".join(after)
+    texts = (user, "\n".join(before), "\n".join(after))
+    shown: tuple[str, str, str] = _without_secrets_in_use(texts)  # saved redacted; ours too
+    return shown
 
 
 @dataclass(frozen=True)

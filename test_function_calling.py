@@ -79,6 +79,8 @@ from function_calling import (
     ToolContext,
     ToolLoop,
     TurnResult,
+    delta_chunk,
+    stream_reply,
     text_reply,
     tool_call_reply,
 )
@@ -1732,6 +1734,66 @@ class KeyLeakTest(LoopTestCase):
         for text in (result.error or "", "\n".join(logged.output), self.audit_path.read_text()):
             self.assertNotIn(FAKE_KEY, text)
             self.assertNotIn(FAKE_KEY[8:], text)
+
+
+class KeyInTheModelsTextTest(LoopTestCase):
+    """A server or proxy that says the request back (its headers too) as what the model wrote
+    puts the key in text this code prints, saves and logs: it is redacted from all of them,
+    in any case, and a call whose arguments hold it is refused as data."""
+
+    def echo(self, request: RecordedRequest) -> bytes:
+        return text_reply(f"You sent {json.dumps(dict(request.headers))}; mind the {LOUD_KEY}")
+
+    def everything_kept(self) -> str:
+        """Every byte the data directory holds: the database (its WAL too) and the log."""
+        files = [path for path in self.data_dir.rglob("*") if path.is_file()]
+        return b"".join(path.read_bytes() for path in files).decode("utf-8", "replace")
+
+    def assert_nowhere(self, *texts: str) -> None:
+        for text in (*texts, self.everything_kept()):
+            self.assertNotIn(FAKE_KEY.lower(), text.lower())
+            self.assertNotIn(FAKE_KEY[:16].lower(), text.lower())
+
+    def test_a_key_said_back_reaches_no_terminal_no_row_and_no_log(self) -> None:
+        with ScriptedChatServer([self.echo, self.echo]) as server:
+            env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
+            done = self.cli("chat", env=env, stdin="hi\nand?\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn('"authorization": "Bearer [redacted]"', done.stdout)
+        self.assertIn("mind the [redacted]", done.stdout)
+        # the cost: a saved message that held a secret is echoed as saved, redacted
+        self.assertIn("Bearer [redacted]", json.dumps(server.requests[1].json()))
+        self.assert_nowhere(done.stdout, done.stderr)
+
+    def test_a_key_split_across_streamed_pieces_is_never_printed(self) -> None:
+        cut = len("You sent Bearer ") + 12
+        said = f"You sent Bearer {FAKE_KEY}, twice: {LOUD_KEY}."
+        pieces = [said[i : i + 7] for i in range(0, cut, 7)] + [said[cut:]]
+        chunks: list[dict[str, Any] | str] = [delta_chunk({"role": "assistant", "content": ""})]
+        chunks += [delta_chunk({"content": piece}) for piece in pieces]
+        chunks += [delta_chunk({}, "stop"), "[DONE]"]
+        with ScriptedChatServer([stream_reply(chunks)]) as server:
+            env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
+            done = self.cli("ask", "--stream", "hi", env=env)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout, "You sent Bearer [redacted], twice: [redacted].\n")
+        self.assert_nowhere(done.stdout, done.stderr)
+
+    def test_arguments_that_hold_the_key_are_refused_as_data_and_filed_nowhere(self) -> None:
+        tool = AddNote(self.database)
+        escaped = json.dumps({"text": FAKE_KEY}).replace("s", "\\u0073")  # hidden, decoded
+        for arguments in (json.dumps({"text": LOUD_KEY}), escaped):
+            with self.subTest(arguments=arguments):
+                _, requests = self.run_turn(
+                    [tool_call_reply([("addNote", arguments)]), text_reply("ok")], tools=[tool]
+                )
+                (told,) = tool_results(requests[1])
+                self.assert_rejected(told, "invalid_arguments", "a credential of this application")
+        self.assertEqual(self.approvals.pending(), [])
+        self.assert_nowhere()
+
+
+LOUD_KEY = FAKE_KEY.upper()  # the key, said back in capitals
 
 
 class FinishReasonTest(LoopTestCase):
@@ -4714,6 +4776,86 @@ class DatabaseUrlTest(unittest.TestCase):
         self.assertIn("42501", done.stderr)
         self.assertNotIn(".db", done.stderr)  # no SQLite file, which there is none of
         self.assertNotIn(str(server.directory), done.stderr)
+
+
+# SQLite's statements, as the file's and your tools' are written, that mean the same on
+# PostgreSQL once translated: each runs on both engines, and must give the same rows, or fail
+# alike. Strings, quoted names and comments hold what would be code outside them.
+BOTH_ENGINES_SCHEMA = """
+CREATE TABLE words (
+    word TEXT PRIMARY KEY CHECK (word GLOB '[A-Z]*'),  -- a capital first: "why?" 100%
+    n    INTEGER NOT NULL DEFAULT 0,
+    why  TEXT DEFAULT 'why? 100%',
+    "odd?name" REAL
+);
+"""
+BOTH_ENGINES: list[tuple[str, Any]] = [
+    ("INSERT INTO words (word, n) VALUES ('ABC', 1)", ()),
+    ("INSERT INTO words (word, n) VALUES ('abc', 2)", ()),  # refused by the CHECK on both
+    ("INSERT INTO words (word, n) VALUES ('A_B', 3), ('AxB', 9000000000)", ()),  # 64 bits
+    ("INSERT INTO words (word, n) VALUES ('Z?', ?)", (4,)),
+    ("INSERT OR IGNORE INTO words (word) VALUES ('ABC') -- already there", ()),
+    ('SELECT word, n, why, "odd?name" FROM words ORDER BY word', ()),  # byte order
+    ("SELECT word FROM words WHERE word GLOB 'A_B'", ()),
+    ("SELECT word FROM words WHERE word GLOB 'A?B' ORDER BY word", ()),
+    ("SELECT word FROM words WHERE word NOT GLOB '*B' ORDER BY word", ()),
+    ("SELECT MAX(n, 5), MIN(n, 5) FROM words WHERE word = 'ABC'", ()),
+    ("SELECT 'why?', ? || '?', '50%' /* ? and % */", ("x?",)),
+    ("SELECT :a || ':b', ':c'", {"a": "x"}),
+    (
+        "SELECT 'a.b' GLOB 'a.b', 'axb' GLOB 'a.b', 'a+b' GLOB 'a+b', '(x)' GLOB '(x)',"
+        " 'a\\b' GLOB 'a\\b', 'a$' GLOB 'a$', '^x' GLOB '^x', 'a{1}' GLOB 'a{1}',"
+        " 'a|b' GLOB 'a|b', '%' GLOB '%', 'it''s' GLOB 'it''s', '' GLOB '*'",
+        (),
+    ),
+    (
+        "SELECT ']' GLOB '[]]', '-' GLOB '[a-]', 'b' GLOB '[^a-c]', 'd' GLOB '[^a-c]',"
+        " '[' GLOB '[[]', '\\' GLOB '[\\]', '^' GLOB '[x^]', 'é' GLOB '?', 'ab' GLOB '?',"
+        " 'AB' GLOB 'ab', 'a' || char(10) || 'b' GLOB 'a*b', 'ORD-1234' GLOB 'ORD-[0-9]*'",
+        (),
+    ),
+]
+
+
+class BothEnginesTest(OnPostgres):
+    """The SQL translation keeps the meaning: the same statements give the same results on
+    SQLite and PostgreSQL, and what cannot be said the same is refused, naming it."""
+
+    def outcome(self, database: Database, sql: str, parameters: Any) -> Any:
+        try:
+            with database.write_transaction() as db:
+                cursor = db.execute(sql, parameters)
+                return [tuple(row) for row in cursor.fetchall()] if "SELECT" in sql else "done"
+        except sqlite3.IntegrityError:
+            return "refused by a constraint"
+
+    def test_the_same_statements_give_the_same_results_on_both(self) -> None:
+        sqlite = Database(self.data_dir / "both.db")
+        self.addCleanup(sqlite.close)
+        for database in (sqlite, self.database):
+            database.install("both", 1, BOTH_ENGINES_SCHEMA)
+        for sql, parameters in BOTH_ENGINES:
+            on_postgres = sql.replace("char(10)", "chr(10)")  # a newline, as each says it
+            with self.subTest(sql=sql):
+                expected = self.outcome(sqlite, sql, parameters)
+                self.assertEqual(self.outcome(self.database, on_postgres, parameters), expected)
+
+    def test_what_means_otherwise_is_refused_in_one_line_naming_the_statement(self) -> None:
+        for sql, why in (
+            ("SELECT 'a' LIKE 'A'", "LIKE ignores case"),
+            ("SELECT 'x' GLOB ?", "GLOB's pattern must be a string literal"),
+            ("SELECT 'x' GLOB '[a'", "a GLOB set is never closed"),
+            ("INSERT OR REPLACE INTO t VALUES (1)", "only INSERT OR IGNORE"),
+            ("CREATE TABLE t (id INTEGER PRIMARY KEY)", "INTEGER PRIMARY KEY"),
+            ("CREATE TABLE t (anything)", "a column typed nothing"),
+            ("CREATE TABLE t (d NUMERIC)", "a column typed NUMERIC"),
+        ):
+            refusing = self.assertRaises(ConfigError)
+            with self.subTest(sql=sql), refusing as refused, self.database.reading() as db:
+                db.execute(sql, (1,) if "?" in sql else ())
+            self.assertIn(why, str(refused.exception))
+            self.assertIn(sql[:20], str(refused.exception))
+            self.assertEqual(str(refused.exception).count("\n"), 0)
 
 
 class RestartingRefund(fc.RequestShippingRefund):
@@ -9504,6 +9646,24 @@ class InboxTest(InboxCase):
         self.assertNotIn(link.split("token=")[1], cookie)
         self.page(origin, cookie.split(";")[0])
         self.assertEqual(self.request(origin, "GET", "/", headers={"Cookie": "x=1"})[0], 403)
+
+    def test_a_key_the_model_was_made_to_say_is_on_no_card_and_in_no_row(self) -> None:
+        tool = RefundWithNoteForTests()
+        arguments = json.dumps({"orderId": "ORD-1003", "note": "late"})
+        said = f"Your request said Authorization: Bearer {FAKE_KEY}. Filing."
+        script = [tool_call_reply([(tool.name, arguments)], content=said), text_reply(LOUD_KEY)]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY))
+            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            conversation = self.store.start(DEMO_CUSTOMER, "be brief")
+            self.store.turn(loop, conversation, "Refund it.", ToolContext(DEMO_CUSTOMER))
+        origin, link = self.start_inbox()
+        page = self.page(origin, self.signed_in(origin, link))
+        self.assertIn("Your request said Authorization: Bearer [redacted]. Filing.", page)
+        with closing(sqlite3.connect(self.db_path)) as db:
+            rows = json.dumps(db.execute("SELECT * FROM conversation_turns").fetchall())
+        for kept in (page, rows, self.audit_path.read_text()):
+            self.assertNotIn(FAKE_KEY.lower(), kept.lower())
 
     def test_a_page_never_waits_on_a_decision_that_waits_for_another_writer(self) -> None:
         origin, link = self.start_inbox()
