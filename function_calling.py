@@ -5714,6 +5714,8 @@ class PostgresDatabase(Database):
         self.where = where  # what a user is told it is: its URL, without anything secret
         self.connect = connect
         self.host = _host_name(directory)
+        self._application = f"{APPLICATION_NAME}{_copy_of(directory)} {self.host}"[:63]
+        self._alone = False  # no copy of this data directory runs (_no_copy_running)
         self._raw_writer: Any = None
         self._idle: list[Any] = []  # reading connections, each back from its last block
 
@@ -5794,7 +5796,7 @@ class PostgresDatabase(Database):
             return "another session"
         pid, role, application = row[0], _control_escaped(str(row[1]))[:40], str(row[2] or "")
         if application.startswith(APPLICATION_NAME):
-            return f"host {_control_escaped(application[len(APPLICATION_NAME) :])} (pid {pid})"
+            return f"host {_control_escaped(_host_of(application))} (pid {pid})"
         shown = _control_escaped(application)[:40] or "no application name"
         return f"another session (role {role}, {shown}, pid {pid})"
 
@@ -5808,7 +5810,7 @@ class PostgresDatabase(Database):
                 f"the PostgreSQL server could not be reached ({_driver_reason(exc)})"
             ) from None
         settings = {
-            "application_name": (APPLICATION_NAME + self.host)[:63],
+            "application_name": self._application,
             "statement_timeout": _ms(POSTGRES_STATEMENT_TIMEOUT_S),
             "lock_timeout": _ms(DATABASE_BUSY_TIMEOUT_S),
             "idle_in_transaction_session_timeout": _ms(POSTGRES_IDLE_IN_TRANSACTION_S),
@@ -5821,11 +5823,50 @@ class PostgresDatabase(Database):
                 f"SELECT {calls}", [v for pair in settings.items() for v in pair]
             )
             _committed(raw)
+            if not self._alone:
+                self._alone = self._no_copy_running(raw)
         except BaseException:
             with suppress(Exception):
                 raw.close()
             raise
         return raw
+
+    def _no_copy_running(self, raw: Any) -> bool:
+        """True, or ConfigError if a live session has this host's name but another data
+        directory's: a copy of this one (a backup restored beside it, a cloned machine), which
+        would settle this host's half-done steps against a log that lacks their lines. Asked
+        at this object's first connection, before it files, decides or settles anything."""
+        others = "SELECT application_name FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+        sessions = _Speaking(raw).execute(others).fetchall()
+        _rolled_back(raw)
+        named = [str(name) for (name,) in sessions if str(name).startswith(APPLICATION_NAME)]
+        mine = _host_of(self._application)
+        if any(name != self._application and _host_of(name) == mine for name in named):
+            raise ConfigError(
+                f"host {self.host} is running already from another data directory (a copy of"
+                f" this one?); delete {self.path.parent / 'host-name'} here to give it a name"
+                " of its own"
+            )
+        return True
+
+
+def _copy_of(directory: Path) -> str:
+    """Which copy of a data directory this is, among those running: eight hex digits of its
+    device and inode, and of the boot of the machine it is on (two machines cloned from one
+    disk differ in that). Every process of one directory on one machine has the same; a copy
+    of it, or the same directory on a clone, another."""
+    status = directory.resolve().stat()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except OSError:  # not Linux: the machine's name
+        boot = socket.gethostname()
+    return hashlib.sha256(f"{boot} {status.st_dev} {status.st_ino}".encode()).hexdigest()[:8]
+
+
+def _host_of(application: str) -> str:
+    """The host's name in one of our sessions' application_name (_copy_of's digits first):
+    its first 37 characters, as PostgreSQL keeps 63 in all."""
+    return application[len(APPLICATION_NAME) + 9 :]
 
 
 def _ms(seconds: float) -> str:

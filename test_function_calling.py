@@ -5041,6 +5041,46 @@ class PostgresDeadlineTest(OnPostgres, ApprovalCase):
         self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
 
 
+class CopiedDataDirectoryTest(OnPostgres, ApprovalCase):
+    """A data directory copied (a backup restored beside it, a cloned machine) carries its
+    host's name: while the host runs, the copy is refused before it settles anything."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.told = self.propose()
+
+    def test_a_copy_of_a_running_hosts_data_directory_is_refused_before_it_settles(
+        self,
+    ) -> None:
+        intent = "dec-" + "0" * 16  # a decision of this host's, half done (as after a crash)
+        self.sql(
+            "INSERT INTO in_flight (intent_id, action_id, step, operator, host)"
+            " VALUES (?, ?, 'approve', 'alice', ?)",
+            intent,
+            self.told["approvalId"],
+            self.database.host,
+        )
+        copy = self.data_dir.parent / (self.data_dir.name + "-copy")
+        shutil.copytree(self.data_dir, copy)  # its host-name file too
+        self.addCleanup(shutil.rmtree, copy, True)
+        twin = fc.PostgresDatabase(self.connect, copy)
+        self.addCleanup(twin.close)
+        self.assertEqual(twin.host, self.database.host)
+        with self.assertRaisesRegex(ConfigError, f"host {twin.host} is running already"):
+            Approvals(twin, AuditLog(copy / "audit.log"))
+        with self.database.reading() as db:  # the host's own row, left alone
+            rows = db.execute("SELECT intent_id FROM in_flight").fetchall()
+        self.assertEqual([tuple(row) for row in rows], [(intent,)])
+        same = fc.PostgresDatabase(self.connect, self.data_dir)  # another process of the host
+        self.addCleanup(same.close)
+        Approvals(same, self.audit)  # is no copy
+        self.database.close()
+        same.close()  # the host stopped: its directory restored elsewhere may carry on
+        restored = fc.PostgresDatabase(self.connect, copy)
+        self.addCleanup(restored.close)
+        Approvals(restored, AuditLog(copy / "audit.log"))
+
+
 class CrashTest(ApprovalCase):
     """The audit log and the database never disagree about an action, wherever the process
     dies or a write fails; the next run settles what a crash left half done."""
