@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,499 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
 together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
@@ -156,10 +156,10 @@ __version__ = "2026-12-03+61c955f"
 #       _CUT_CALLS, portable_history  what real servers send that the protocol does not
 #       say, made into plain cases (server quirks)
 #   AuditFile, _one_fsync  a record is one hash-chained line, on disk when `record` returns
-#       or a batch ends; _scrubbed, _FREE_TEXT  what looks like a secret in free text is
-#       redacted first (the audit chain)
-#   Database  the data directory's SQLite file: reading() is read-only, write_transaction()
-#       commits whole or not at all (the database)
+#       or a batch ends; _scrubbed, _FREE_TEXT, _IN_USE, _holds_secret, _without_secrets_in_use
+#       what looks like a secret, and the key and tokens held, are cut out (the audit chain)
+#   Database, _waits_until  the data directory's SQLite file: reading() is read-only,
+#       write_transaction() commits whole or not at all, waits end by a deadline (the database)
 #   _APPROVALS_SCHEMA, _file_action, _open_actions, _open_action, _mark, _about  pending
 #       actions in SQLite: one open action per exact request; a decision finds its action
 #       still pending and unexpired and marks it in its own transaction, so it runs once
@@ -251,45 +251,6 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
-def _busy(text: str) -> Exception:
-    """sqlite3's error for a write that could not begin in time (SQLITE_BUSY), because
-    another writer held the database's write lock, or this data directory's turn, all along:
-    nothing of it was done. The text is ours: it names the holder where the database can
-    tell, and never quotes SQL."""
-    error = sqlite3.OperationalError(text)
-    setattr(error, "sqlite_errorname", "SQLITE_BUSY")  # noqa: B010 -- not in 3.10's stubs
-    return error
-
-
-def _sqlite_error(exc: Exception) -> str:
-    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
-    quote SQL."""
-    name = str(getattr(exc, "sqlite_errorname", type(exc).__name__))
-    return f"{name}: {exc}" if name == "SQLITE_BUSY" else name  # who held it (_busy), no SQL
-
-
-_WAITS = threading.local()  # this thread's deadline for waits on the database (_waits_until)
-
-
-@contextmanager
-def _waits_until(deadline: float) -> Iterator[None]:
-    """Every wait for the database's write lock this thread starts in the block ends by
-    `deadline` (a time.monotonic() value), or sooner: a turn's by the turn's deadline."""
-    before = getattr(_WAITS, "deadline", math.inf)
-    _WAITS.deadline = min(before, deadline)
-    try:
-        yield
-    finally:
-        _WAITS.deadline = before
-
-
-def _write_wait() -> float:
-    """How long a write may wait for the write lock now: DATABASE_BUSY_TIMEOUT_S at most, and
-    no longer than this thread's deadline (_waits_until) leaves."""
-    left = getattr(_WAITS, "deadline", math.inf) - time.monotonic()
-    return max(0.0, min(DATABASE_BUSY_TIMEOUT_S, left))
-
-
 def _redacted(text: str, key: str | None, keep: str = "") -> str:
     """Text from a server, fit to show: a server may echo the request back, so the key,
     and any start of it long enough to matter (a body cut mid-key), is redacted; control
@@ -297,79 +258,6 @@ def _redacted(text: str, key: str | None, keep: str = "") -> str:
     for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
         text = text.replace((key or "")[:length], "[redacted]")
     return _control_escaped(text, keep)
-
-
-MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
-_IN_USE: tuple[str, ...] = ()  # the secrets this process holds, longest first (_keep_secret)
-_KEEPING = threading.Lock()
-
-
-def _keep_secret(*values: str | None) -> None:
-    """These values (the API key, a tool server's token) never rest outside this process: they
-    are redacted from whatever the model or a server wrote that this process prints, saves or
-    logs (_without_secrets_in_use), however they came to be in it."""
-    found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
-    global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
-    with _KEEPING:
-        _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
-
-
-def _without_secrets_in_use(value: Any) -> Any:
-    """`value` (a text, or a decoded JSON value) with every secret this process holds cut
-    out, in any case, whole or by a start long enough to matter; `value` itself if it holds
-    none, so that a text without one keeps its exact bytes."""
-    secrets = _IN_USE
-    return _without_secrets(value, secrets) if secrets and _holds_secret(value, secrets) else value
-
-
-def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
-    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere?"""
-    if not secrets:
-        return False
-    if isinstance(value, str):
-        return _secrets_pattern(secrets).search(value) is not None
-    if isinstance(value, dict):
-        return any(
-            _holds_secret(key, secrets) or _holds_secret(item, secrets)
-            for key, item in value.items()
-        )
-    if isinstance(value, (list, tuple)):
-        return any(_holds_secret(item, secrets) for item in value)
-    return isinstance(value, (int, float)) and _without_secrets(value, secrets) != value
-
-
-def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
-    """A decoded value with every secret cut from its strings (its keys too), and a number
-    whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
-    if isinstance(value, str):
-        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
-    if isinstance(value, dict):
-        return {
-            _without_secrets(key, secrets): _without_secrets(item, secrets)
-            for key, item in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return type(value)(_without_secrets(item, secrets) for item in value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        digits = repr(value)
-        return "[redacted]" if any(secret in digits for secret in secrets) else value
-    return value
-
-
-@functools.lru_cache(maxsize=64)
-def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
-    """Any of `secrets` (_secret_shape), in any case: a server or a header may change a
-    value's case (a Content-Type is read lowercased), and a secret said in capitals is the
-    secret all the same. Longest first, so that a longer one is cut whole."""
-    return re.compile("|".join(map(_secret_shape, secrets)), re.IGNORECASE)
-
-
-def _secret_shape(secret: str) -> str:
-    """A secret as a pattern: whole, or any start of it longer than KEY_PREFIX_SHOWN (a text
-    cut mid-secret), the longest there is."""
-    head = min(len(secret), KEY_PREFIX_SHOWN + 1)
-    rest = secret[head:]
-    return re.escape(secret[:head]) + "".join(f"(?:{re.escape(c)}" for c in rest) + ")?" * len(rest)
 
 
 def _control_escaped(text: str, keep: str = "") -> str:
@@ -404,8 +292,7 @@ class Tool:
     formats and what comes back. `parameters` is the JSON Schema the model reads; it is a hint,
     and `execute` enforces every rule of it again by hand. Least privilege: a tool gets only
     what it needs; one that only reads uses a read-only connection (Database.reading)
-    and passes values to SQL as parameters, never inside the SQL text.
-    """
+    and passes values to SQL as parameters, never inside the SQL text."""
 
     name: ClassVar[str]
     description: ClassVar[str]
@@ -438,8 +325,7 @@ class Tool:
         the audit log says which (Approvals). A change made elsewhere (an HTTP API) cannot
         join that transaction: send `context.approval_id` as its idempotency key, so that a
         second approval after a failed commit cannot apply it twice (README: "Writes wait for
-        a human").
-        """
+        a human")."""
         raise NotImplementedError
 
     def schema_problem(self) -> str | None:
@@ -694,11 +580,9 @@ def _request_body(
     parallel_tool_calls: bool | None = None,
     output_bound: tuple[str, int] | None = None,
 ) -> bytearray:
-    """The request body, built from JSON texts rather than from dicts.
-
-    The messages are spliced in as the texts they already are (the echo: the reply).
-    `tool_choice` is JSON text; `output_bound` is (field, tokens), a budget's bound.
-    """
+    """The request body, built from JSON texts rather than from dicts: the messages spliced
+    in as the texts they already are (the echo: the reply), `tool_choice` as JSON text, and
+    `output_bound`, (field, tokens), a budget's bound."""
     pieces = ['{"model":', json.dumps(model), ',"messages":[']
     for position, message in enumerate(messages):
         pieces += ("," if position else "", message)  # a comma between, never one to take back
@@ -1118,10 +1002,8 @@ class ToolLoop:
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.spend.origin, turn.spend.ratio = " ".join(self._origin), self._bytes_per_token
         turn.messages.append(_message("user", user_message))
-        # round after round, until a reply asks for no tool or a guard or failure ends it; a
-        # wait for the database on this thread (a budget's ledger) ends by the turn's deadline
-        try:
-            with _waits_until(turn.deadline):
+        try:  # round after round, until a reply asks for no tool or a guard or failure ends it
+            with _waits_until(turn.deadline):  # the ledger's waits too
                 while True:
                     ended = self._round(turn, context, on_text)
                     if ended:
@@ -1419,8 +1301,7 @@ class Approvals:
     - deciding: an in_flight row; an approval_intent line; the change, the action's status and
       the row's result_json in one transaction; an approval_decision line; the row goes.
 
-    A row left behind is a crash, settled by the next step (Part II: the approvals' journal).
-    """
+    A row left behind is a crash, settled by the next step (Part II: the approvals' journal)."""
 
     def __init__(
         self,
@@ -3437,6 +3318,79 @@ def _scrubbed(value: Any) -> Any:
     return value
 
 
+MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
+_IN_USE: tuple[str, ...] = ()  # the secrets this process holds, longest first (_keep_secret)
+_KEEPING = threading.Lock()
+
+
+def _keep_secret(*values: str | None) -> None:
+    """These values (the API key, a tool server's token) never rest outside this process: they
+    are redacted from whatever the model or a server wrote that this process prints, saves or
+    logs (_without_secrets_in_use), however they came to be in it."""
+    found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
+    global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
+    with _KEEPING:
+        _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
+
+
+def _without_secrets_in_use(value: Any) -> Any:
+    """`value` (a text, or a decoded JSON value) with every secret this process holds cut
+    out, in any case, whole or by a start long enough to matter; `value` itself if it holds
+    none, so that a text without one keeps its exact bytes."""
+    secrets = _IN_USE
+    return _without_secrets(value, secrets) if secrets and _holds_secret(value, secrets) else value
+
+
+def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
+    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere?"""
+    if not secrets:
+        return False
+    if isinstance(value, str):
+        return _secrets_pattern(secrets).search(value) is not None
+    if isinstance(value, dict):
+        return any(
+            _holds_secret(key, secrets) or _holds_secret(item, secrets)
+            for key, item in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        return any(_holds_secret(item, secrets) for item in value)
+    return isinstance(value, (int, float)) and _without_secrets(value, secrets) != value
+
+
+def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
+    """A decoded value with every secret cut from its strings (its keys too), and a number
+    whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
+    if isinstance(value, str):
+        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
+    if isinstance(value, dict):
+        return {
+            _without_secrets(key, secrets): _without_secrets(item, secrets)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_secrets(item, secrets) for item in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        digits = repr(value)
+        return "[redacted]" if any(secret in digits for secret in secrets) else value
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Any of `secrets` (_secret_shape), in any case: a server or a header may change a
+    value's case (a Content-Type is read lowercased), and a secret said in capitals is the
+    secret all the same. Longest first, so that a longer one is cut whole."""
+    return re.compile("|".join(map(_secret_shape, secrets)), re.IGNORECASE)
+
+
+def _secret_shape(secret: str) -> str:
+    """A secret as a pattern: whole, or any start of it longer than KEY_PREFIX_SHOWN (a text
+    cut mid-secret), the longest there is."""
+    head = min(len(secret), KEY_PREFIX_SHOWN + 1)
+    rest = secret[head:]
+    return re.escape(secret[:head]) + "".join(f"(?:{re.escape(c)}" for c in rest) + ")?" * len(rest)
+
+
 @contextmanager
 def _one_fsync(audit_file: AuditFile) -> Iterator[None]:
     """AuditLog.batch: the file's lines inside wait for one fsync as the block ends."""
@@ -4103,6 +4057,45 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ the database
+
+
+def _busy(text: str) -> Exception:
+    """sqlite3's error for a write that could not begin in time (SQLITE_BUSY), because
+    another writer held the database's write lock, or this data directory's turn, all along:
+    nothing of it was done. The text is ours: it names the holder where the database can
+    tell, and never quotes SQL."""
+    error = sqlite3.OperationalError(text)
+    setattr(error, "sqlite_errorname", "SQLITE_BUSY")  # noqa: B010 -- not in 3.10's stubs
+    return error
+
+
+def _sqlite_error(exc: Exception) -> str:
+    """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
+    quote SQL."""
+    name = str(getattr(exc, "sqlite_errorname", type(exc).__name__))
+    return f"{name}: {exc}" if name == "SQLITE_BUSY" else name  # who held it (_busy), no SQL
+
+
+_WAITS = threading.local()  # this thread's deadline for waits on the database (_waits_until)
+
+
+@contextmanager
+def _waits_until(deadline: float) -> Iterator[None]:
+    """Every wait for the database's write lock this thread starts in the block ends by
+    `deadline` (a time.monotonic() value), or sooner: a turn's by the turn's deadline."""
+    before = getattr(_WAITS, "deadline", math.inf)
+    _WAITS.deadline = min(before, deadline)
+    try:
+        yield
+    finally:
+        _WAITS.deadline = before
+
+
+def _write_wait() -> float:
+    """How long a write may wait for the write lock now: DATABASE_BUSY_TIMEOUT_S at most, and
+    no longer than this thread's deadline (_waits_until) leaves."""
+    left = getattr(_WAITS, "deadline", math.inf) - time.monotonic()
+    return max(0.0, min(DATABASE_BUSY_TIMEOUT_S, left))
 
 
 class Database:
