@@ -156,7 +156,7 @@ __version__ = "2026-12-03+61c955f"
 #       _CUT_CALLS, portable_history  what real servers send that the protocol does not
 #       say, made into plain cases (server quirks)
 #   AuditFile, _one_fsync  a record is one hash-chained line, on disk when `record` returns
-#       or a batch ends; _scrubbed, _FREE_TEXT, _IN_USE, _holds_secret, _without_secrets_in_use
+#       or a batch ends; _scrubbed, _FREE_TEXT, _refuse_secrets, _without_secrets_in_use
 #       what looks like a secret, and the key and tokens held, are cut out (the audit chain)
 #   Database, _waits_until  the data directory's SQLite file: reading() is read-only,
 #       write_transaction() commits whole or not at all, waits end by a deadline (the database)
@@ -842,8 +842,7 @@ def _execute(
         return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
     try:
         args = parse_arguments(call.arguments_json)
-        if _holds_secret(args, _IN_USE):  # said back by a server, or guessed: never a tool's
-            raise ArgumentError("the arguments hold a credential of this application")
+        _refuse_secrets(args)  # the key, said back by a server or guessed: never a tool's
         result = tool.run(args, context)
         if not tool.writes:
             return _cap_result(_compact(result)), "ok", {}
@@ -1104,7 +1103,8 @@ class ToolLoop:
         deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
 
         def run_one(call: ToolCall) -> ToolResult:
-            return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
+            with _waits_until(turn.deadline):  # on a worker too: a filing's waits end in time
+                return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
 
         if _runs_inline(runnable, self.tools):  # no hand-off: nothing to abandon
             yield run_one(runnable[0])
@@ -3333,6 +3333,23 @@ def _keep_secret(*values: str | None) -> None:
         _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
 
 
+def _refuse_secrets(args: Mapping[str, Any]) -> None:
+    """ArgumentError if the model's arguments hold a secret this process holds: no tool is
+    given one, and no action is filed with it."""
+    if _holds_secret(args, _IN_USE):
+        raise ArgumentError("the arguments hold a credential of this application")
+
+
+def _credentials(values: Mapping[str, str]) -> list[str]:
+    """The values named as credentials are (a token, a key, a password, Authorization): those
+    this process keeps from everything (_keep_secret). A server's other values (a path, a
+    mode) are cut from what that server says, and nowhere else."""
+    return [value for name, value in values.items() if _CREDENTIAL_NAME.search(name)]
+
+
+_CREDENTIAL_NAME = re.compile(r"(?i)pass|pwd|secret|token|key|auth|credential|cookie|session")
+
+
 def _without_secrets_in_use(value: Any) -> Any:
     """`value` (a text, or a decoded JSON value) with every secret this process holds cut
     out, in any case, whole or by a start long enough to matter; `value` itself if it holds
@@ -3342,26 +3359,57 @@ def _without_secrets_in_use(value: Any) -> Any:
 
 
 def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
-    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere?"""
+    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere? A text
+    that is JSON is looked into decoded (_decoded_json); however deep, without recursion."""
     if not secrets:
         return False
-    if isinstance(value, str):
-        return _secrets_pattern(secrets).search(value) is not None
-    if isinstance(value, dict):
-        return any(
-            _holds_secret(key, secrets) or _holds_secret(item, secrets)
-            for key, item in value.items()
-        )
-    if isinstance(value, (list, tuple)):
-        return any(_holds_secret(item, secrets) for item in value)
-    return isinstance(value, (int, float)) and _without_secrets(value, secrets) != value
+    return any(_leaf_holds_secret(leaf, secrets) for leaf in _leaves(value))
+
+
+def _leaf_holds_secret(leaf: Any, secrets: tuple[str, ...]) -> bool:
+    """Does one text or number hold a secret: a text's start of one (a JSON text's, decoded),
+    a number's digits one whole?"""
+    if isinstance(leaf, str):
+        decoded = _decoded_json(leaf)
+        if decoded is not None:
+            return _holds_secret(decoded, secrets)
+        return _secrets_pattern(secrets).search(leaf) is not None
+    numeric = isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+    return numeric and any(secret in repr(leaf) for secret in secrets)
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every key and value in a decoded JSON value that is no object or array, by a stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+        else:
+            yield item
+
+
+def _text_without_secrets(text: str, secrets: tuple[str, ...]) -> str:
+    """A text with every secret cut out (_cut_secrets); a JSON text's cut in its decoded
+    values and encoded again, so that JSON stays JSON."""
+    decoded = _decoded_json(text)
+    if decoded is None:
+        return _cut_secrets(text, secrets)
+    if not _holds_secret(decoded, secrets):
+        return text
+    try:
+        return _compact(_without_secrets(decoded, secrets))
+    except RecursionError:  # nested past what can be rebuilt: cut whole
+        return "[redacted]"
 
 
 def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
     """A decoded value with every secret cut from its strings (its keys too), and a number
     whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
-    if isinstance(value, str):
-        return _secrets_pattern(tuple(secrets)).sub("[redacted]", value) if secrets else value
+    if isinstance(value, str) and secrets:
+        return _text_without_secrets(value, tuple(secrets))
     if isinstance(value, dict):
         return {
             _without_secrets(key, secrets): _without_secrets(item, secrets)
@@ -3377,18 +3425,48 @@ def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
-    """Any of `secrets` (_secret_shape), in any case: a server or a header may change a
-    value's case (a Content-Type is read lowercased), and a secret said in capitals is the
-    secret all the same. Longest first, so that a longer one is cut whole."""
-    return re.compile("|".join(map(_secret_shape, secrets)), re.IGNORECASE)
+    """Where any of `secrets` may be: its start (all of it, if short), in any case. A server
+    or a header may change a value's case (a Content-Type is read lowercased), and a secret
+    said in capitals is the secret all the same; a start longer than KEY_PREFIX_SHOWN is
+    enough to matter (a text cut mid-secret)."""
+    heads = {secret[: KEY_PREFIX_SHOWN + 1] for secret in secrets}
+    return re.compile("|".join(map(re.escape, sorted(heads, key=len, reverse=True))), re.I)
 
 
-def _secret_shape(secret: str) -> str:
-    """A secret as a pattern: whole, or any start of it longer than KEY_PREFIX_SHOWN (a text
-    cut mid-secret), the longest there is."""
-    head = min(len(secret), KEY_PREFIX_SHOWN + 1)
-    rest = secret[head:]
-    return re.escape(secret[:head]) + "".join(f"(?:{re.escape(c)}" for c in rest) + ")?" * len(rest)
+def _cut_secrets(text: str, secrets: tuple[str, ...]) -> str:
+    """`text` with each secret, or a start of one (_secrets_pattern), cut out with the whole
+    run of key-like characters around it, and the secret's own end if it goes on past that
+    run: so what is left never shows how much of a guess matched."""
+    spans: list[tuple[int, int]] = []
+    for found in _secrets_pattern(secrets).finditer(text):
+        start, end = found.span()
+        for secret in secrets:  # a secret with a space in it is covered whole
+            if text[start : start + len(secret)].casefold() == secret.casefold():
+                end = max(end, start + len(secret))
+        while start > 0 and _KEY_LIKE.match(text[start - 1]):
+            start -= 1
+        while end < len(text) and _KEY_LIKE.match(text[end]):
+            end += 1
+        if spans and start <= spans[-1][1]:
+            start = spans.pop()[0]
+        spans.append((start, end))
+    for start, end in reversed(spans):
+        text = text[:start] + "[redacted]" + text[end:]
+    return text
+
+
+_KEY_LIKE = re.compile(r"[\w\-.~+/=]")  # what keys and tokens are made of, in a run
+
+
+def _decoded_json(text: str) -> Any:
+    """A text that is a JSON object or array, decoded (an escape, \\u0073k-… or \\/, would
+    hide a secret from the raw text, and a cut could break its escapes); None if it is not."""
+    if text[:1] not in ("{", "["):
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 @contextmanager
@@ -3881,6 +3959,8 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
                     yield True
                 finally:
                     _TURNS_WITHOUT_FLOCK.release()
+            elif wait:
+                raise _busy(f"another filing or decision here held its turn past {waited:.3g} s")
             else:
                 yield False
             return
@@ -4073,7 +4153,8 @@ def _sqlite_error(exc: Exception) -> str:
     """What went wrong, by SQLite's name for it (SQLITE_BUSY): never its text, which may
     quote SQL."""
     name = str(getattr(exc, "sqlite_errorname", type(exc).__name__))
-    return f"{name}: {exc}" if name == "SQLITE_BUSY" else name  # who held it (_busy), no SQL
+    said = name in ("SQLITE_BUSY", "SQLITE_IOERR")  # texts that quote no SQL (_busy, _cut_off)
+    return f"{name}: {exc}" if said else name
 
 
 _WAITS = threading.local()  # this thread's deadline for waits on the database (_waits_until)
@@ -5682,9 +5763,7 @@ POSTGRES_STATEMENT_TIMEOUT_S = 15.0  # a statement the server spends longer on, 
 POSTGRES_IDLE_IN_TRANSACTION_S = 60.0  # a session idle this long inside a transaction is ended
 POSTGRES_CONNECT_TIMEOUT_S = 5  # --database-url's connect_timeout (each try: libpq may make two)
 POSTGRES_CUT_AFTER_S = 20.0  # a statement unanswered this long: its connection is cut (_Watch)
-APPLICATION_NAME = (
-    "function_calling "  # then the host's name: who holds the lock, in pg_stat_activity
-)
+APPLICATION_NAME = "function_calling "  # then which copy, and the host: in pg_stat_activity
 
 
 class PostgresDatabase(Database):
@@ -5707,7 +5786,8 @@ class PostgresDatabase(Database):
         self.where = where  # what a user is told it is: its URL, without anything secret
         self.connect = connect
         self.host = _host_name(directory)
-        self._application = f"{APPLICATION_NAME}{_copy_of(directory)} {self.host}"[:63]
+        named = hashlib.sha256(self.host.encode()).hexdigest()[:8]  # the whole name, if long
+        self._application = f"{APPLICATION_NAME}{_copy_of(directory)} {named} {self.host}"[:63]
         self._alone = False  # no copy of this data directory runs (_no_copy_running)
         self._raw_writer: Any = None
         self._idle: list[Any] = []  # reading connections, each back from its last block
@@ -5809,6 +5889,11 @@ class PostgresDatabase(Database):
             "idle_in_transaction_session_timeout": _ms(POSTGRES_IDLE_IN_TRANSACTION_S),
             "default_transaction_isolation": "repeatable read" if read_only else "read committed",
             "default_transaction_read_only": "on" if read_only else "off",
+            "standard_conforming_strings": "on",  # a backslash in a string is itself (GLOB's)
+            # a host that died with its machine: the server sees its sessions gone in 90 s
+            "tcp_keepalives_idle": "60",
+            "tcp_keepalives_interval": "10",
+            "tcp_keepalives_count": "3",
         }
         calls = ", ".join("set_config(?, ?, false)" for _ in settings)
         try:
@@ -5829,16 +5914,28 @@ class PostgresDatabase(Database):
         directory's: a copy of this one (a backup restored beside it, a cloned machine), which
         would settle this host's half-done steps against a log that lacks their lines. Asked
         at this object's first connection, before it files, decides or settles anything."""
-        others = "SELECT application_name FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
-        sessions = _Speaking(raw).execute(others).fetchall()
+        sessions = (
+            _Speaking(raw)
+            .execute(
+                "SELECT pid, application_name FROM pg_stat_activity"
+                " WHERE pid <> pg_backend_pid() AND datname = current_database()"
+            )
+            .fetchall()
+        )
         _rolled_back(raw)
-        named = [str(name) for (name,) in sessions if str(name).startswith(APPLICATION_NAME)]
-        mine = _host_of(self._application)
-        if any(name != self._application and _host_of(name) == mine for name in named):
+        mine = self._application.split(" ")[2]  # the hash of this host's whole name
+        copies = [
+            pid
+            for pid, name in sessions
+            if str(name).startswith(APPLICATION_NAME)
+            and str(name) != self._application
+            and str(name).split(" ")[2:3] == [mine]
+        ]
+        if copies:
             raise ConfigError(
-                f"host {self.host} is running already from another data directory (a copy of"
-                f" this one?); delete {self.path.parent / 'host-name'} here to give it a name"
-                " of its own"
+                f"host {self.host} is running already from another data directory (server pid"
+                f" {copies[0]}): if this one is a copy, delete its host-name to give it a name"
+                " of its own; if that host is gone, its sessions end within two minutes"
             )
         return True
 
@@ -5857,9 +5954,9 @@ def _copy_of(directory: Path) -> str:
 
 
 def _host_of(application: str) -> str:
-    """The host's name in one of our sessions' application_name (_copy_of's digits first):
-    its first 37 characters, as PostgreSQL keeps 63 in all."""
-    return application[len(APPLICATION_NAME) + 9 :]
+    """The host's name in one of our sessions' application_name (after _copy_of's digits and
+    those of the name's hash): its first 28 characters, as PostgreSQL keeps 63 in all."""
+    return application[len(APPLICATION_NAME) + 18 :]
 
 
 def _ms(seconds: float) -> str:
@@ -5883,7 +5980,7 @@ class _Watch:
         self.cut: set[int] = set()
 
     @contextmanager
-    def answered(self, raw: Any) -> Iterator[None]:
+    def answered(self, raw: Any, committing: bool = False) -> Iterator[None]:
         """The block's statement, its connection cut if it is not answered in time."""
         within = POSTGRES_CUT_AFTER_S
         due = time.monotonic() + within
@@ -5902,10 +5999,7 @@ class _Watch:
                 cut = number in self.cut
                 self.cut.discard(number)
             if cut:
-                raise sqlite3.OperationalError(
-                    f"the PostgreSQL server did not answer within {within:g} s; its connection"
-                    " was cut, and what the transaction did is undone"
-                ) from None
+                raise _cut_off(within, committing) from None
             raise
         finally:
             with self._changed:
@@ -5946,8 +6040,22 @@ _WATCH = _Watch()
 
 def _committed(raw: Any) -> None:
     """COMMIT, answered in time or cut (_Watch), and an error of sqlite3's if it failed."""
-    with _as_sqlite_errors(raw), _WATCH.answered(raw):
+    with _as_sqlite_errors(raw), _WATCH.answered(raw, committing=True):
         raw.commit()
+
+
+def _cut_off(within: float, committing: bool) -> Exception:
+    """sqlite3's error for a statement _Watch cut off: undone, unless it was the COMMIT, whose
+    fate the server alone knows until the next step reads it (_settle, under the lock)."""
+    said = f"the PostgreSQL server did not answer within {within:g} s, so its connection was cut"
+    fate = (
+        "; whether the commit landed is read from the database by the next step"
+        if committing
+        else ", and what the transaction did is undone"
+    )
+    error = sqlite3.OperationalError(said + fate)
+    setattr(error, "sqlite_errorname", "SQLITE_IOERR")  # noqa: B010 -- not in 3.10's stubs
+    return error
 
 
 class _PostgresUrl(DatabaseKind):
@@ -6017,7 +6125,8 @@ def _libpq_would_read_a_password(url: str) -> bool:
     credentials = re.match(r"[^@/]*@", rest)
     if credentials and ":" in credentials.group():
         return True
-    query = rest[credentials.end() if credentials else 0 :].partition("?")[2]
+    hosts = re.sub(r"\[[^\]]*\]", "", rest[credentials.end() if credentials else 0 :])  # [::1]
+    query = hosts.partition("?")[2]
     names = (urllib.parse.unquote(pair.partition("=")[0]) for pair in query.split("&"))
     return any(name.strip().lower() in _PASSWORD_KEYS for name in names)
 
@@ -6183,11 +6292,13 @@ _SQL_PIECE = re.compile(
 _NOT_THE_SAME = (
     (r"(?i)\bLIKE\b", "LIKE ignores case on SQLite and not on PostgreSQL (use GLOB, or lower())"),
     (r"(?i)\bGLOB\s*\(|\bGLOB\s*(?!\x00\d+\x00)\S", "GLOB's pattern must be a string literal"),
-    (r"(?i)\bREPLACE\s+INTO\b|\bOR\s+(REPLACE|ABORT|FAIL|ROLLBACK)\b", "only INSERT OR IGNORE"),
+    (
+        r"(?i)\bREPLACE\s+INTO\b|\bINSERT\s+OR\s+(REPLACE|ABORT|FAIL|ROLLBACK)\b|\bUPDATE\s+OR\b",
+        "only INSERT OR IGNORE",
+    ),
     (r"\?\d|[@$][A-Za-z_]", "parameters are ? or :name"),
     (r"[`\[]", "names are quoted with double quotes"),
     (r"(?i)\b(AUTOINCREMENT|PRAGMA|WITHOUT\s+ROWID|ATTACH|VACUUM)\b", "SQLite's alone"),
-    (r"(?i)\bINTEGER\s+PRIMARY\s+KEY\b", "INTEGER PRIMARY KEY is SQLite's rowid, filled in"),
     (r"(?i)\bCOLLATE\b", "SQLite's collations are not PostgreSQL's"),
 )
 
@@ -6224,6 +6335,10 @@ def _column_types(code: str, sql: str) -> str:
     head, paren, body = code.partition("(")
     end = body.rindex(")")
     columns = _top_level_commas(body[:end])
+    keyed = [re.match(r"(?is)\s*PRIMARY\s+KEY\s*\(\s*(\w+)\s*\)", c) for c in columns]
+    integers = {c.split()[0].upper() for c in columns if re.match(r"\s*\w+\s+INTEGER\b", c, re.I)}
+    if any(key and key[1].upper() in integers for key in keyed):
+        raise _refused(sql, "an INTEGER PRIMARY KEY is SQLite's rowid, filled in")
     return head + paren + ",".join(_column(column, sql) for column in columns) + body[end:]
 
 
@@ -6232,8 +6347,10 @@ def _column(definition: str, sql: str) -> str:
     found = _COLUMN.match(definition)
     if found is None or found["name"].upper() in _TABLE_CONSTRAINTS:
         return definition
-    shown = _postgres_type(found["type"].strip(), sql)
-    return f"{found['lead']}{found['name']} {shown} {found['rest']}"
+    declared = found["type"].strip()
+    if declared.upper() == "INTEGER" and re.search(r"(?i)\bPRIMARY\s+KEY\b", found["rest"]):
+        raise _refused(sql, "an INTEGER PRIMARY KEY is SQLite's rowid, filled in")
+    return f"{found['lead']}{found['name']} {_postgres_type(declared, sql)} {found['rest']}"
 
 
 # A column's definition: what leads it (space, comments), its name (maybe quoted), its type
@@ -6241,7 +6358,7 @@ def _column(definition: str, sql: str) -> str:
 _COLUMN = re.compile(
     r"(?P<lead>(?:\s|\x01\d+\x01)*)(?P<name>\x00\d+\x00|[A-Za-z_]\w*)\s*"
     r"(?P<type>(?:(?!(?:CONSTRAINT|PRIMARY|NOT|NULL|UNIQUE|CHECK|DEFAULT|COLLATE|REFERENCES"
-    r"|GENERATED|AS)\b)[A-Za-z_]+(?:\s*\([^)]*\))?\s*)*)(?P<rest>.*)\Z",
+    r"|GENERATED|AS)\b)[A-Za-z_]\w*(?:\s*\([^)]*\))?\s*)*)(?P<rest>.*)\Z",
     re.S | re.I,
 )
 _TABLE_CONSTRAINTS = ("CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN")
@@ -6255,8 +6372,6 @@ def _postgres_type(declared: str, sql: str) -> str:
         return "BIGINT"
     if any(word in upper for word in ("CHAR", "CLOB", "TEXT")):
         return 'TEXT COLLATE "C"'
-    if "BLOB" in upper:
-        return "BYTEA"
     if any(word in upper for word in ("REAL", "FLOA", "DOUB")):
         return "DOUBLE PRECISION"
     raise _refused(sql, f"a column typed {declared or 'nothing'} holds anything on SQLite")
@@ -6300,36 +6415,40 @@ def _glob_regex(glob: str, sql: str) -> str:
             members, position = _glob_set(glob, position, sql)
             out.append(members)
         else:
-            out.append(character if character.isalnum() else "\\" + character)
+            out.append(_regex_character(character))
     return ("".join(out) + "$").replace("'", "''")
 
 
 def _glob_set(glob: str, position: int, sql: str) -> tuple[str, int]:
     """The set that starts at glob[position] (after its '['), as a bracket expression, and
-    where the pattern goes on; refused if it never ends, or holds a range from high to low."""
+    where the pattern goes on; refused if it never ends, or holds a range from high to low.
+    As SQLite reads one: a ']' first is itself, never a range's start, and so is a '-' first
+    or last."""
     out = ["["]
     if glob[position : position + 1] == "^":
         out.append("^")
         position += 1
     first = True
     while position < len(glob) and (first or glob[position] != "]"):
-        low = glob[position]
-        if (
-            glob[position + 1 : position + 2] == "-"
-            and glob[position + 2 : position + 3] not in "]"
-        ):
-            high = glob[position + 2]
-            if high < low:
+        low, then, high = glob[position], glob[position + 1 : position + 2], glob[position + 2 :]
+        if then == "-" and high[:1] not in ("]", "") and not (first and low == "]"):
+            if high[0] < low:
                 raise _refused(sql, "a GLOB set's range runs from high to low")
-            out.append(f"\\{low}-\\{high}" if not (low + high).isalnum() else f"{low}-{high}")
+            out.append(f"{_regex_character(low)}-{_regex_character(high[0])}")
             position += 3
         else:
-            out.append(low if low.isalnum() else "\\" + low)
+            out.append(_regex_character(low))
             position += 1
         first = False
     if position >= len(glob):
         raise _refused(sql, "a GLOB set is never closed")
     return "".join(out) + "]", position + 1
+
+
+def _regex_character(character: str) -> str:
+    """One character as itself in a PostgreSQL regular expression, in a set or out: a letter
+    or digit as it is (escaped, it would be a class: \\d, \\a), anything else escaped."""
+    return character if character.isalnum() else "\\" + character
 
 
 # <<< POSTGRES
@@ -6724,9 +6843,9 @@ class Conversations:
     ) -> Conversation:
         """The turn, whole, in one transaction: a crash before the commit leaves none of it.
         A message that holds a secret of this process's (the key, said back by a server) is
-        saved with it redacted (_as_saved), the only one not saved byte for byte."""
+        saved with it redacted, re-encoded, the only one not saved byte for byte."""
         turn = SavedTurn(
-            tuple(map(_as_saved, messages)),
+            tuple(map(_without_secrets_in_use, messages)),
             result.origin,
             result.stop_reason,
             told,
@@ -6767,18 +6886,6 @@ class Conversations:
 
 
 _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
-
-
-def _as_saved(message_json: str) -> str:
-    """A message as it is saved: its exact text, unless it holds a secret of this process's;
-    then re-encoded with it redacted. Looked for in the decoded text too, where an escape
-    (\\u0073k-…) would hide it from a look at the raw one."""
-    if not _IN_USE or not (_holds_secret(message_json, _IN_USE) or "\\u" in message_json):
-        return message_json  # the echo, byte for byte
-    decoded = json.loads(message_json)
-    if not _holds_secret(decoded, _IN_USE):
-        return message_json
-    return _compact(_without_secrets_in_use(decoded))
 
 
 def _newest_turns(
@@ -8240,7 +8347,7 @@ class McpServer:
         self.label = _cut(shlex.join(self.command), 200)  # for the user and the audit only
         self.env = dict(env or {})
         self._secrets = _secret_values(self.env.values())  # never said back: _unsaid
-        _keep_secret(*self._secrets)
+        _keep_secret(*_secret_values(_credentials(self.env)))
         self.timeout = timeout
         self.probe_timeout = probe_timeout
         self.startup_timeout = startup_timeout
@@ -8879,7 +8986,7 @@ class McpHttpServer(McpServer):
         # the label, in every message and log line, leaves out the query: it may hold a key
         self.label = _cut(self._url._replace(query="", fragment="").geturl(), 200)
         self._secrets = _secret_values((headers or {}).values())  # never said back: _unsaid
-        _keep_secret(*self._secrets)
+        _keep_secret(*_secret_values(_credentials(headers or {})))
         self._headers = dict(headers or {})
         # the CA store is loaded once (as ChatClient does), not for every connection
         https = self._url.scheme == "https"
@@ -9891,8 +9998,9 @@ class Inbox:
             return "refused", f"{exc}{_missing_tool_hint(self.workspace, action_id, self.tools)}"
         except AuditError as exc:
             return "refused", str(exc)
-        except sqlite3.OperationalError as exc:  # the write lock held past the busy timeout
-            return "refused", f"{action_id}: nothing was done ({_sqlite_error(exc)}); try again"
+        except sqlite3.OperationalError as exc:  # the lock held past the busy timeout, or a cut
+            said = _sqlite_error(exc)
+            return "refused", f"{action_id}: the database could not be used ({said}); look again"
         return "refused", "neither approve nor reject; nothing was done"
 
     def page(self, session: _Session, view: _View) -> str:

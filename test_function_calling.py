@@ -1776,7 +1776,8 @@ class KeyInTheModelsTextTest(LoopTestCase):
             env = {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": FAKE_KEY}
             done = self.cli("ask", "--stream", "hi", env=env)
         self.assertEqual(done.returncode, 0, done.stderr)
-        self.assertEqual(done.stdout, "You sent Bearer [redacted], twice: [redacted].\n")
+        # a key's whole run is cut, the full stop after it too: no part of a guess shows
+        self.assertEqual(done.stdout, "You sent Bearer [redacted], twice: [redacted]\n")
         self.assert_nowhere(done.stdout, done.stderr)
 
     def test_arguments_that_hold_the_key_are_refused_as_data_and_filed_nowhere(self) -> None:
@@ -1791,6 +1792,21 @@ class KeyInTheModelsTextTest(LoopTestCase):
                 self.assert_rejected(told, "invalid_arguments", "a credential of this application")
         self.assertEqual(self.approvals.pending(), [])
         self.assert_nowhere()
+        for record in self.audit_records():  # nor hidden in the log by an escape
+            self.assertNotIn(FAKE_KEY, json.dumps(json.loads(record["arguments"])))
+
+    def test_a_long_token_is_cut_whole_and_the_turn_goes_on(self) -> None:
+        token = "eyJ" + "a1B2c3D4" * 120  # a bearer token of 963 characters, as JWTs are
+        said = text_reply(f"It said {token}; and {token[:20]}, its start.")
+        with ScriptedChatServer([said]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=token))
+            result = ToolLoop(client, [], self.audit).run("hi", ToolContext("c-1"))
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(
+            fc._without_secrets_in_use(result.answer),
+            "It said [redacted]; and [redacted], its start.",
+        )
+        self.assertNotIn(token[:12], self.audit_path.read_text())
 
 
 LOUD_KEY = FAKE_KEY.upper()  # the key, said back in capitals
@@ -4814,6 +4830,13 @@ BOTH_ENGINES: list[tuple[str, Any]] = [
         " 'AB' GLOB 'ab', 'a' || char(10) || 'b' GLOB 'a*b', 'ORD-1234' GLOB 'ORD-[0-9]*'",
         (),
     ),
+    (
+        "SELECT '~' GLOB '[a-~]', 'b' GLOB '[a-~]', char(7) GLOB '[a-~]', '5' GLOB '[0-~]',"
+        " '+' GLOB '[+-z]', 'a' GLOB '[+-z]', '-' GLOB '[]-a]', '^' GLOB '[]-a]',"
+        " ']' GLOB '[^]a]', 'b' GLOB '[^]a]'",
+        (),
+    ),
+    ("SELECT 1 WHERE 'a' = 'b' OR REPLACE('ab', 'b', 'c') = 'ac'", ()),
 ]
 
 
@@ -4835,7 +4858,7 @@ class BothEnginesTest(OnPostgres):
         for database in (sqlite, self.database):
             database.install("both", 1, BOTH_ENGINES_SCHEMA)
         for sql, parameters in BOTH_ENGINES:
-            on_postgres = sql.replace("char(10)", "chr(10)")  # a newline, as each says it
+            on_postgres = sql.replace("char(", "chr(")  # a control character, as each says it
             with self.subTest(sql=sql):
                 expected = self.outcome(sqlite, sql, parameters)
                 self.assertEqual(self.outcome(self.database, on_postgres, parameters), expected)
@@ -4847,6 +4870,8 @@ class BothEnginesTest(OnPostgres):
             ("SELECT 'x' GLOB '[a'", "a GLOB set is never closed"),
             ("INSERT OR REPLACE INTO t VALUES (1)", "only INSERT OR IGNORE"),
             ("CREATE TABLE t (id INTEGER PRIMARY KEY)", "INTEGER PRIMARY KEY"),
+            ("CREATE TABLE t (id INTEGER NOT NULL, PRIMARY KEY (id))", "INTEGER PRIMARY KEY"),
+            ("CREATE TABLE t (b BLOB)", "a column typed BLOB"),
             ("CREATE TABLE t (anything)", "a column typed nothing"),
             ("CREATE TABLE t (d NUMERIC)", "a column typed NUMERIC"),
         ):
@@ -9699,7 +9724,7 @@ class InboxTest(InboxCase):
             self.store.turn(loop, conversation, "Refund it.", ToolContext(DEMO_CUSTOMER))
         origin, link = self.start_inbox()
         page = self.page(origin, self.signed_in(origin, link))
-        self.assertIn("Your request said Authorization: Bearer [redacted]. Filing.", page)
+        self.assertIn("Your request said Authorization: Bearer [redacted] Filing.", page)
         with closing(sqlite3.connect(self.db_path)) as db:
             rows = json.dumps(db.execute("SELECT * FROM conversation_turns").fetchall())
         for kept in (page, rows, self.audit_path.read_text()):
@@ -9732,7 +9757,7 @@ class InboxTest(InboxCase):
         holder.execute("ROLLBACK")
         self.assertEqual(decided, [303])
         page = self.page(origin, cookie)
-        self.assertIn("nothing was done (SQLITE_BUSY: another process held the database", page)
+        self.assertIn("could not be used (SQLITE_BUSY: another process held the database", page)
         (still,) = self.approvals.pending()
         self.assertEqual(still.action_id, self.action_id)
 
@@ -11043,9 +11068,9 @@ class RemoteMcpTest(LoopTestCase):
         tools = json.loads(requests[0].body)["tools"]
         (offered,) = [t["function"] for t in tools if t["function"]["name"] == "lookup"]
         self.assertEqual(offered["description"], "Stock of an item. Your token: [redacted]")
-        self.assertIn("tool leak-[redacted] left out", done.stderr)
+        self.assertIn("tool [redacted] left out", done.stderr)  # its name's whole run
         (listed,) = self.audit_records("mcp_tools")
-        self.assertEqual(listed["left_out"][0]["mcp_name"], "leak-[redacted]")
+        self.assertEqual(listed["left_out"][0]["mcp_name"], "[redacted]")  # its whole run
         (result,) = tool_results(requests[1])
         self.assertEqual(result["message"], "invalid token [redacted]")
 
