@@ -5472,7 +5472,7 @@ def _demo_hands_over(workspace: _Workspace) -> None:
     print(f"   {run} pending {data_dir}")
     for action in actions:
         print(f"   {run} approve {action.action_id} {data_dir}")
-        print(f"   {run} reject {action.action_id} {data_dir}")
+        print(f"   {run} reject {action.action_id} --reason 'not eligible' {data_dir}")
     for command, what in DECIDING_COMMANDS:
         print(f"Or {what}: {run} {command} {data_dir}")
 

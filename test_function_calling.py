@@ -6170,6 +6170,14 @@ class CliTest(LoopTestCase):
         (action_id,) = re.findall(r"pending   (appr-[0-9a-f]{20})", done.stdout)
         shown, _ = decided_in_an_inbox(inbox, elsewhere, {}, action_id, "approve")
         self.assertIn(f"approved {action_id}", shown)
+        third = self.data_dir / "third dir"  # a third, its write rejected as printed
+        done = self.cli("demo", "--data-dir", str(third))
+        *_, reject = self.demo_commands(done.stdout)
+        ran = subprocess.run(
+            reject, cwd=elsewhere, capture_output=True, text=True, timeout=60, check=False
+        )
+        self.assertEqual((ran.returncode, ran.stderr), (0, ""), reject)
+        self.assertIn("rejected", ran.stdout)
 
     def test_a_kept_demo_run_again_carries_on_from_what_is_there(self) -> None:
         first = self.cli("demo", "--data-dir", "kept")
