@@ -5358,6 +5358,8 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
         what = ", ".join(kept_parts) or "no part"
         # "kept", not "a copy keeping": with every part named the line is still 100 wide
         kept[0] = f"# function_calling.py {__version__}: kept {what}\n"
+    with suppress(OSError):  # vendor/ need not exist yet; a failure is _write_new's to say
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     _write_new(args.out, "".join(kept))
     left_out = f" (without {', '.join(args.without)})" if args.without else ""
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")

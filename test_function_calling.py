@@ -6812,6 +6812,9 @@ class CopyTest(unittest.TestCase):
             self.assertFalse((folder / "new.py").exists())
             shown = self.run_python(str(MODULE), "--version", cwd=folder)
             self.assertEqual(shown.stdout, f"function_calling.py {fc.__version__}\n")
+            vendored = self.run_python(str(MODULE), "copy", "vendor/fc.py", cwd=folder)
+            self.assertEqual(vendored.returncode, 0, vendored.stderr)  # vendor/ made for it
+            self.assertTrue((folder / "vendor" / "fc.py").is_file())
 
 
 class ShapeTest(unittest.TestCase):
