@@ -63,13 +63,13 @@ $(BENCH_VENV)/.installed:
 	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check openai==3.57.0
 	touch $@
 
-# The day and the commit this file is stamped at, in __version__ and on line 1 (what `copy`
-# and --version show); commit the stamp after it.
+# The day this file is stamped, in __version__, and on line 1 with the hash of its text after
+# line 1 (what `copy` and --version show, and a test checks is not stale); commit it after.
 version:
-	@stamp="$$(git log -1 --date=short --format=%cd+%h)" && \
-	sed -i -e "1s/^# function_calling.py [^:]*:/# function_calling.py $$stamp:/" \
-		-e "s/^__version__ = \"[^\"]*\"/__version__ = \"$$stamp\"/" function_calling.py && \
-	grep -n "version $$stamp\|^__version__" function_calling.py
+	@sed -i -e "s/^__version__ = \"[^\"]*\"/__version__ = \"$$(date -u +%F)\"/" function_calling.py && \
+	stamp="$$($(PYTHON) function_calling.py --version | cut -d' ' -f2-)" && \
+	sed -i -e "1s/^# function_calling.py [^:]*:/# function_calling.py $$stamp:/" function_calling.py && \
+	head -n 1 function_calling.py
 
 # The same checks on every copy `copy --without` can make: each choice of parts left out.
 PART_CUTS := $(shell $(PYTHON) -c 'import itertools, re; \

@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-03+61c955f: the whole file, every part kept
+# function_calling.py 2026-12-04 #5fffaf87: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -134,9 +134,10 @@ __all__ = [
     "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
-# The day and commit this file was stamped at (`make version`), as line 1 says too: what a
-# copier looks up later to know what they took.
-__version__ = "2026-12-03+61c955f"
+# The day this file was stamped (`make version`). What identifies its exact text is that day
+# and a hash of the text (_stamp), which line 1 and --version give: what a copier looks up
+# later to know what they took.
+__version__ = "2026-12-04"
 
 
 # ===================================================================== Part I: the mechanism
@@ -4643,7 +4644,7 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     parser = argparse.ArgumentParser(
         description="LLM tool calling by hand: the model proposes, this code disposes.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_own_stamp()}")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument(
         "--data-dir",
@@ -5355,9 +5356,8 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     kept_parts = [name for name in parts if name not in args.without]
     kept = [line for n, line in enumerate(lines) if n not in cut]
     if kept[0].startswith("# function_calling.py "):
-        what = ", ".join(kept_parts) or "no part"
-        # "kept", not "a copy keeping": with every part named the line is still 100 wide
-        kept[0] = f"# function_calling.py {__version__}: kept {what}\n"
+        what = "every part" if kept_parts == list(parts) else ", ".join(kept_parts) or "no part"
+        kept[0] = f"# function_calling.py {_stamp(''.join(kept[1:]))}: kept {what}\n"
     with suppress(OSError):  # vendor/ need not exist yet; a failure is _write_new's to say
         args.out.parent.mkdir(parents=True, exist_ok=True)
     _write_new(args.out, "".join(kept))
@@ -5365,6 +5365,22 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")
     print(f"check it: python3 {shlex.quote(str(args.out))} --help")
     return EXIT_OK
+
+
+def _stamp(text: str) -> str:
+    """What identifies a text of this file (`text`: all of it but line 1, where the stamp is
+    written): the day it was stamped and the first 8 hex digits of the text's SHA-256, which
+    `tail -n +2 function_calling.py | sha256sum` shows too."""
+    return f"{__version__} #{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
+
+
+def _own_stamp() -> str:
+    """This file's stamp (_stamp), of its text as it is now: an edit since shows."""
+    try:
+        lines = Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, UnicodeDecodeError):  # run from somewhere with no file to read
+        return __version__
+    return _stamp("".join(lines[1:]))
 
 
 def _write_new(path: Path, text: str) -> None:

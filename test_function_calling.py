@@ -6696,7 +6696,7 @@ class CopyTest(unittest.TestCase):
 
     def test_each_choice_of_parts_left_out_makes_a_whole_copy(self) -> None:
         original = MODULE.read_text().splitlines(keepends=True)
-        self.assertTrue(original[0].startswith(f"# function_calling.py {fc.__version__}: "))
+        self.assertTrue(original[0].startswith("# function_calling.py "))
         for size in range(len(self.PARTS) + 1):
             for without in itertools.combinations(self.PARTS, size):
                 with self.subTest(without=without), tempfile.TemporaryDirectory() as scratch:
@@ -6709,9 +6709,10 @@ class CopyTest(unittest.TestCase):
         copy = (folder / "function_calling.py").read_text().splitlines(keepends=True)
         self.assertIn(f"{len(copy):,} of {len(original):,} lines", made.stdout)
         kept = [part for part in self.PARTS if part not in without]
-        what = ", ".join(kept) or "no part"
-        header = f"# function_calling.py {fc.__version__}: kept {what}\n"
-        self.assertEqual(copy[0], header)
+        what = "every part" if not without else ", ".join(kept) or "no part"
+        header = f"# function_calling.py {fc._stamp(''.join(copy[1:]))}: kept {what}\n"
+        self.assertEqual(copy[0], header)  # the stamp of the copy's own text
+        self.assertLessEqual(len(copy[0]), 101)  # a line of 100 and its end
         expected = original
         for part in without:
             first = next(
@@ -6779,19 +6780,18 @@ class CopyTest(unittest.TestCase):
             self.assertIn("could not write mine.py", done.stderr)
             self.assertEqual(os.listdir(scratch), [], "no half copy is left")
 
-    def test_the_version_is_a_day_and_a_commit_of_this_repository(self) -> None:
-        day, _, commit = fc.__version__.partition("+")
-        datetime.date.fromisoformat(day)
-        self.assertRegex(commit, r"^[0-9a-f]{7,12}$")
-        if not (HERE / ".git").exists() or not shutil.which("git"):
-            self.skipTest("not in a git checkout: the commit cannot be looked up here")
-        found = subprocess.run(
-            ["git", "-C", str(HERE), "cat-file", "-t", commit],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        self.assertEqual(found.stdout.strip(), "commit", f"{commit} is no commit here")
+    def test_line_one_and_the_version_name_this_exact_text_and_a_stale_stamp_fails(
+        self,
+    ) -> None:
+        datetime.date.fromisoformat(fc.__version__)  # the day it was stamped
+        lines = MODULE.read_text().splitlines(keepends=True)
+        text = "".join(lines[1:])
+        stamp = f"{fc.__version__} #{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+        self.assertEqual(fc._stamp(text), stamp)  # as `tail -n +2 … | sha256sum` shows
+        said = f"# function_calling.py {stamp}: the whole file, every part kept\n"
+        self.assertEqual(lines[0], said, "line 1's stamp is stale: run `make version`")
+        shown = self.run_python(str(MODULE), "--version", cwd=HERE)
+        self.assertEqual(shown.stdout, f"function_calling.py {stamp}\n")
 
     def test_copy_never_writes_over_a_file_and_refuses_a_part_it_does_not_have(self) -> None:
         with tempfile.TemporaryDirectory() as scratch:
@@ -6811,7 +6811,7 @@ class CopyTest(unittest.TestCase):
             )
             self.assertFalse((folder / "new.py").exists())
             shown = self.run_python(str(MODULE), "--version", cwd=folder)
-            self.assertEqual(shown.stdout, f"function_calling.py {fc.__version__}\n")
+            self.assertEqual(shown.stdout, f"function_calling.py {fc._own_stamp()}\n")
             vendored = self.run_python(str(MODULE), "copy", "vendor/fc.py", cwd=folder)
             self.assertEqual(vendored.returncode, 0, vendored.stderr)  # vendor/ made for it
             self.assertTrue((folder / "vendor" / "fc.py").is_file())
