@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #5fffaf87: the whole file, every part kept
+# function_calling.py 2026-12-04 #8ae4449b: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -4571,7 +4571,15 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     parser = _build_parser(app)
     typed = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(typed)
+        args, unknown = parser.parse_known_args(typed)
+        if unknown:  # the flags argparse does not know, never the question it took in passing
+            flags = [word for word in unknown if word.startswith("-")]
+            parser.error(
+                f"unrecognized arguments: {' '.join(flags)}"
+                if flags
+                else f"unrecognized arguments: {' '.join(unknown)} (a question is one argument:"
+                " quote it)"
+            )
     except SystemExit as exc:  # argparse has printed usage; 2 for errors, 0 for --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     args.typed = typed
@@ -4655,6 +4663,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     for kind in DATABASE_KINDS:
         kind.add_arguments(data)
     talk = argparse.ArgumentParser(add_help=False)
+    talk.add_argument("--model", help="the model to ask (default: $OPENAI_MODEL, else $MODEL)")
+    talk.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="the chat-completions API, /v1 and all (default: $OPENAI_BASE_URL, else OpenAI's)",
+    )
     talk.add_argument(
         "--customer",
         type=_printable_id,
@@ -4971,8 +4985,9 @@ def _tool_loop(
 def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoop, _Workspace]:
     """The loop `ask` and `chat` talk through, its tool sources open until `stack` closes.
     The settings come first: a missing key must not leave a fresh data directory behind."""
+    chosen = {"OPENAI_MODEL": args.model, "OPENAI_BASE_URL": args.base_url}  # flags first
     settings = Settings.from_env(
-        os.environ,
+        {**os.environ, **{name: value for name, value in chosen.items() if value}},
         timeout=args.timeout,
         stream_idle=args.stream_idle,
         retry_timeouts=args.retry_timeouts,

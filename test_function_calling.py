@@ -5841,6 +5841,22 @@ class CliTest(LoopTestCase):
         self.assertNotIn(FAKE_KEY, done.stdout + done.stderr)
         return done, server.requests
 
+    def test_model_and_base_url_flags_come_before_the_environment(self) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as server:
+            env = {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_MODEL": "env-model"}
+            done = self.cli("ask", "--model", "m-1", "--base-url", server.base_url, "hi", env=env)
+        self.assertEqual((done.returncode, done.stdout), (0, "ok\n"), done.stderr)
+        self.assertEqual(server.requests[0].json()["model"], "m-1")
+
+    def test_a_mistyped_flag_is_named_and_never_the_question(self) -> None:
+        done = self.cli("ask", "--modle", "gpt-4o", "Where is my order?")
+        self.assertEqual(done.returncode, 2)
+        self.assertEqual(
+            done.stderr.splitlines()[-1], f"{MODULE.name}: error: unrecognized arguments: --modle"
+        )
+        loose = self.cli("ask", "where", "is", "it")
+        self.assertIn("a question is one argument: quote it", loose.stderr)
+
     def test_ask_prints_the_answer_and_exits_0(self) -> None:
         done, _ = self.ask(
             [
