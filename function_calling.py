@@ -5912,9 +5912,7 @@ class PostgresDatabase(Database):
         try:
             raw = self.connect()
         except Exception as exc:  # noqa: BLE001 -- the driver's own, whose text may name the server
-            raise sqlite3.OperationalError(
-                f"the PostgreSQL server could not be reached ({_driver_reason(exc)})"
-            ) from None
+            raise sqlite3.OperationalError(_not_connected(exc)) from None
         settings = {
             "application_name": self._application,
             "statement_timeout": _ms(POSTGRES_STATEMENT_TIMEOUT_S),
@@ -5990,6 +5988,29 @@ def _host_of(application: str) -> str:
     """The host's name in one of our sessions' application_name (after _copy_of's digits and
     those of the name's hash): its first 28 characters, as PostgreSQL keeps 63 in all."""
     return application[len(APPLICATION_NAME) + 18 :]
+
+
+def _not_connected(exc: BaseException) -> str:
+    """Why a connection could not be made, in our words and what to do, read from libpq's
+    English message (which names the server, the role and the database, and is never shown)."""
+    for shape, why in _CONNECT_FAILURES:
+        if re.search(shape, str(exc)):
+            return f"{why} ({_driver_reason(exc)})"
+    return f"the PostgreSQL server could not be reached ({_driver_reason(exc)})"
+
+
+_CONNECT_FAILURES = (
+    (
+        r"password authentication failed|no password supplied|authentication failed",
+        "the server refused the role's password: set it in PGPASSWORD or ~/.pgpass",
+    ),
+    (r'database "[^"]*" does not exist', "the server has no such database: create it (createdb)"),
+    (r'role "[^"]*" does not exist', "the server has no such role: create it (createuser)"),
+    (
+        r"timeout expired|timed out",
+        "the PostgreSQL server did not answer: are host and port right?",
+    ),
+)
 
 
 def _ms(seconds: float) -> str:

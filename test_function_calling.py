@@ -4014,6 +4014,9 @@ def postgres_binary(name: str) -> str | None:
     return str(versions[-1]) if versions else None
 
 
+PASSWORD_ROLE = "fc_with_password"  # the suite's server asks this role, alone, for a password
+
+
 class PostgresServer:
     """One PostgreSQL server for the suite, started by it: initdb and pg_ctl as an unprivileged
     user, listening on a Unix socket in a temporary directory only (no TCP port), stopped as
@@ -4048,6 +4051,8 @@ class PostgresServer:
             os.chown(self.directory, pwd.getpwnam(self.user).pw_uid, -1)
         self.data = self.directory / "data"
         self._run(initdb, "-D", str(self.data), "-U", "fc", "--auth=trust", "-E", "UTF8", "-N")
+        hba = self.data / "pg_hba.conf"  # one role that must give a password: PASSWORD_ROLE
+        hba.write_text(f"local all {PASSWORD_ROLE} scram-sha-256\n" + hba.read_text())
         self.start()
         atexit.register(self.stop)
         self._schemas = itertools.count(1)
@@ -4773,8 +4778,24 @@ class DatabaseUrlTest(unittest.TestCase):
         for connection in taken:
             connection.close()
         self.assertEqual(done.returncode, 2, done.stderr)
-        self.assertIn("could not be reached", done.stderr)
+        self.assertIn("the PostgreSQL server did not answer", done.stderr)
         self.assertTrue(taken)  # it did connect, and was let wait
+
+    def test_a_missing_database_role_or_password_each_say_what_to_do(self) -> None:
+        server = PostgresServer.shared()
+        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {PASSWORD_ROLE}")
+            admin.execute(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD 'right-one'")
+        for url, said in (
+            (server.url.replace("/postgres?", "/no_such_db?"), "no such database: create it"),
+            (server.url.replace("user=fc", "user=nobody_here"), "no such role"),
+            (server.url.replace("user=fc", f"user={PASSWORD_ROLE}"), "refused the role's pass"),
+        ):
+            with self.subTest(url=url):
+                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn(str(server.directory), done.stderr)
 
     def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
         server = PostgresServer.shared()
