@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #8ae4449b: the whole file, every part kept
+# function_calling.py 2026-12-04 #d8c20561: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
