@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #d8c20561: the whole file, every part kept
+# function_calling.py 2026-12-04 #5c6ad50b: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -8437,7 +8437,8 @@ class McpServer:
             try:
                 self._spawn()
                 self.protocol = self._negotiate()
-                self.record("mcp_server", state="started", protocol=self.protocol)
+                names = sorted(self.env)  # names only: what `approve` needs again (its hint)
+                self.record("mcp_server", state="started", protocol=self.protocol, env=names)
             except BaseException:
                 self.close()
                 raise
@@ -9778,7 +9779,7 @@ class _McpFlags(ToolSource):
 
     def hint(self, tool_name: str, audit: AuditLog) -> str | None:
         """The server whose tool it was, from the log's latest mcp_tools line that names it."""
-        server = None
+        server, env = None, {}  # the server whose tool it is; each server's --mcp-env names
         with suppress(OSError), open(audit.path, "rb") as log:
             for record in filter(None, map(_record_or_none, log)):
                 listed = record.get("tools") if record.get("event") == "mcp_tools" else None
@@ -9786,12 +9787,15 @@ class _McpFlags(ToolSource):
                     isinstance(t, dict) and t.get("name") == tool_name for t in listed
                 ):
                     server = record.get("server")
+                if record.get("event") == "mcp_server" and isinstance(record.get("env"), list):
+                    env[record.get("server")] = record["env"]
         if not isinstance(server, str):
             return None
         if server.startswith(("http://", "https://")):
             where = f"at {server}: pass --mcp-url {server} (and its --mcp-header flags)"
             return f"it is a tool of the MCP server {where}"
-        return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}"
+        flags = "".join(f" --mcp-env {shlex.quote(str(name))}" for name in env.get(server, []))
+        return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}{flags}"
 
 
 def _remote_flags() -> tuple[type[argparse.Action], type[argparse.Action]]:

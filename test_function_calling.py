@@ -8603,6 +8603,17 @@ class McpToolsTest(McpCase):
             self.assertRegex(name, r"^[A-Za-z0-9_-]{1,64}$")
         self.assertEqual(mapped, [fc.mcp_wire_name(name) for name in names])  # stable
 
+    def test_the_approve_hint_names_the_environment_the_server_was_given(self) -> None:
+        script = [tool_call_reply([(CANCEL, '{"orderId": "A-1"}')]), text_reply("ok")]
+        flags = ("--mcp-env", "STOCK_REGION", "--mcp-read-only", "stock.lookup")
+        done, requests = self.ask(script, *flags, env={"STOCK_REGION": "eu-north"})
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (told,) = tool_results(requests[1])
+        without = self.cli("approve", told["approvalId"])
+        expected = f"pass --mcp {shlex.quote(self.command())} --mcp-env STOCK_REGION"
+        self.assertIn(expected, without.stderr)
+        self.assertNotIn("eu-north", without.stderr + self.audit_path.read_text())
+
     def test_a_write_waits_for_a_human_and_runs_once_on_approval(self) -> None:
         script = [
             tool_call_reply([(CANCEL, '{"orderId": "A-1"}')]),
@@ -8621,6 +8632,7 @@ class McpToolsTest(McpCase):
         self.assertEqual(without.returncode, 1)
         self.assertIn("it is a tool of the MCP server ", without.stderr)
         self.assertIn(f"pass --mcp {shlex.quote(self.command())}", without.stderr)
+        self.assertNotIn("--mcp-env", without.stderr)  # this server was given none
         approved = self.cli("approve", action_id, "--operator", "ops", "--mcp", self.command())
         self.assertEqual(approved.returncode, 0, approved.stderr)
         self.assertIn(f"approved {action_id} by ops", approved.stdout)
@@ -12339,9 +12351,25 @@ def _summary(passed: int, failed: int, skipped: int) -> str:
 
 
 WORKERS = 4  # classes run this many at a time, each in its own process: most of it waits
-# The classes that wait longest (child processes killed on purpose, servers that stall or
-# start slowly) go first, so that none of them starts last; the rest, most tests first.
-SLOW_FIRST = ("McpToolsTest", "CrashTest", "McpFirstRunTest", "ClearOutcomeTest", "CliTest")
+# The slowest classes, slowest first, as a quiet run here timed them (CopyTest 76 s,
+# RemoteMcpTest 66 s, … McpFirstRunTest 14 s): they start first, so that none starts last;
+# the rest, most tests first.
+SLOW_FIRST = (
+    "CopyTest",
+    "RemoteMcpTest",
+    "ConversationTest",
+    "GuardTest",
+    "CliTest",
+    "CrashTest",
+    "McpToolsTest",
+    "ClearOutcomeTest",
+    "DatabaseUrlTest",
+    "ManyHostsTest",
+    "MakeItYoursTest",
+    "InboxTest",
+    "McpFirstRunTest",
+)
+PROGRESS_EVERY_S = 30  # a line at least this often, naming what still runs
 
 
 def _run_in_shards() -> int:
@@ -12351,7 +12379,11 @@ def _run_in_shards() -> int:
     whole. Then why tests were skipped, then the counts added up."""
     classes = sorted(
         (
-            (name not in SLOW_FIRST, -len(unittest.defaultTestLoader.getTestCaseNames(value)), name)
+            (
+                SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST),
+                -len(unittest.defaultTestLoader.getTestCaseNames(value)),
+                name,
+            )
             for name, value in globals().items()
             if isinstance(value, type)
             and issubclass(value, unittest.TestCase)
@@ -12362,7 +12394,7 @@ def _run_in_shards() -> int:
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         runs = {pool.submit(_run_class, name): name for *_, name in classes}
         counts, status, skips = [0, 0, 0], 0, []
-        for run in concurrent.futures.as_completed(runs):
+        for run in _as_they_finish(runs, started):
             name, (returncode, output, seconds) = runs[run], run.result()
             lines = output.rstrip("\n").splitlines() or [""]
             skips += [line for line in lines[:-1] if line.startswith("skipped ")]
@@ -12381,6 +12413,23 @@ def _run_in_shards() -> int:
     print("\n".join(skips), flush=True)
     print(_summary(*counts), file=sys.stderr, flush=True)
     return int(status)
+
+
+def _as_they_finish(
+    runs: dict[concurrent.futures.Future[Any], str], started: float
+) -> Iterator[concurrent.futures.Future[Any]]:
+    """The runs as each finishes; while none does for PROGRESS_EVERY_S, a line naming those
+    that still run, so a quiet stretch is never silent."""
+    waiting = set(runs)
+    while waiting:
+        done, waiting = concurrent.futures.wait(
+            waiting, PROGRESS_EVERY_S, concurrent.futures.FIRST_COMPLETED
+        )
+        if not done:
+            running = sorted(runs[run] for run in waiting if run.running())
+            clock = f"at {time.monotonic() - started:.0f} s"
+            print(f"still running ({clock}): {', '.join(running)}", flush=True)
+        yield from done
 
 
 def _run_class(name: str) -> tuple[int, str, float]:
