@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #5c6ad50b: the whole file, every part kept
+# function_calling.py 2026-12-04 #edbbd28f: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,499 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
 together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
@@ -9991,6 +9991,9 @@ def _text(value: object) -> str:
 class _Session:
     csrf: str
     notes: list[tuple[str, str]] = field(default_factory=list)  # (kind, text), shown once
+    # a refused decision, shown once on its own card: the arguments typed, and why
+    held: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    placed: tuple[str, str, str] | None = None  # a decision's (next card, kind, text), once
 
 
 class Inbox:
@@ -10026,17 +10029,21 @@ class Inbox:
 
     def decide(self, session: _Session, form: Mapping[str, str]) -> str:
         """Approve (with the arguments as the form has them: edited, or as proposed) or
-        reject (with a reason) what the form names; what happened becomes the page's note. A
-        second decision of one action (two tabs, a double click, a replayed POST) is refused
-        by Approvals itself, and the note says so. Returns where the operator goes back to:
-        the page and filter they were on, at the card after the one decided."""
+        reject (with a reason) what the form names. A second decision of one action (two tabs,
+        a double click, a replayed POST) is refused by Approvals itself. Returns where the
+        operator goes back to, on the page and filter they were on: a refusal, to its own card,
+        the text they typed still in its box and the reason beside it; a decision, to its note,
+        shown where the card was, just above the next."""
         action_id, decision = form.get("action_id", ""), form.get("decision")
-        note = self._decided(action_id, decision, form)  # outside the lock pages are read under
-        with self._lock:
-            session.notes.append(note)
+        kind, text = self._decided(action_id, decision, form)  # outside the pages' lock
         after = form.get("next", "")
-        card = after if _ACTION_ID.fullmatch(after) else "waiting"
-        return f"/?{_View.of(form.get('view', '')).query()}#{card}"
+        view = _View.of(form.get("view", "")).query()
+        with self._lock:
+            if kind == "refused" and _ACTION_ID.fullmatch(action_id):
+                session.held[action_id] = (form.get("arguments"), text)
+                return f"/?{view}#edit-{action_id}"
+            session.placed = (after if _ACTION_ID.fullmatch(after) else "", kind, text)
+        return f"/?{view}#decided"
 
     def _decided(  # noqa: PLR0911 -- one return per outcome
         self, action_id: str, decision: str | None, form: Mapping[str, str]
@@ -10068,6 +10075,8 @@ class Inbox:
         day = datetime.fromtimestamp(now, timezone.utc).date().isoformat()
         with self._lock:
             notes, session.notes = session.notes, []
+            held, session.held = session.held, {}
+            placed, session.placed = session.placed, None
             with _waits_until(time.monotonic()):  # no wait for a writer: settled at a later look
                 _settle_if_free(self.workspace.approvals)
             count, waiting, mark, changed = self._waiting(view)
@@ -10082,10 +10091,15 @@ class Inbox:
         parts.append(
             f" <small>{_text(changed)}</small></p></header>" if changed else "</p></header>"
         )
-        parts += (f'<p class="note {kind}">{_text(text)}</p>' for kind, text in notes)
+        shown = {action.action_id for action in waiting}  # a note whose card is not here: on top
+        notes += [("refused", text) for aid, (_, text) in held.items() if aid not in shown]
+        at_top = placed and placed[0] not in shown
+        parts += (_note(kind, text) for kind, text in notes)
+        parts.append(_note(*placed[1:], "decided") if placed and at_top else "")
         parts.append(
             self._filter_form(view)
             + f'<section id="waiting"><h2>Waiting for a decision ({count})</h2>'
+            + _pages(view, count)
         )
         for n, action in enumerate(waiting):
             card = _Card(
@@ -10096,7 +10110,9 @@ class Inbox:
                 now,
             )
             after = waiting[n + 1].action_id if n + 1 < len(waiting) else ""
-            parts.append(card.html(session.csrf, here, after))
+            if placed and placed[0] == action.action_id:  # where the decided card was
+                parts.append(_note(*placed[1:], "decided"))
+            parts.append(card.html(session.csrf, here, after, held.get(action.action_id)))
         parts.append(_pages(view, count))
         parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
         return "".join(parts)
@@ -10196,8 +10212,9 @@ class Inbox:
         with self.workspace.database.reading() as db:
             return db.execute(
                 "SELECT a.action_id, a.customer_id, a.tool, a.arguments_json, a.status,"
-                " a.decided_at, a.decided_by, o.result_json, o.reason"
+                " a.decided_at, a.decided_by, o.result_json, o.reason, e.proposed_arguments"
                 " FROM pending_actions a LEFT JOIN action_outcomes o USING (action_id)"
+                " LEFT JOIN action_edits e USING (action_id)"
                 " WHERE a.status IN ('approved', 'rejected')"
                 " ORDER BY a.decided_at DESC, a.action_id DESC LIMIT ?",
                 (INBOX_DECIDED_SHOWN,),
@@ -10306,6 +10323,12 @@ class _View:
         return urllib.parse.urlencode({**shown, "page": shown.get("page", 1)})
 
 
+def _note(kind: str, text: str, anchor: str = "") -> str:
+    """What happened, as a note of its kind ("done" or "refused"), an anchor to go back to."""
+    named = f' id="{anchor}"' if anchor else ""
+    return f'<p{named} class="note {kind}" role="status">{_text(text)}</p>'
+
+
 def _pages(view: _View, count: int) -> str:
     """Links to the newer and the older page, and where this one is."""
     last = max(1, -(-count // INBOX_PAGE))
@@ -10348,8 +10371,13 @@ class _Card:
     spent: tuple[int, int] | None
     now: float
 
-    def html(self, csrf: str, view: str, after: str) -> str:
+    def html(
+        self, csrf: str, view: str, after: str, held: tuple[str | None, str] | None = None
+    ) -> str:
+        """The card; `held`: a decision of it refused, the arguments typed and why."""
         action = self.action
+        typed = held[0] if held and held[0] is not None else action.arguments_json
+        refused = _note("refused", held[1]) if held else ""
         rows = [
             ("Customer", action.customer_id),
             ("Spent today (UTC)", self._spent()),
@@ -10386,10 +10414,11 @@ class _Card:
         return (
             f'<article id="{_text(action.action_id)}"><h3>{_text(action.tool)}'
             f" <small>{_text(action.action_id)}</small></h3><dl>{listed}</dl>"
-            f'<form method="post" action="/decide">{hidden}'
-            "<label>Arguments (edit them to approve a corrected request; they are checked as"
-            f' the model\'s were)<textarea name="arguments" rows="3" spellcheck="false">'
-            f"{_text(action.arguments_json)}</textarea></label>"
+            f'<form id="edit-{_text(action.action_id)}" method="post" action="/decide">{hidden}'
+            f"{refused}<label>Arguments (edit them to approve a corrected request; they are"
+            " checked as the model's were)"
+            f'<textarea name="arguments" rows="3" spellcheck="false">{_text(typed)}</textarea>'
+            "</label>"
             '<button name="decision" value="approve">Approve</button></form>'
             f'<form method="post" action="/decide">{hidden}'
             '<input name="reason" maxlength="500" required placeholder="why (the model is told)">'
@@ -10407,10 +10436,12 @@ class _Card:
 def _decided_table(rows: Sequence[tuple[Any, ...]]) -> str:
     head = "<tr><th>Decided</th><th>By</th><th>Outcome</th><th>Action</th><th>Result</th></tr>"
     body = "".join(
-        f"<tr><td>{_text(at)}</td><td>{_text(by)}</td><td>{_text(status)}</td>"
+        f"<tr><td>{_text(at)}</td><td>{_text(by)}</td>"
+        f"<td>{_text(status + (', edited' if proposed else ''))}</td>"
         f"<td>{_text(tool)} {_text(arguments)} for {_text(customer)} <small>{_text(aid)}</small>"
-        f"</td><td>{_text(result or reason or '')}</td></tr>"
-        for aid, customer, tool, arguments, status, at, by, result, reason in rows
+        + (f"<br><small>the model asked for {_text(proposed)}</small>" if proposed else "")
+        + f"</td><td>{_text(result or reason or '')}</td></tr>"
+        for aid, customer, tool, arguments, status, at, by, result, reason, proposed in rows
     )
     shown = f"<table>{head}{body}</table>" if rows else "<p>None yet.</p>"
     return f"<section><h2>Decided (the newest {INBOX_DECIDED_SHOWN})</h2>{shown}</section>"
@@ -10516,6 +10547,7 @@ article form:first-of-type{display:block}
 textarea{display:block;width:100%;box-sizing:border-box;font:13px monospace;margin:.3em 0}
 input[name=reason]{width:22em;max-width:100%;box-sizing:border-box}
 .filter label{margin-right:1em;white-space:nowrap}nav.pages{margin:1em 0}
+.filter select{max-width:14em}:target{scroll-margin-top:1em}
 .note{padding:.4em .8em;border-radius:4px}.done{background:#e3f4e3}.refused{background:#fbe3e3}
 table{border-collapse:collapse;width:100%;table-layout:fixed}
 td,th{border-bottom:1px solid #ddd;padding:.3em;text-align:left;vertical-align:top;

@@ -99,7 +99,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 HERE = Path(__file__).resolve().parent
 MODULE = HERE / "function_calling.py"
 FAKE_KEY = "sk-test-FAKEKEY0123456789abcdef"
-BACK = "/?page=1#waiting"  # where a decision made outside any page of the inbox goes back to
+BACK = "/?page=1#decided"  # where a decision made outside any page goes: its note
 OTHER_CUSTOMER = "CUST-0002"
 NO_ARGUMENTS: dict[str, Any] = {
     "type": "object",
@@ -9753,7 +9753,9 @@ class RefundWithNoteForTests(Tool):
 class SourcedRefundForTests(RefundWithNoteForTests):
     """The same write, as a tool source (an MCP server, say) would give it."""
 
-    name, source = "refundFromSource", "a source for the tests"
+    name = "refundFromSource"
+    # as long as a server's command line is: no wider on a phone for that
+    source = "npx -y @modelcontextprotocol/server-refunds --config /srv/refunds/config.json"
 
 
 class InboxTest(InboxCase):
@@ -9875,7 +9877,8 @@ class InboxTest(InboxCase):
         self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, BACK))
         first = html_text(self.page(origin, cookie))
         self.assertIn(f"approved {self.action_id}", first)
-        self.assertEqual(self.decide(origin, cookie, decision="approve"), (303, BACK))  # again
+        again_at = (303, f"/?page=1#edit-{self.action_id}")  # a refusal: back to its card
+        self.assertEqual(self.decide(origin, cookie, decision="approve"), again_at)  # again
         again = html_text(self.page(origin, cookie))
         self.assertIn(f"{self.action_id}: already approved; nothing was run", again)
         self.assertEqual(self.decide(origin, other, decision="reject", reason="late")[0], 303)
@@ -9901,7 +9904,8 @@ class InboxTest(InboxCase):
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda _: click(), range(2)))
-        self.assertEqual(answers, [(303, BACK), (303, BACK)])
+        refused = (303, f"/?page=1#edit-{self.action_id}")
+        self.assertEqual(sorted(answers), sorted([(303, BACK), refused]))
         outcomes = sorted(line["outcome"] for line in self.decision_lines())
         self.assertEqual(outcomes, ["approved", "refused"])
         shown = html_text(self.page(origin, cookie))  # both notes, once each
@@ -9977,8 +9981,8 @@ class InboxTest(InboxCase):
         for query, count in (
             ("customer=CUST-1", 40),
             ("tool=refundFromSource", 60),
-            ("source=a+source+for+the+tests", 60),
-            ("source=a+source+for+the+tests&customer=CUST-1", 20),
+            (f"source={urllib.parse.quote(SourcedRefundForTests.source)}", 60),
+            (f"source={urllib.parse.quote(SourcedRefundForTests.source)}&customer=CUST-1", 20),
             ("tool=noSuchTool", 0),
         ):
             with self.subTest(query=query):
@@ -10001,9 +10005,12 @@ class InboxTest(InboxCase):
         where = self.decide(
             origin, cookie, decision="reject", reason="no", view="page=2", next=after
         )
-        self.assertEqual(where, (303, f"/?page=2#{after}"))
+        self.assertEqual(where, (303, "/?page=2#decided"))
         back = self.request(origin, "GET", where[1].split("#")[0], headers={"Cookie": cookie})[2]
         self.assertIn(after, self.cards(back))
+        note = f'<p id="decided" class="note done" role="status">rejected {decided}'
+        self.assertRegex(back, re.escape(note) + r"[^<]*</p><article id=\"" + after)  # its place
+        self.assertEqual(back.count('<nav class="pages">'), 2)  # the pager above and below
         self.assertNotIn(decided, self.cards(back))
         self.assertIn(f"rejected {decided}", html_text(back))
 
@@ -10425,6 +10432,13 @@ class DevTools:
 
 
 SCREENSHOT = HERE / ".browser" / "inbox.png"
+# Is the element the selector names wholly inside the window as it is scrolled now?
+IN_VIEW = (
+    "(r => r.top >= -1 && r.bottom <= innerHeight && r.left >= 0 && r.right <= innerWidth)"
+    '(document.querySelector("{}").getBoundingClientRect())'
+)
+NEXT_TO_THE_NOTE = "document.querySelector('#decided').nextElementSibling.id"
+SOURCES = "[...document.querySelectorAll('select[name=source] option')].map(o => o.text)"
 
 
 @unittest.skipUnless(chromium(), "no Chromium found (make browser; .ci/run installs it)")
@@ -10506,12 +10520,48 @@ class InboxBrowserTest(InboxCase):
         browser.type_into(tab, f"[id='{decided}'] input[name=reason]", "not this one")
         browser.click(tab, f"[id='{decided}'] button[value=reject]")
         where = browser.evaluate(tab, "[location.pathname, location.search, location.hash]")
-        self.assertEqual(where[2], f"#{after}")
+        self.assertEqual(where[2], "#decided")  # the note, where the decided card was
+        self.assertEqual(browser.evaluate(tab, NEXT_TO_THE_NOTE), after)
+        self.assertTrue(browser.evaluate(tab, IN_VIEW.format("#decided")))
         self.assertEqual(
             dict(urllib.parse.parse_qsl(where[1][1:])),
             {"customer": "CUST-1", "tool": "refundFromSource", "page": "1"},
         )
         self.assertIn(f"rejected {decided}", browser.evaluate(tab, "document.body.innerText"))
+
+    def test_a_refused_edit_stays_on_its_card_with_the_text_typed_and_the_reason(self) -> None:
+        self.file_many(6)  # cards after it, so that a jump to the next would show
+        origin, link = self.start_inbox()
+        browser = DevTools(str(chromium()), self.data_dir / "profile")
+        self.addCleanup(browser.close)
+        tab = browser.tab(link)
+        for pixels, mobile in ((1280, False), (390, True)):
+            with self.subTest(pixels=pixels):
+                browser.width(tab, pixels, mobile)
+                browser.go(tab, origin + "/")
+                card = f"[id='{self.action_id}']"
+                typed = '{"orderId": "ORD-1003"}'  # no note: the model would be refused
+                browser.type_into(tab, f"{card} textarea[name=arguments]", typed)
+                browser.click(tab, f"{card} button[value=approve]")
+                self.assertEqual(browser.evaluate(tab, "location.hash"), f"#edit-{self.action_id}")
+                box = browser.evaluate(tab, f'document.querySelector("{card} textarea").value')
+                self.assertEqual(box, typed)  # what was typed, not the model's
+                said = browser.evaluate(tab, f'document.querySelector("{card} .note").innerText')
+                self.assertIn("the edit was refused, so nothing was decided: note:", said)
+                self.assertTrue(browser.evaluate(tab, IN_VIEW.format(f"{card} .note")))
+                self.assertTrue(browser.evaluate(tab, IN_VIEW.format(f"{card} textarea")))
+                browser.shot(tab, SCREENSHOT.with_name(f"inbox-refused-{pixels}.png"))
+        self.assertEqual(len(self.approvals.pending()), 7)  # nothing decided
+        pagers = browser.evaluate(tab, "document.querySelectorAll('nav.pages').length")
+        self.assertEqual(pagers, 2)  # above the cards and below
+        edited = '{"orderId": "ORD-1003", "note": "corrected"}'
+        browser.type_into(tab, f"[id='{self.action_id}'] textarea[name=arguments]", edited)
+        browser.click(tab, f"[id='{self.action_id}'] button[value=approve]")
+        self.assertTrue(browser.evaluate(tab, IN_VIEW.format("#decided")))
+        decided = browser.evaluate(tab, "document.querySelector('table').innerText")
+        self.assertIn("approved, edited", decided)
+        self.assertIn('"note":"corrected"', decided)  # what was approved
+        self.assertIn("the model asked for", decided)  # and what was proposed
 
     def test_on_a_phone_the_page_fits_its_width_and_no_word_is_broken(self) -> None:
         self.file_many(2)
@@ -10525,10 +10575,11 @@ class InboxBrowserTest(InboxCase):
             ".map(td => { const r = document.createRange(); r.selectNodeContents(td);"
             " return [td.innerText, r.getClientRects().length]; })"
         )
-        for pixels, mobile in ((1280, False), (390, True)):
+        for pixels, mobile in ((1280, False), (390, True), (360, True)):
             with self.subTest(pixels=pixels):
                 browser.width(tab, pixels, mobile)
                 browser.go(tab, origin + "/")
+                self.assertIn(SourcedRefundForTests.source, browser.evaluate(tab, SOURCES))
                 layout = browser.evaluate(
                     tab,
                     "[innerWidth, document.documentElement.scrollWidth,"
