@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #edbbd28f: the whole file, every part kept
+# function_calling.py 2026-12-04 #8a1e2058: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -5329,6 +5329,9 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     if check.problem:
         print(f"warning: the chain breaks at line {check.broken_line}", file=sys.stderr)
     figures = audit_stats(path)
+    database = _existing_database(args, app) if args.path is None else None
+    if database is not None and database.host:  # hosts share the ledger, not their logs
+        print(f"this host        {database.host}: what follows is its own audit log's, but spend")
     by_tool = ", ".join(f"{tool} {count}" for tool, count in figures["tool_calls"].items())
     calls = sum(figures["tool_calls"].values())
     tokens = ", ".join(f"{kind} {count}" for kind, count in figures["tokens"].items())
@@ -5339,8 +5342,9 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
-    database = _existing_database(args, app) if SPEND_KEEPERS and args.path is None else None
-    ledger = SPEND_KEEPERS[0].held(database) if database is not None else None
+    ledger = SPEND_KEEPERS[0].held(database) if database is not None and SPEND_KEEPERS else None
+    if ledger is not None and database is not None and database.host:
+        print("every host       spend, from the ledger they share:")
     for title, spend, scope in (
         ("spend by day", "customer_days", "customer "),
         ("spend by conv.", "conversations", "conversation "),
@@ -10108,6 +10112,7 @@ class Inbox:
                 led_to.get(action.action_id),
                 spent.get(f"customer {action.customer_id} {day}"),
                 now,
+                self._elsewhere(action.tool),
             )
             after = waiting[n + 1].action_id if n + 1 < len(waiting) else ""
             if placed and placed[0] == action.action_id:  # where the decided card was
@@ -10116,6 +10121,15 @@ class Inbox:
         parts.append(_pages(view, count))
         parts.append("</section>" + _decided_table(decided) + log + "</body></html>")
         return "".join(parts)
+
+    def _elsewhere(self, tool: str) -> str:
+        """Why an action's tool is not here, if it is not: the source that has it (started
+        without its flags), else another app's tool (apps that share one database)."""
+        if tool in self.tools:
+            return ""
+        hints = (source.hint(tool, self.workspace.audit) for source in TOOL_SOURCES)
+        found = next(filter(None, hints), None)
+        return found or f"another app's: this one has no tool {tool}; decide it where it runs"
 
     def _waiting(self, view: _View) -> tuple[int, list[PendingAction], str, str]:
         """How many wait under the view's filter and its page of them, newest first (filed in
@@ -10370,6 +10384,7 @@ class _Card:
     led_to: tuple[str, str, str] | None
     spent: tuple[int, int] | None
     now: float
+    elsewhere: str = ""  # why its tool is not here (Inbox._elsewhere): no Approve then
 
     def html(
         self, csrf: str, view: str, after: str, held: tuple[str | None, str] | None = None
@@ -10414,15 +10429,25 @@ class _Card:
         return (
             f'<article id="{_text(action.action_id)}"><h3>{_text(action.tool)}'
             f" <small>{_text(action.action_id)}</small></h3><dl>{listed}</dl>"
-            f'<form id="edit-{_text(action.action_id)}" method="post" action="/decide">{hidden}'
+            + self._approving(hidden, refused, typed)
+            + f'<form method="post" action="/decide">{hidden}'
+            '<input name="reason" maxlength="500" required placeholder="why (the model is told)">'
+            '<button name="decision" value="reject">Reject</button></form></article>'
+        )
+
+    def _approving(self, hidden: str, refused: str, typed: str) -> str:
+        """The box of arguments and Approve; where the tool is not here, why not, instead:
+        an action another app filed is never offered for approval by this one."""
+        anchor = f"edit-{_text(self.action.action_id)}"
+        if self.elsewhere:
+            said = f"Not approved here: {self.elsewhere}"
+            return f'<div id="{anchor}">{refused}{_note("refused", said)}</div>'
+        return (
+            f'<form id="{anchor}" method="post" action="/decide">{hidden}'
             f"{refused}<label>Arguments (edit them to approve a corrected request; they are"
             " checked as the model's were)"
             f'<textarea name="arguments" rows="3" spellcheck="false">{_text(typed)}</textarea>'
-            "</label>"
-            '<button name="decision" value="approve">Approve</button></form>'
-            f'<form method="post" action="/decide">{hidden}'
-            '<input name="reason" maxlength="500" required placeholder="why (the model is told)">'
-            '<button name="decision" value="reject">Reject</button></form></article>'
+            '</label><button name="decision" value="approve">Approve</button></form>'
         )
 
     def _spent(self) -> str:

@@ -4588,6 +4588,18 @@ class ManyHostsTest(unittest.TestCase):
         self.assertIn(action_id, page)
         self.assertIn(f"Filed on host {filed_on}", page)
 
+    def test_stats_on_a_shared_database_say_which_figures_are_this_hosts(self) -> None:
+        self.file_on("host-a")
+        self.file_on("host-b", "ORD-1002")
+        done = self.on("host-a", "stats")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        lines = done.stdout.splitlines()
+        self.assertTrue(lines[0].startswith("this host        "), lines)
+        self.assertIn("its own audit log's", lines[0])
+        self.assertIn("turns            1", lines)  # host-a's own turn, not host-b's
+        spend = lines.index("every host       spend, from the ledger they share:")
+        self.assertTrue(lines[spend + 1].startswith("spend by day"), lines)
+
     def test_a_host_killed_mid_decision_is_settled_by_itself_not_by_another(self) -> None:
         action_id = self.file_on("host-a")
         pause = self.root / "never"
@@ -9822,6 +9834,21 @@ class InboxTest(InboxCase):
         self.assertIn("could not be used (SQLITE_BUSY: another process held the database", page)
         (still,) = self.approvals.pending()
         self.assertEqual(still.action_id, self.action_id)
+
+    def test_another_apps_action_in_a_shared_database_is_never_offered_for_approval(
+        self,
+    ) -> None:
+        other = AddNote(self.database)  # a tool of another app that keeps its state here
+        told = self.approvals.propose(other, {"text": "hi"}, ToolContext("c-2"), {"text": "hi"})
+        origin, link = self.start_inbox()
+        cookie = self.signed_in(origin, link)
+        page = self.page(origin, cookie)
+        card = page.split(f'<article id="{told["approvalId"]}">')[1].split("</article>")[0]
+        self.assertIn("Not approved here: another app&#x27;s: this one has no tool addNote", card)
+        self.assertNotIn('value="approve"', card)
+        self.assertNotIn("<textarea", card)
+        ours = page.split(f'<article id="{self.action_id}">')[1].split("</article>")[0]
+        self.assertIn('value="approve"', ours)  # its own, as before
 
     def test_the_page_shows_what_waits_and_what_led_to_it_all_as_text(self) -> None:
         origin, link = self.start_inbox()
