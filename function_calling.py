@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #8a1e2058: the whole file, every part kept
+# function_calling.py 2026-12-04 #187d87cb: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -8846,6 +8846,7 @@ class McpServer:
                 "; it was given no PATH: pass --mcp-env PATH --mcp-env HOME (npx and uvx need"
                 " both) to give it ours"
             )
+        ends += "".join(_missing_variables(said, self.env))
         return McpError(f"MCP server {self.label} {how} before it answered{ends}")
 
     def _stderr_said(self) -> str:
@@ -8903,6 +8904,34 @@ class McpServer:
                 stderr=self._unsaid_window(bytes(self._stderr)),
                 stderr_bytes=self._stderr_bytes,
             )
+
+
+# What a server's stderr says when it lacks a variable it needs from us, and which to pass:
+# behind a TLS-intercepting proxy, its certificates; behind any proxy, the proxy.
+_NEEDED_VARIABLES = (
+    (
+        r"(?i)certificate verify failed|UNABLE_TO_GET_ISSUER_CERT|SELF_SIGNED_CERT_IN_CHAIN"
+        r"|unable to get local issuer certificate|invalid peer certificate|UnknownIssuer",
+        ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"),
+        "its TLS certificates could not be checked",
+    ),
+    (
+        r"(?i)ENOTFOUND|ETIMEDOUT|ECONNREFUSED|Could not resolve|Name or service not known"
+        r"|Failed to (fetch|connect|download)",
+        ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY"),
+        "it could not reach the network",
+    ),
+)
+
+
+def _missing_variables(said: str, given: Mapping[str, str]) -> Iterator[str]:
+    """For a server's last stderr: the variables it may need and was not given, each set
+    here, as the flags that pass them."""
+    for shape, names, why in _NEEDED_VARIABLES:
+        wanted = [name for name in names if name in os.environ and name not in given]
+        if wanted and re.search(shape, said):
+            flags = " ".join(f"--mcp-env {name}" for name in wanted)
+            yield f"; {why}, and it was given none of ours: pass {flags}"
 
 
 def _declined(request: Mapping[str, Any]) -> dict[str, Any]:

@@ -9168,6 +9168,20 @@ class McpHostileServerTest(McpCase):
         self.assertIn("exited with status 127", given.stderr)
         self.assertNotIn("--mcp-env PATH", given.stderr)  # given: the hint would mislead
 
+    def test_a_server_behind_a_proxy_that_checks_no_certificate_is_told_which_to_pass(
+        self,
+    ) -> None:
+        # what uvx says behind a TLS-intercepting proxy, given none of our certificates
+        said = "echo 'error: invalid peer certificate: UnknownIssuer' >&2; exit 2"
+        command = shlex.join(["sh", "-c", said])
+        local = {"OPENAI_BASE_URL": "http://127.0.0.1:9", "SSL_CERT_FILE": "/etc/corp-ca.pem"}
+        done = self.cli("ask", "hi", "--mcp", command, env=local)
+        self.assertEqual(done.returncode, 1)
+        self.assertIn("its TLS certificates could not be checked", done.stderr)
+        self.assertIn("pass --mcp-env SSL_CERT_FILE", done.stderr)
+        given = self.cli("ask", "hi", "--mcp", command, "--mcp-env", "SSL_CERT_FILE", env=local)
+        self.assertNotIn("pass --mcp-env SSL_CERT_FILE", given.stderr)  # it had it
+
     def test_a_command_that_is_not_there_or_not_a_server(self) -> None:
         missing = self.cli(
             "ask",
