@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #187d87cb: the whole file, every part kept
+# function_calling.py 2026-12-04 #0b24c3ec: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -6006,7 +6006,7 @@ def _not_connected(exc: BaseException) -> str:
 _CONNECT_FAILURES = (
     (
         r"password authentication failed|no password supplied|authentication failed",
-        "the server refused the role's password: set it in PGPASSWORD or ~/.pgpass",
+        "the server refused the role's password (give the right one in PGPASSWORD or ~/.pgpass)",
     ),
     (r'database "[^"]*" does not exist', "the server has no such database: create it (createdb)"),
     (r'role "[^"]*" does not exist', "the server has no such role: create it (createuser)"),

@@ -4014,7 +4014,8 @@ def postgres_binary(name: str) -> str | None:
     return str(versions[-1]) if versions else None
 
 
-PASSWORD_ROLE = "fc_with_password"  # the suite's server asks this role, alone, for a password
+# the suite's server asks these roles, alone, for a password: one of its own, the README's
+PASSWORD_ROLE, README_ROLE = "fc_with_password", "helpdesk"
 
 
 class PostgresServer:
@@ -4052,7 +4053,10 @@ class PostgresServer:
         self.data = self.directory / "data"
         self._run(initdb, "-D", str(self.data), "-U", "fc", "--auth=trust", "-E", "UTF8", "-N")
         hba = self.data / "pg_hba.conf"  # one role that must give a password: PASSWORD_ROLE
-        hba.write_text(f"local all {PASSWORD_ROLE} scram-sha-256\n" + hba.read_text())
+        asked = "".join(
+            f"local all {role} scram-sha-256\n" for role in (PASSWORD_ROLE, README_ROLE)
+        )
+        hba.write_text(asked + hba.read_text())
         self.start()
         atexit.register(self.stop)
         self._schemas = itertools.count(1)
@@ -4808,6 +4812,36 @@ class DatabaseUrlTest(unittest.TestCase):
                 self.assertEqual(done.returncode, 2)
                 self.assertIn(said, done.stderr)
                 self.assertNotIn(str(server.directory), done.stderr)
+
+    def test_the_readmes_set_up_from_nothing_runs_as_written(self) -> None:
+        server = PostgresServer.shared()
+        (block,) = [b for b in README_SH.findall(README.read_text()) if "CREATE ROLE" in b]
+        socket_dir = urllib.parse.quote(str(server.directory), safe="")
+        psql, createdb = postgres_binary("psql"), postgres_binary("createdb")
+        on_server = f"-h {server.directory} -U fc"
+        script = [
+            line.replace("sudo -u postgres psql", f"{psql} {on_server} -d postgres")
+            .replace("sudo -u postgres createdb", f"{createdb} {on_server}")
+            .replace("db.internal:5432:", f"{server.directory}:5432:")  # .pgpass: its socket
+            .replace("@db.internal/helpdesk", f"@/helpdesk?host={socket_dir}")
+            .replace("~/helpdesk-venv/bin/python", str(PG_VENV / "bin" / "python"))
+            .replace("function_calling.py", str(MODULE))
+            for line in block.splitlines()
+            if not line.startswith(("sudo apt-get", "python3 -m venv"))  # done: .ci/run, make
+        ]
+        with tempfile.TemporaryDirectory() as home:
+            done = subprocess.run(
+                ["bash", "-e", "-c", "\n".join(script)],
+                env={"PATH": os.environ.get("PATH", ""), "HOME": home},
+                cwd=home,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertEqual(
+            (done.returncode, done.stdout), (0, "CREATE ROLE\nno pending actions\n"), done.stderr
+        )
 
     def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
         server = PostgresServer.shared()
@@ -6283,6 +6317,9 @@ LEDGER_CUT = re.compile(r"^# >>> LEDGER.*?^# <<< LEDGER\n", re.DOTALL | re.MULTI
 CONVERSATIONS_CUT = re.compile(
     r"^# >>> CONVERSATIONS.*?^# <<< CONVERSATIONS\n", re.DOTALL | re.MULTILINE
 )
+
+
+README_SH = re.compile(r"^```sh\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
 def readme_examples() -> list[tuple[str | None, str]]:
