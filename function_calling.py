@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #0b24c3ec: the whole file, every part kept
+# function_calling.py 2026-12-04 #9f92e4c7: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -3368,10 +3368,11 @@ def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
 
 
 def _leaf_holds_secret(leaf: Any, secrets: tuple[str, ...]) -> bool:
-    """Does one text or number hold a secret: a text's start of one (a JSON text's, decoded),
-    a number's digits one whole?"""
+    """Does one text or number hold a secret: a text's start of one (a JSON text's decoded,
+    where an escape could hide one: no decoding on the way of every audit line otherwise), a
+    number's digits one whole?"""
     if isinstance(leaf, str):
-        decoded = _decoded_json(leaf)
+        decoded = _decoded_json(leaf) if "\\" in leaf else None
         if decoded is not None:
             return _holds_secret(decoded, secrets)
         return _secrets_pattern(secrets).search(leaf) is not None
@@ -3954,18 +3955,7 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         waited = _write_wait() if wait else 0.0  # a turn, like a write, is waited for in time
-        if fcntl is None:  # pragma: no cover -- Windows: one process at a time, its threads in turn
-            if _TURNS_WITHOUT_FLOCK.acquire(timeout=waited):
-                try:
-                    yield True
-                finally:
-                    _TURNS_WITHOUT_FLOCK.release()
-            elif wait:
-                raise _busy(f"another filing or decision here held its turn past {waited:.3g} s")
-            else:
-                yield False
-            return
-        if not _flocked(fd, waited):
+        if not _turn_taken(fd, waited):
             if wait:
                 raise _busy(f"another filing or decision here held its turn past {waited:.3g} s")
             yield False
@@ -3973,16 +3963,16 @@ def _turn_lock(path: Path, wait: bool) -> Iterator[bool]:
         try:
             yield True
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            _turn_given_back(fd)
     finally:
         os.close(fd)
 
 
-def _flocked(fd: int, wait: float) -> bool:
-    """An exclusive flock taken on `fd` within `wait` seconds, or False. flock takes no
-    deadline of its own, so it is asked without waiting, every 10 ms."""
-    if fcntl is None:  # pragma: no cover -- Windows: _turn_lock does not ask
-        return True
+def _turn_taken(fd: int, wait: float) -> bool:
+    """The turn taken within `wait` seconds, or False: an exclusive flock on `fd`, which takes
+    no deadline of its own, so it is asked without waiting, every 10 ms."""
+    if fcntl is None:  # pragma: no cover -- Windows: one process at a time, its threads in turn
+        return _TURNS_WITHOUT_FLOCK.acquire(timeout=wait)
     until = time.monotonic() + wait
     while True:
         try:
@@ -3992,6 +3982,13 @@ def _flocked(fd: int, wait: float) -> bool:
             if time.monotonic() >= until:
                 return False
             time.sleep(0.01)
+
+
+def _turn_given_back(fd: int) -> None:
+    if fcntl is None:  # pragma: no cover -- Windows
+        _TURNS_WITHOUT_FLOCK.release()
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 @contextmanager
@@ -4011,7 +4008,7 @@ def _settle_if_free(approvals: Approvals) -> None:
             try:
                 _settle(approvals)
             except sqlite3.OperationalError as exc:
-                if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY":
+                if not _is_busy(exc):
                     raise
 
 
@@ -4148,6 +4145,15 @@ def _busy(text: str) -> Exception:
     error = sqlite3.OperationalError(text)
     setattr(error, "sqlite_errorname", "SQLITE_BUSY")  # noqa: B010 -- not in 3.10's stubs
     return error
+
+
+def _is_busy(exc: Exception) -> bool:
+    """Was a write held off by another writer (SQLITE_BUSY, _busy's or SQLite's own, or
+    SQLITE_LOCKED; before Python 3.11 SQLite says so only in its text)?"""
+    name = getattr(exc, "sqlite_errorname", None)
+    if name is None:
+        return "locked" in str(exc) or "busy" in str(exc)
+    return name in ("SQLITE_BUSY", "SQLITE_LOCKED")
 
 
 def _sqlite_error(exc: Exception) -> str:
@@ -4308,8 +4314,7 @@ class Database:
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            name = getattr(exc, "sqlite_errorname", None)  # Python 3.11 on; before, its text
-            if name != "SQLITE_BUSY" and not (name is None and "locked" in str(exc)):
+            if not _is_busy(exc):
                 raise
             held = f"another process held the database's write lock past {wait:.3g} s"
             raise _busy(held) from None
@@ -4956,7 +4961,7 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
         reason = exc.strerror or type(exc).__name__
         raise ConfigError(f"cannot use {directory} as the data directory ({reason})") from None
     except sqlite3.OperationalError as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
+        if _is_busy(exc):
             raise  # another process holds it: main says to try again
         raise ConfigError(f"cannot use {path if named is None else named.where} ({exc})") from None
     except sqlite3.DatabaseError as exc:  # "file is not a database": we write nothing to it
@@ -5274,9 +5279,13 @@ def _missing_tool_hint(workspace: _Workspace, action_id: str, tools: Mapping[str
     needed = [a.tool for a in workspace.approvals.pending() if a.action_id == action_id]
     if not needed or needed[0] in tools:
         return ""
-    hints = (source.hint(needed[0], workspace.audit) for source in TOOL_SOURCES)
-    found = next(filter(None, hints), None)
+    found = _source_hint(needed[0], workspace.audit)
     return f"; {found}" if found else ""
+
+
+def _source_hint(tool: str, audit: AuditLog) -> str | None:
+    """How to have `tool` here, if a tool source knows it as one of its own (ToolSource.hint)."""
+    return next(filter(None, (source.hint(tool, audit) for source in TOOL_SOURCES)), None)
 
 
 def _cmd_reject(args: argparse.Namespace, app: App) -> int:
@@ -5785,7 +5794,7 @@ DB-API driver you install (psycopg 3); each host keeps its own data directory an
 #   - upserts: INSERT OR IGNORE is INSERT … ON CONFLICT DO NOTHING; MAX and MIN of two values
 #     are GREATEST and LEAST;
 #   - types, by SQLite's affinity: an integer is 64 bits (BIGINT), a real DOUBLE PRECISION, a
-#     text compares byte by byte (COLLATE "C", as SQLite's BINARY), a blob BYTEA; each table
+#     text compares byte by byte (COLLATE "C", as SQLite's BINARY); each table
 #     gets the rowid a SQLite table has (a BIGSERIAL), which, taken in turns, counts in the
 #     order the writes commit;
 #   - GLOB 'pattern' is ~ and the regular expression that matches the same texts;
@@ -10156,8 +10165,7 @@ class Inbox:
         without its flags), else another app's tool (apps that share one database)."""
         if tool in self.tools:
             return ""
-        hints = (source.hint(tool, self.workspace.audit) for source in TOOL_SOURCES)
-        found = next(filter(None, hints), None)
+        found = _source_hint(tool, self.workspace.audit)
         return found or f"another app's: this one has no tool {tool}; decide it where it runs"
 
     def _waiting(self, view: _View) -> tuple[int, list[PendingAction], str, str]:

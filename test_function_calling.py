@@ -7245,6 +7245,26 @@ class ClearOutcomeTest(LoopTestCase):
             " lock past 0.1 s); try again\n",
         )
 
+    def test_a_database_locked_while_its_tables_are_first_made_is_busy_not_unusable(
+        self,
+    ) -> None:
+        holder = sqlite3.connect(self.data_dir / "fresh.db", isolation_level=None)
+        self.addCleanup(holder.close)
+        holder.execute("PRAGMA journal_mode = WAL")  # as every process of this file sets it
+        holder.execute("BEGIN EXCLUSIVE")  # another process writes before any table is made
+        err = io.StringIO()
+        short_wait = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.1)
+        app = dataclasses.replace(SHOP, database="fresh.db")
+        with short_wait, redirect_stderr(err), redirect_stdout(io.StringIO()):
+            code = fc.main(["pending", "--data-dir", str(self.data_dir)], app=app)
+        holder.execute("ROLLBACK")
+        self.assertEqual(code, 1)  # try again, as for any write held off: not exit 2
+        self.assertEqual(
+            err.getvalue(),
+            "error: the database could not be used (another process held the database's write"
+            " lock past 0.1 s); try again\n",
+        )
+
     def test_a_tls_certificate_that_cannot_be_verified_is_one_clear_line(self) -> None:
         tls = tls_server_context(self.data_dir)
         if tls is None:
