@@ -5132,6 +5132,44 @@ class PostgresDeadlineTest(OnPostgres, ApprovalCase):
         self.assertEqual([row[1] for row in self.refunds()], [self.told["approvalId"]])
         self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
 
+    def test_a_commit_cut_off_in_doubt_is_logged_only_as_the_database_says_it_ended(
+        self,
+    ) -> None:
+        armed: list[bool] = []
+        stopped: list[int] = []
+        committed = fc._committed
+
+        class ArmingRefund(fc.RequestShippingRefund):  # the next commit is the decision's
+            def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> Any:
+                armed.append(True)
+                return super().apply(args, context, db)
+
+        def stopping(raw: Any) -> None:  # its backend stops as the COMMIT is sent
+            if armed and not stopped:
+                stopped.append(int(raw.info.backend_pid))
+                os.kill(stopped[0], signal.SIGSTOP)
+            committed(raw)
+
+        def go_on() -> None:
+            for pid in stopped:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        self.addCleanup(go_on)
+        tools = fc.tool_table([ArmingRefund(fc.OrderStore(self.database))])
+        doubt = self.assertRaisesRegex(sqlite3.OperationalError, "whether the commit landed")
+        cut = mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0)
+        with cut, mock.patch.object(fc, "_committed", stopping), doubt:
+            self.approvals.approve(self.told["approvalId"], tools, "a")
+        self.assertEqual(self.audit_records("approval_decision"), [])  # in doubt: no line yet
+        go_on()  # the backend reads the COMMIT it was sent, or not, and ends
+        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # until it has ended
+            self.approvals.pending()  # settles it under the write lock
+        (line,) = self.audit_records("approval_decision")
+        landed = bool(self.refunds())
+        self.assertEqual(line["outcome"], "approved" if landed else "not_applied")
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
 
 class CopiedDataDirectoryTest(OnPostgres, ApprovalCase):
     """A data directory copied (a backup restored beside it, a cloned machine) carries its
