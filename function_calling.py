@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #9f92e4c7: the whole file, every part kept
+# function_calling.py 2026-12-04 #7664ac43: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,480 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
 together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
@@ -51,15 +51,24 @@ below; nothing before depends on them, and one cut removes each (`copy --without
 
 from __future__ import annotations
 
+import sys
+
+if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback further down
+    sys.exit("function_calling.py needs Python 3.10 or newer")
+
+import argparse
 import base64
 import codecs
 import collections
+import concurrent.futures
 import email.utils
 import errno
 import functools
+import getpass
 import hashlib
 import hmac
 import http.client
+import http.server
 import importlib
 import io
 import json
@@ -70,12 +79,15 @@ import random
 import re
 import secrets
 import select
+import shlex
 import socket
+import sqlite3
 import ssl
-import sys
+import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
@@ -83,44 +95,13 @@ from datetime import datetime, timezone
 from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
-from types import SimpleNamespace
-
-TYPE_CHECKING = False  # typing's flag, without importing typing; checkers take it as True
-if TYPE_CHECKING:  # for the checker only: annotations, and what Part II imports at first use
-    import argparse
-    import concurrent.futures
-    import getpass
-    import http.server
-    import shlex
-    import sqlite3
-    import tempfile
-    from typing import Any, ClassVar, TextIO, TypeAlias
+from typing import Any, ClassVar, TextIO, TypeAlias
 
 if sys.platform == "win32":  # pragma: no cover -- no flock: one process at a time per log
     fcntl = None
 else:
     import fcntl
 
-
-class _OnFirstUse:
-    """A module imported at its first use, not with this file: `import function_calling`
-    costs a program no sqlite3, argparse or thread pool it never uses (README: "Import")."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self._name), attribute)
-
-
-if not TYPE_CHECKING:  # the checker sees the modules themselves (the imports above)
-    sqlite3 = _OnFirstUse("sqlite3")  # the database: not for a command that opens none
-    concurrent = SimpleNamespace(futures=_OnFirstUse("concurrent.futures"))  # the workers
-    argparse = _OnFirstUse("argparse")  # the command line: not for a program that imports us
-    getpass, shlex, tempfile = map(_OnFirstUse, ("getpass", "shlex", "tempfile"))  # the CLI's
-
-if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback further down
-    sys.exit("function_calling.py needs Python 3.10 or newer")
 
 # fmt: off
 __all__ = [
@@ -170,7 +151,6 @@ __version__ = "2026-12-04"
 #       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome, _EDITS_SCHEMA, _edit_action
 #       a decision's result and a person's edit (checked as the model's arguments are),
 #       kept in the decision's own transaction; _HOSTS_SCHEMA  which host wrote what (the same)
-# sqlite3 and concurrent.futures are imported at their first use (_OnFirstUse, at the top).
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -1699,8 +1679,6 @@ def _connection(
     (HTTP_PROXY / HTTPS_PROXY, NO_PROXY honoured), and what the request line names: plain
     http asks the proxy for the absolute URL; https goes through a CONNECT tunnel, so the
     proxy sees neither key nor body."""
-    import urllib.request  # noqa: PLC0415 -- here only: 9 ms to import, for the proxy settings
-
     url = settings.base_url + "/chat/completions"
     target = urllib.parse.urlsplit(url)
     host, port = target.hostname or "", target.port
@@ -5614,7 +5592,7 @@ class ScriptedChatServer:
         self.requests: list[RecordedRequest] = []
         self.connections = 0  # connections accepted: HTTP/1.1, so one may carry many requests
         self._lock = threading.Lock()
-        self._server: Any = _scripted_http_server()(self)
+        self._server = _ScriptedHTTPServer(self)
         # a short poll interval: shutdown() waits up to one interval for the serving thread
         serve = self._server.serve_forever
         self._thread = threading.Thread(target=serve, args=(0.02,), daemon=True)
@@ -5646,67 +5624,60 @@ class ScriptedChatServer:
         return item if isinstance(item, ScriptedReply) else ScriptedReply(item)
 
 
-@functools.cache
-def _scripted_http_server() -> Callable[[ScriptedChatServer], http.server.ThreadingHTTPServer]:
-    """The scripted server's HTTP classes, defined when first needed: http.server takes 10 ms
-    to import, and only the demo and tests use it."""
-    import http.server  # noqa: PLC0415
+class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
+    """The scripted server's HTTP side: each request goes to its owner's script."""
 
-    class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
-        daemon_threads = True
+    daemon_threads = True
 
-        def __init__(self, owner: ScriptedChatServer) -> None:
-            super().__init__(("127.0.0.1", 0), _ScriptedHandler)
-            self.owner = owner
+    def __init__(self, owner: ScriptedChatServer) -> None:
+        super().__init__(("127.0.0.1", 0), _ScriptedHandler)
+        self.owner = owner
 
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            """A client that hangs up on a kept-alive connection is no error of the server's."""
-            if not isinstance(sys.exc_info()[1], ConnectionError):
-                super().handle_error(request, client_address)
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up on a kept-alive connection is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
-    class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
-        server: _ScriptedHTTPServer
-        protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-        disable_nagle_algorithm = True  # subtle: else each body waits ~40 ms for a delayed ACK
 
-        def setup(self) -> None:
-            super().setup()
-            with self.server.owner._lock:
-                self.server.owner.connections += 1
+class _ScriptedHandler(http.server.BaseHTTPRequestHandler):
+    server: _ScriptedHTTPServer
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+    disable_nagle_algorithm = True  # subtle: else each body waits ~40 ms for a delayed ACK
 
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            headers = {name.lower(): value for name, value in self.headers.items()}
-            reply = self.server.owner.answer(
-                RecordedRequest(self.command, self.path, headers, body)
-            )
-            self.send_response(reply.status)
-            for name, value in reply.headers:
-                self.send_header(name, value)
-            if isinstance(reply.body, bytes):
-                self.send_header("Content-Length", str(len(reply.body)))
-            else:  # a body in pieces goes chunked, as a streaming server sends it
-                self.send_header("Transfer-Encoding", "chunked")
-            self.close_connection = self.close_connection or reply.hang_up
-            self.end_headers()
-            with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
-                self._write_body(reply.body)
+    def setup(self) -> None:
+        super().setup()
+        with self.server.owner._lock:
+            self.server.owner.connections += 1
 
-        def _write_body(self, body: bytes | Iterable[bytes]) -> None:
-            if isinstance(body, bytes):
-                self.wfile.write(body)
-                return
-            for piece in filter(None, body):  # an empty chunk would end the body
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        reply = self.server.owner.answer(RecordedRequest(self.command, self.path, headers, body))
+        self.send_response(reply.status)
+        for name, value in reply.headers:
+            self.send_header(name, value)
+        if isinstance(reply.body, bytes):
+            self.send_header("Content-Length", str(len(reply.body)))
+        else:  # a body in pieces goes chunked, as a streaming server sends it
+            self.send_header("Transfer-Encoding", "chunked")
+        self.close_connection = self.close_connection or reply.hang_up
+        self.end_headers()
+        with suppress(ConnectionError):  # a client may stop reading: a size cap, a deadline
+            self._write_body(reply.body)
 
-        do_GET = do_POST  # noqa: N815 (http.server's naming)
+    def _write_body(self, body: bytes | Iterable[bytes]) -> None:
+        if isinstance(body, bytes):
+            self.wfile.write(body)
+            return
+        for piece in filter(None, body):  # an empty chunk would end the body
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # the tests and the demo read requests from .requests, not from stderr
+    do_GET = do_POST  # noqa: N815 (http.server's naming)
 
-    return _ScriptedHTTPServer
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the tests and the demo read requests from .requests, not from stderr
 
 
 def tool_call_reply(calls: Sequence[tuple[str, str]], content: str | None = None) -> bytes:
@@ -7354,8 +7325,12 @@ Protocol servers, started as child processes (--mcp) or remote (--mcp-url), unde
 file's policy: arguments checked against each tool's schema, writes behind a person.
 """
 
-from collections.abc import Generator  # noqa: E402 -- the MCP section's own imports: the cut takes them
+import shutil  # noqa: E402 -- the MCP section's own imports: the cut takes them
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+from collections.abc import Generator  # noqa: E402
 from contextlib import closing  # noqa: E402
+from fractions import Fraction  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
 
@@ -8279,7 +8254,6 @@ def _number_violation(value: Any, schema: Mapping[str, Any], where: str) -> str 
 def _is_multiple(value: float, step: float) -> bool:
     """Exact decimal arithmetic on the numbers as written: 0.0075 is a multiple of 0.0001,
     though not in binary floating point."""
-    from fractions import Fraction  # noqa: PLC0415 -- here only (it imports decimal)
 
     def exact(number: float) -> Fraction:
         return Fraction(number) if isinstance(number, int) else Fraction(repr(number))
@@ -8293,13 +8267,6 @@ def _is_multiple(value: float, step: float) -> bool:
 # message that is not JSON-RPC or answers a request never sent breaks the connection, its
 # stderr is kept for the audit log only, and it gets no environment variable it was not
 # given (OPENAI_API_KEY least of all). However a command ends, the process is reaped.
-
-if TYPE_CHECKING:  # the MCP section's own modules, so that the cut takes them: imported at
-    import shutil  # first use, since a command that starts no server needs none of them
-    import signal
-    import subprocess
-else:
-    shutil, signal, subprocess = map(_OnFirstUse, ("shutil", "signal", "subprocess"))
 
 MCP_MODERN = "2026-07-28"  # stateless: no handshake; every request carries _meta
 MCP_LEGACY = "2025-11-25"  # the initialize / notifications/initialized handshake
@@ -8535,7 +8502,7 @@ class McpServer:
         _unreadable_to_children()
         mark = secrets.token_hex(8)
         try:
-            process = subprocess.Popen(  # the user's own command, no shell
+            process = subprocess.Popen(  # noqa: S603 -- the user's own command, no shell
                 [executable, *self.command[1:]],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -9015,7 +8982,7 @@ def _watchdog(mark: str) -> subprocess.Popen[bytes] | None:
     if not sys.platform.startswith("linux"):
         return None
     with suppress(OSError):
-        return subprocess.Popen(  # this interpreter, on a script of ours: no shell
+        return subprocess.Popen(  # noqa: S603 -- this interpreter, a script of ours, no shell
             [sys.executable, "-c", _WATCHDOG, mark],
             stdin=subprocess.PIPE,
             env={},
@@ -9720,10 +9687,9 @@ class _McpFlags(ToolSource):
             help="start an MCP server (a command line, split as a shell would, run without a"
             " shell) and offer its tools; repeatable",
         )
-        remote_server, remote_header = _remote_flags()
         parser.add_argument(
             "--mcp-url",
-            action=remote_server,
+            action=_McpUrlFlag,
             default=[],
             metavar="URL",
             help="an MCP server to reach over Streamable HTTP (https unless on this machine),"
@@ -9731,7 +9697,7 @@ class _McpFlags(ToolSource):
         )
         parser.add_argument(
             "--mcp-header",
-            action=remote_header,
+            action=_McpHeaderFlag,
             metavar="NAME=VARIABLE",
             help="a header for the --mcp-url before it, its value read from the environment"
             " variable VARIABLE (Authorization=VARIABLE sends Authorization: Bearer <value>)",
@@ -9840,30 +9806,25 @@ class _McpFlags(ToolSource):
         return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}{flags}"
 
 
-def _remote_flags() -> tuple[type[argparse.Action], type[argparse.Action]]:
-    """The actions of --mcp-url and --mcp-header, defined when a parser is built (argparse
-    is imported by the command line only)."""
+class _McpUrlFlag(argparse.Action):
+    """--mcp-url: a remote server, with room for the --mcp-header flags after it."""
 
-    class RemoteServer(argparse.Action):
-        """--mcp-url: a remote server, with room for the --mcp-header flags after it."""
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        servers = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, [*servers, (values, [])])
 
-        def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-            servers = getattr(namespace, self.dest, None) or []
-            setattr(namespace, self.dest, [*servers, (values, [])])
 
-    class RemoteHeader(argparse.Action):
-        """--mcp-header: for the --mcp-url before it, and no other server (a token for one
-        remote server must not reach another)."""
+class _McpHeaderFlag(argparse.Action):
+    """--mcp-header: for the --mcp-url before it, and no other server (a token for one
+    remote server must not reach another)."""
 
-        def __call__(
-            self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
-        ) -> None:
-            servers = getattr(namespace, "mcp_url", None)
-            if not servers:
-                parser.error("--mcp-header comes after the --mcp-url it is for")
-            servers[-1][1].append(values)
-
-    return RemoteServer, RemoteHeader
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+    ) -> None:
+        servers = getattr(namespace, "mcp_url", None)
+        if not servers:
+            parser.error("--mcp-header comes after the --mcp-url it is for")
+        servers[-1][1].append(values)
 
 
 # Headers this client writes itself: a --mcp-header cannot replace them.
@@ -9984,6 +9945,8 @@ The inbox ("# >>> INBOX" to "# <<< INBOX"): the `inbox` command, a page on 127.0
 a person approves or rejects the writes that wait.
 """
 
+import html  # noqa: E402 -- the inbox's own import: the cut takes it
+
 # bytes in one POST: a decision, a reason and edited arguments (each byte at most 3 encoded)
 INBOX_MAX_BODY = 3 * MAX_ARGUMENTS_BYTES + 16 * 1024
 INBOX_REQUEST_S = 10.0  # every byte of one request (its line, headers and body) by this
@@ -10023,8 +9986,6 @@ CREATE INDEX IF NOT EXISTS inbox_queue ON pending_actions
 def _text(value: object) -> str:
     """Hostile text for HTML, element text or a quoted attribute alike: its invisible
     characters written out as \\uXXXX, then escaped (& < > " ')."""
-    import html  # noqa: PLC0415 -- the inbox's own, at its first page (and the cut takes it)
-
     shown = _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", str(value))
     return html.escape(shown, quote=True)
 
@@ -10624,185 +10585,184 @@ form{display:block}input[name=reason]{width:100%}}
 """
 
 
-def _inbox_server(inbox: Inbox, host: str, port: int) -> http.server.ThreadingHTTPServer:
-    """The inbox's HTTP server, bound and ready (its classes defined here: http.server is
-    imported only by the commands that serve)."""
-    import http.server  # noqa: PLC0415
+class _InboxHandler(http.server.BaseHTTPRequestHandler):
+    """One request to the inbox: a page, a sign-in or a decision."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        server: http.server.HTTPServer
+    server: _InboxHTTPServer
 
-        default_request_version = "HTTP/1.0"  # a refused request line still gets headers
+    default_request_version = "HTTP/1.0"  # a refused request line still gets headers
 
-        def version_string(self) -> str:
-            return "inbox"  # no Python version on the wire
+    def version_string(self) -> str:
+        return "inbox"  # no Python version on the wire
 
-        def setup(self) -> None:
-            super().setup()
-            # subtle: a deadline on every byte of the request, not on each read: a client
-            # that trickles one byte a second cannot hold a thread for long
-            self.rfile.close()
-            reader = _DeadlineReader(self.connection, time.monotonic() + INBOX_REQUEST_S)
-            self.rfile = io.BufferedReader(reader)
+    def setup(self) -> None:
+        super().setup()
+        # subtle: a deadline on every byte of the request, not on each read: a client
+        # that trickles one byte a second cannot hold a thread for long
+        self.rfile.close()
+        reader = _DeadlineReader(self.connection, time.monotonic() + INBOX_REQUEST_S)
+        self.rfile = io.BufferedReader(reader)
 
-        def do_GET(self) -> None:
-            self._answer(self._get)
+    def do_GET(self) -> None:
+        self._answer(self._get)
 
-        def do_POST(self) -> None:
-            self._answer(self._post)
+    def do_POST(self) -> None:
+        self._answer(self._post)
 
-        def _answer(self, serve: Callable[[], None]) -> None:
-            """The Host checked first; a failure here is a 500 page and one line on stderr."""
-            if not self._host_is_ours():
+    def _answer(self, serve: Callable[[], None]) -> None:
+        """The Host checked first; a failure here is a 500 page and one line on stderr."""
+        if not self._host_is_ours():
+            return
+        try:
+            serve()
+        except (ConnectionError, TimeoutError):
+            raise  # the client hung up or ran out of time: nobody to answer
+        except Exception as exc:  # noqa: BLE001 -- a page, never a traceback
+            print(f"inbox: a request failed ({type(exc).__name__})", file=sys.stderr)
+            self._page(500, "Not done", "Something failed here; nothing more was done.")
+
+    def _get(self) -> None:
+        path, _, query = self.path.partition("?")
+        session = self._session()
+        if path == "/inbox.css":
+            self._send(200, _INBOX_CSS, "text/css; charset=utf-8")
+        elif path != "/":
+            self._page(404, "Not found", "There is no such page here.")
+        elif query.startswith("token="):
+            self._sign_in(query)
+        elif session is not None:
+            self._send(200, self.server.inbox.page(session, _View.of(query)).encode())
+        else:
+            self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
+
+    def _post(self) -> None:
+        session = self._session()
+        if self.path != "/decide":
+            self._page(404, "Not found", "There is no such page here.")
+        elif session is None:
+            self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
+        elif not self._same_origin():
+            self._page(403, "Refused", "This form was not sent by the inbox's own page.")
+        else:
+            form = self._form()
+            if form is None:
                 return
+            if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                self._page(403, "Refused", "This form is stale; reload the page and try again.")
+                return
+            self._redirect(self.server.inbox.decide(session, form))
+
+    def _host_is_ours(self) -> bool:
+        """Only the names this server was reached by: a page elsewhere that rebinds its
+        own name to 127.0.0.1 sends its own name here."""
+        bound = self.server.server_port
+        allowed = {f"127.0.0.1:{bound}", f"localhost:{bound}", f"{self.server.host}:{bound}"}
+        if self.headers.get("Host") in allowed:
+            return True
+        self._page(421, "Wrong host", "This inbox answers to its own address only.")
+        return False
+
+    def _same_origin(self) -> bool:
+        """A browser names the page a form came from; it must be this server's."""
+        origin = self.headers.get("Origin")
+        site = self.headers.get("Sec-Fetch-Site")
+        return origin in (None, f"http://{self.headers.get('Host')}") and site in (
+            None,
+            "same-origin",
+        )
+
+    def _session(self) -> _Session | None:
+        cookies = self.headers.get("Cookie", "")
+        name = f"inbox-{self.server.server_port}="
+        values = [c.strip()[len(name) :] for c in cookies.split(";") if c.strip().startswith(name)]
+        return self.server.inbox.session(values[0]) if len(values) == 1 else None
+
+    def _sign_in(self, query: str) -> None:
+        try:  # more fields than a link has is a malformed request, not a failure of ours
+            fields = urllib.parse.parse_qs(query, max_num_fields=4)
+        except ValueError:
+            self._page(400, "Refused", "That link could not be read.")
+            return
+        cookie = self.server.inbox.sign_in(fields.get("token", [""])[0])
+        if cookie is None:
+            self._page(403, "Not signed in", "That link's token is not this inbox's.")
+            return
+        name = f"inbox-{self.server.server_port}"
+        attributes = "HttpOnly; SameSite=Strict; Path=/"
+        self._redirect("/", ("Set-Cookie", f"{name}={cookie}; {attributes}"))
+
+    def _form(self) -> dict[str, str] | None:
+        """The POSTed form, or None once a 4xx page has said why not."""
+        length = self.headers.get("Content-Length", "")
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip()
+        if kind != "application/x-www-form-urlencoded":
+            self._page(415, "Refused", "A decision comes from the page's own forms.")
+        elif not length:
+            self._page(411, "Refused", "A form comes with its length.")
+        elif not (length.isascii() and length.isdigit()) or int(length) > INBOX_MAX_BODY:
+            self._page(413, "Refused", f"A form is at most {INBOX_MAX_BODY} bytes.")
+        else:
             try:
-                serve()
-            except (ConnectionError, TimeoutError):
-                raise  # the client hung up or ran out of time: nobody to answer
-            except Exception as exc:  # noqa: BLE001 -- a page, never a traceback
-                print(f"inbox: a request failed ({type(exc).__name__})", file=sys.stderr)
-                self._page(500, "Not done", "Something failed here; nothing more was done.")
+                body = self.rfile.read(int(length)).decode("utf-8")
+                pairs = urllib.parse.parse_qsl(  # subtle: blank values kept: an emptied
+                    body,  # arguments box is an edit to check, not "no edit" (the model's)
+                    keep_blank_values=True,
+                    strict_parsing=bool(body),
+                    max_num_fields=8,
+                )
+            except (ValueError, UnicodeDecodeError):
+                self._page(400, "Refused", "That form could not be read.")
+                return None
+            return dict(pairs)
+        return None
 
-        def _get(self) -> None:
-            path, _, query = self.path.partition("?")
-            session = self._session()
-            if path == "/inbox.css":
-                self._send(200, _INBOX_CSS, "text/css; charset=utf-8")
-            elif path != "/":
-                self._page(404, "Not found", "There is no such page here.")
-            elif query.startswith("token="):
-                self._sign_in(query)
-            elif session is not None:
-                self._send(200, inbox.page(session, _View.of(query)).encode())
-            else:
-                self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
+    def _redirect(self, where: str, *headers: tuple[str, str]) -> None:
+        self._send(303, b"", "text/plain", ("Location", where), *headers)
 
-        def _post(self) -> None:
-            session = self._session()
-            if self.path != "/decide":
-                self._page(404, "Not found", "There is no such page here.")
-            elif session is None:
-                self._page(403, "Not signed in", "Open the link the inbox printed when it started.")
-            elif not self._same_origin():
-                self._page(403, "Refused", "This form was not sent by the inbox's own page.")
-            else:
-                form = self._form()
-                if form is None:
-                    return
-                if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
-                    self._page(403, "Refused", "This form is stale; reload the page and try again.")
-                    return
-                self._redirect(inbox.decide(session, form))
+    def _page(self, status: int, title: str, text: str) -> None:
+        body = f"{_PAGE_HEAD}<h1>{_text(title)}</h1><p>{_text(text)}</p></body></html>"
+        self._send(status, body.encode())
 
-        def _host_is_ours(self) -> bool:
-            """Only the names this server was reached by: a page elsewhere that rebinds its
-            own name to 127.0.0.1 sends its own name here."""
-            bound = self.server.server_port
-            allowed = {f"127.0.0.1:{bound}", f"localhost:{bound}", f"{host}:{bound}"}
-            if self.headers.get("Host") in allowed:
-                return True
-            self._page(421, "Wrong host", "This inbox answers to its own address only.")
-            return False
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        kind: str = "text/html; charset=utf-8",
+        *headers: tuple[str, str],
+    ) -> None:
+        self.send_response(status)
+        for name, value in (("Content-Type", kind), *_INBOX_HEADERS, *headers):
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
 
-        def _same_origin(self) -> bool:
-            """A browser names the page a form came from; it must be this server's."""
-            origin = self.headers.get("Origin")
-            site = self.headers.get("Sec-Fetch-Site")
-            return origin in (None, f"http://{self.headers.get('Host')}") and site in (
-                None,
-                "same-origin",
-            )
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, headers too long, a method it
+        has no do_ for) as this page, never its default text."""
+        self.close_connection = True
+        self._page(code, f"Error {code}", message or "That request could not be read.")
 
-        def _session(self) -> _Session | None:
-            cookies = self.headers.get("Cookie", "")
-            name = f"inbox-{self.server.server_port}="
-            values = [
-                c.strip()[len(name) :] for c in cookies.split(";") if c.strip().startswith(name)
-            ]
-            return inbox.session(values[0]) if len(values) == 1 else None
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a request line carries the sign-in token."""
 
-        def _sign_in(self, query: str) -> None:
-            try:  # more fields than a link has is a malformed request, not a failure of ours
-                fields = urllib.parse.parse_qs(query, max_num_fields=4)
-            except ValueError:
-                self._page(400, "Refused", "That link could not be read.")
-                return
-            cookie = inbox.sign_in(fields.get("token", [""])[0])
-            if cookie is None:
-                self._page(403, "Not signed in", "That link's token is not this inbox's.")
-                return
-            name = f"inbox-{self.server.server_port}"
-            attributes = "HttpOnly; SameSite=Strict; Path=/"
-            self._redirect("/", ("Set-Cookie", f"{name}={cookie}; {attributes}"))
 
-        def _form(self) -> dict[str, str] | None:
-            """The POSTed form, or None once a 4xx page has said why not."""
-            length = self.headers.get("Content-Length", "")
-            kind = self.headers.get("Content-Type", "").split(";")[0].strip()
-            if kind != "application/x-www-form-urlencoded":
-                self._page(415, "Refused", "A decision comes from the page's own forms.")
-            elif not length:
-                self._page(411, "Refused", "A form comes with its length.")
-            elif not (length.isascii() and length.isdigit()) or int(length) > INBOX_MAX_BODY:
-                self._page(413, "Refused", f"A form is at most {INBOX_MAX_BODY} bytes.")
-            else:
-                try:
-                    body = self.rfile.read(int(length)).decode("utf-8")
-                    pairs = urllib.parse.parse_qsl(  # subtle: blank values kept: an emptied
-                        body,  # arguments box is an edit to check, not "no edit" (the model's)
-                        keep_blank_values=True,
-                        strict_parsing=bool(body),
-                        max_num_fields=8,
-                    )
-                except (ValueError, UnicodeDecodeError):
-                    self._page(400, "Refused", "That form could not be read.")
-                    return None
-                return dict(pairs)
-            return None
+class _InboxHTTPServer(http.server.ThreadingHTTPServer):
+    """The inbox's HTTP server, bound and ready: the inbox it serves, and the address it
+    answers to besides localhost."""
 
-        def _redirect(self, where: str, *headers: tuple[str, str]) -> None:
-            self._send(303, b"", "text/plain", ("Location", where), *headers)
+    daemon_threads = True
 
-        def _page(self, status: int, title: str, text: str) -> None:
-            body = f"{_PAGE_HEAD}<h1>{_text(title)}</h1><p>{_text(text)}</p></body></html>"
-            self._send(status, body.encode())
+    def __init__(self, inbox: Inbox, host: str, port: int) -> None:
+        super().__init__((host, port), _InboxHandler)
+        self.inbox, self.host = inbox, host
 
-        def _send(
-            self,
-            status: int,
-            body: bytes,
-            kind: str = "text/html; charset=utf-8",
-            *headers: tuple[str, str],
-        ) -> None:
-            self.send_response(status)
-            for name, value in (("Content-Type", kind), *_INBOX_HEADERS, *headers):
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def send_error(
-            self, code: int, message: str | None = None, explain: str | None = None
-        ) -> None:
-            """http.server's own refusals (a bad request line, headers too long, a method it
-            has no do_ for) as this page, never its default text."""
-            self.close_connection = True
-            self._page(code, f"Error {code}", message or "That request could not be read.")
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Nothing: a request line carries the sign-in token."""
-
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-        def handle_error(self, request: Any, client_address: Any) -> None:
-            """One line, no traceback: a client that hung up or ran out of time, or a bug."""
-            error = sys.exc_info()[1]
-            if not isinstance(error, (ConnectionError, TimeoutError)):
-                print(f"inbox: a request failed ({type(error).__name__})", file=sys.stderr)
-
-    return Server((host, port), Handler)
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line, no traceback: a client that hung up or ran out of time, or a bug."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (ConnectionError, TimeoutError)):
+            print(f"inbox: a request failed ({type(error).__name__})", file=sys.stderr)
 
 
 def _add_inbox_command(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
@@ -10831,7 +10791,7 @@ def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
         tools = tool_table([*app.tools(workspace.database), *extra])
         token = secrets.token_urlsafe(32)
         try:
-            server = _inbox_server(
+            server = _InboxHTTPServer(
                 Inbox(workspace, tools, args.operator, token), args.host, args.port
             )
         except OSError as exc:
