@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #7664ac43: the whole file, every part kept
+# function_calling.py 2026-12-04 #3ac8975a: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,10 +26,10 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,480 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,490 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,630 lines), makes each of its promises hold against real
+together. Part II, hardening (about 2,930 lines), makes each of its promises hold against real
 servers and faults: the transport · the stream · the workers · budgets · server quirks ·
 start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
 it (about 1,310 lines): the audit log's figures · the CLI · the scripted server.
@@ -69,7 +69,6 @@ import hashlib
 import hmac
 import http.client
 import http.server
-import importlib
 import io
 import json
 import logging
@@ -109,10 +108,10 @@ __all__ = [
     "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database",
     "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
     "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource",
-    "ToolSourceError", "TurnResult", "audit_disagreements", "audit_stats", "canonical_json",
-    "check_argument_names", "delta_chunk", "main", "parse_arguments", "portable_history",
-    "require_choice", "require_integer", "require_pattern", "stream_reply", "text_reply",
-    "tool_call_reply", "tool_table", "verify_audit",
+    "ToolSourceError", "TurnResult", "Workers", "audit_disagreements", "audit_stats",
+    "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
+    "portable_history", "require_choice", "require_integer", "require_pattern", "stream_reply",
+    "text_reply", "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
 # The day this file was stamped (`make version`). What identifies its exact text is that day
@@ -131,9 +130,8 @@ __version__ = "2026-12-04"
 #       would pass is named before anything it would pay for happens (budgets)
 #   tool_table  the tools by exact name, refusing names and schemas a server would reject;
 #       _tool_choice_json  tool_choice as JSON text (start-up checks, server quirks)
-#   _start_calls, _runs_inline  calls start on daemon threads, one future each, in order, or
-#       a lone call to an inline tool on the loop's thread; timed_out_call, skip_calls,
-#       _not_run_content  a call that does not run is answered and audited (the workers)
+#   skip_calls, _not_run_content  a call that does not run is answered and audited (the
+#       workers)
 #   _arguments_text, _asks_again, _api_failure, _call_written_as_text, _TEXT_CALL_HINT,
 #       _CUT_CALLS, portable_history  what real servers send that the protocol does not
 #       say, made into plain cases (server quirks)
@@ -286,8 +284,8 @@ class Tool:
     # OpenAI's strict mode for this function's arguments; tool_table then refuses a schema
     # strict mode would reject (see _strict_problem).
     strict: ClassVar[bool] = False
-    # Cannot hang (no network, no wait without a bound): a reply's one call to it runs on the
-    # loop's thread. Others run on a worker, which tool_timeout can abandon (_runs_inline).
+    # Cannot hang (no network, no wait without a bound): Part II's Workers run a reply's one
+    # call to it on the loop's thread; others on a worker, which their timeout can abandon.
     inline: ClassVar[bool] = False
     # Where it comes from, for the person who approves it ("": this file): never a secret.
     source: ClassVar[str] = ""
@@ -889,6 +887,34 @@ def _is_tool_error(outcome: str) -> bool:
 
 # ---------------------------------------------------------------------------------- the loop
 
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """What runs one call of a round: dispatch, with the round's tools, user and log."""
+
+    tools: Mapping[str, Tool]
+    context: ToolContext
+    audit: AuditLog
+    round_number: int
+    approvals: Approvals | None
+    deadline: float  # the turn's (time.monotonic)
+
+    def __call__(self, call: ToolCall) -> ToolResult:
+        return dispatch(
+            call, self.tools, self.context, self.audit, self.round_number, self.approvals
+        )
+
+
+class InOrder:
+    """The calls' runner: a reply's calls one after another, on the loop's own thread, each
+    result yielded as it comes. It does not survive a tool that hangs: the turn waits with it
+    (Part II's Workers run the calls at once, and answer one with no result in time)."""
+
+    def run(self, calls: Sequence[ToolCall], dispatcher: Dispatcher) -> Iterator[ToolResult]:
+        for call in calls:
+            yield dispatcher(call)
+
+
 GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
 
 
@@ -937,15 +963,14 @@ class ToolLoop:
         max_rounds: int = MAX_ROUNDS,
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
         turn_timeout: float = TURN_TIMEOUT_S,
-        tool_workers: int = TOOL_WORKERS,
-        tool_timeout: float = TOOL_TIMEOUT_S,
+        runner: InOrder | None = None,  # None: in order, on this thread (Part II: Workers)
         tool_choice: str = "auto",
         parallel_tool_calls: bool | None = None,
     ) -> None:
-        if min(max_rounds, max_calls_per_reply, tool_workers) < 1:
-            raise ConfigError("max_rounds, max_calls_per_reply and tool_workers must be >= 1")
-        if min(turn_timeout, tool_timeout) <= 0:
-            raise ConfigError("turn_timeout and tool_timeout must be positive")
+        if min(max_rounds, max_calls_per_reply) < 1:
+            raise ConfigError("max_rounds and max_calls_per_reply must be >= 1")
+        if turn_timeout <= 0:
+            raise ConfigError("turn_timeout must be positive")
         self.client = client
         self.tools = tool_table(tools)
         _require_approval_step(self.tools.values(), approvals)
@@ -957,8 +982,7 @@ class ToolLoop:
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
-        self.tool_workers = tool_workers
-        self.tool_timeout = tool_timeout
+        self.runner = runner or InOrder()
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
         self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
         self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
@@ -1076,27 +1100,13 @@ class ToolLoop:
     def _run_calls(
         self, calls: Sequence[ToolCall], context: ToolContext, turn: _Turn, guard: str | None
     ) -> Iterator[ToolResult]:
-        """Answer every call, in call order. The calls run concurrently, `tool_workers` at a
-        time (a reply's one call to an inline tool, on this thread); after a guard, past the
-        per-reply cap, or past `tool_timeout` on a worker a call is answered and audited
-        without its result."""
+        """Answer every call, in call order: the runner runs those that may run; after a
+        guard, or past the per-reply cap, a call is answered and audited without running."""
         runnable = [] if guard else list(calls[: self.max_calls_per_reply])
-        deadline = min(time.monotonic() + self.tool_timeout, turn.deadline)
-
-        def run_one(call: ToolCall) -> ToolResult:
-            with _waits_until(turn.deadline):  # on a worker too: a filing's waits end in time
-                return dispatch(call, self.tools, context, self.audit, turn.rounds, self.approvals)
-
-        if _runs_inline(runnable, self.tools):  # no hand-off: nothing to abandon
-            yield run_one(runnable[0])
-        else:
-            running = _start_calls(runnable, run_one, self.tool_workers)
-            for call, future in zip(calls, running, strict=False):
-                try:
-                    yield future.result(timeout=max(deadline - time.monotonic(), 0))
-                except concurrent.futures.TimeoutError:
-                    future.cancel()  # a call still queued never starts
-                    yield timed_out_call(call, self.tool_timeout, context, self.audit, turn.rounds)
+        dispatcher = Dispatcher(
+            self.tools, context, self.audit, turn.rounds, self.approvals, turn.deadline
+        )
+        yield from self.runner.run(runnable, dispatcher)
         reason = guard or "too_many_calls"
         not_run = calls[len(runnable) :]
         named = self.max_calls_per_reply
@@ -2537,6 +2547,40 @@ def _call_worker(
                 future.set_result(run_one(call))
             except BaseException as exc:  # noqa: BLE001 -- handed to the loop's thread
                 future.set_exception(exc)
+
+
+class Workers(InOrder):
+    """The calls' runner for tools that may hang, in place of Part I's InOrder
+    (`ToolLoop(runner=Workers())`): a reply's calls run at once, `workers` at a time, and a
+    call with no result within `timeout` (or by the turn's deadline) is answered
+    {"error":"timeout"}; a reply's one call to an inline tool runs on the loop's thread."""
+
+    def __init__(self, workers: int = TOOL_WORKERS, timeout: float = TOOL_TIMEOUT_S) -> None:
+        if workers < 1:
+            raise ConfigError("Workers needs at least one worker")
+        if timeout <= 0:
+            raise ConfigError("Workers' timeout must be positive")
+        self.workers = workers
+        self.timeout = timeout
+
+    def run(self, calls: Sequence[ToolCall], dispatcher: Dispatcher) -> Iterator[ToolResult]:
+        deadline = min(time.monotonic() + self.timeout, dispatcher.deadline)
+
+        def run_one(call: ToolCall) -> ToolResult:
+            with _waits_until(dispatcher.deadline):  # on a worker too: a filing's waits end
+                return dispatcher(call)
+
+        if _runs_inline(calls, dispatcher.tools):  # no hand-off: nothing to abandon
+            yield run_one(calls[0])
+            return
+        running = _start_calls(calls, run_one, self.workers)
+        for call, future in zip(calls, running, strict=True):
+            try:
+                yield future.result(timeout=max(deadline - time.monotonic(), 0))
+            except concurrent.futures.TimeoutError:
+                future.cancel()  # a call still queued never starts
+                context, audit = dispatcher.context, dispatcher.audit
+                yield timed_out_call(call, self.timeout, context, audit, dispatcher.round_number)
 
 
 # ----------------------------------------------------------------------------------- budgets
@@ -4958,6 +5002,7 @@ def _tool_loop(
         tools,
         workspace.audit,
         approvals=workspace.approvals,
+        runner=Workers(),
         system_prompt=app.system_prompt,
         round_cap_answer=app.round_cap_answer,
         repeated_calls_answer=app.repeated_calls_answer,
@@ -7325,7 +7370,8 @@ Protocol servers, started as child processes (--mcp) or remote (--mcp-url), unde
 file's policy: arguments checked against each tool's schema, writes behind a person.
 """
 
-import shutil  # noqa: E402 -- the MCP section's own imports: the cut takes them
+import importlib  # noqa: E402 -- the MCP section's own imports: the cut takes them
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 from collections.abc import Generator  # noqa: E402

@@ -166,7 +166,7 @@ class LoopTestCase(unittest.TestCase):
                 self.audit,
                 approvals=self.approvals,
                 max_rounds=max_rounds,
-                **(loop or {}),
+                **{"runner": fc.Workers(), **(loop or {})},
             )
             context = ToolContext(customer_id=customer)
             result = tool_loop.run(question, context, history, on_text=on_text)
@@ -177,9 +177,9 @@ class LoopTestCase(unittest.TestCase):
             base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout, max_retries=retries
         )
         client = ChatClient(settings, sleep=self.sleeps.append)
-        return ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
-            "hi", ToolContext(DEMO_CUSTOMER)
-        )
+        return ToolLoop(
+            client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+        ).run("hi", ToolContext(DEMO_CUSTOMER))
 
     def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
         """Ask for `tool` once per arguments text in one reply; the results the model got back."""
@@ -911,7 +911,9 @@ class AuditChainTest(LoopTestCase):
         talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         with ScriptedChatServer([with_usage(text_reply("a"), 7, 3)] * 3) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             _, talk = conversations.turn(loop, talk, "one", ToolContext(DEMO_CUSTOMER))
             _, talk = conversations.turn(loop, talk, "two", ToolContext(DEMO_CUSTOMER))
             loop.run("elsewhere", ToolContext("C-2"))
@@ -1068,9 +1070,9 @@ class WireTest(LoopTestCase):
     def test_no_authorization_header_is_sent_without_a_key(self) -> None:
         with ScriptedChatServer([text_reply("hi")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="local"))
-            ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
-                "hi", ToolContext(DEMO_CUSTOMER)
-            )
+            ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            ).run("hi", ToolContext(DEMO_CUSTOMER))
         self.assertNotIn("authorization", server.requests[0].headers)
 
     def test_the_customer_id_never_reaches_the_model(self) -> None:
@@ -1488,7 +1490,9 @@ class ConnectionReuseTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual((result.stop_reason, result.rounds), ("answered", 3))
         self.assertEqual((server.connections, client.connections_opened), (1, 1))
@@ -1514,7 +1518,9 @@ class ConnectionReuseTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER), on_text=lambda text: None)
         self.assertEqual((result.stop_reason, result.answer), ("answered", "Shipped."))
         self.assertEqual(server.connections, 1)
@@ -1692,7 +1698,7 @@ class KeepAliveTest(LoopTestCase):
             with self.subTest(first.__name__), KeptConnections(first, answer) as server:
                 said_more.clear()
                 client = ChatClient(Settings(base_url=server.url, model="m", max_retries=0))
-                loop = ToolLoop(client, [Lookup()], self.audit)
+                loop = ToolLoop(client, [Lookup()], self.audit, runner=fc.Workers())
                 result = loop.run("hi", ToolContext(DEMO_CUSTOMER))
                 self.assertEqual((result.stop_reason, result.answer), ("answered", "fresh"))
 
@@ -1800,7 +1806,9 @@ class KeyInTheModelsTextTest(LoopTestCase):
         said = text_reply(f"It said {token}; and {token[:20]}, its start.")
         with ScriptedChatServer([said]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=token))
-            result = ToolLoop(client, [], self.audit).run("hi", ToolContext("c-1"))
+            result = ToolLoop(client, [], self.audit, runner=fc.Workers()).run(
+                "hi", ToolContext("c-1")
+            )
         self.assertEqual(result.stop_reason, "answered")
         self.assertEqual(
             fc._without_secrets_in_use(result.answer),
@@ -2030,7 +2038,7 @@ class ConcurrencyTest(LoopTestCase):
         _, requests = self.run_turn(
             [tool_call_reply([("waitForOthers", "{}")] * 3), text_reply("ok")],
             tools=[tool],
-            loop={"tool_workers": 2, "tool_timeout": 0.5},
+            loop={"runner": fc.Workers(2, 0.5)},
         )
         results = tool_results(requests[1])
         self.assertNotEqual(results, [{"ok": True}] * 3)  # three never met with two workers
@@ -2047,7 +2055,7 @@ class ConcurrencyTest(LoopTestCase):
         result, requests = self.run_turn(
             [tool_call_reply(calls), text_reply("Two of three.")],
             tools=[*self.tools, hanging],
-            loop={"tool_timeout": 0.3},
+            loop={"runner": fc.Workers(timeout=0.3)},
         )
         first, hung, third = tool_results(requests[1])
         self.assertEqual((first["orderId"], third["orderId"]), ("ORD-1001", "ORD-1003"))
@@ -2214,7 +2222,12 @@ class OutputBoundTest(LoopTestCase):
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, budget=limited
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=limited,
+                runner=fc.Workers(),
             )
             for question in ("one", "two"):
                 _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
@@ -2390,7 +2403,12 @@ class EstimateTest(LoopTestCase):
                 if loop is None or budget.ledger is not None:
                     client = ChatClient(settings)
                     loop = ToolLoop(
-                        client, self.tools, self.audit, approvals=self.approvals, budget=budget
+                        client,
+                        self.tools,
+                        self.audit,
+                        approvals=self.approvals,
+                        budget=budget,
+                        runner=fc.Workers(),
                     )
                 loop.run(question, ToolContext(DEMO_CUSTOMER))
                 request = server.requests[-1]
@@ -2542,7 +2560,14 @@ class LedgerTest(LoopTestCase):
         heavy = with_usage(text_reply("ok"), 90_000, 10_000)
         with ScriptedChatServer([heavy, text_reply("ok")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals, budget=budget)
+            loop = ToolLoop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=budget,
+                runner=fc.Workers(),
+            )
             context = ToolContext(DEMO_CUSTOMER)
             result, first = conversations.turn(loop, first, "one", context, self.approvals)
             self.assertEqual(result.stop_reason, "answered")
@@ -2565,6 +2590,7 @@ class LedgerTest(LoopTestCase):
                 self.audit,
                 approvals=self.approvals,
                 budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
+                runner=fc.Workers(),
             )
 
     def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
@@ -2670,12 +2696,29 @@ class ThreadNamingTool(Tool):
 
 
 class WorkerThreadTest(LoopTestCase):
+    def test_a_loop_given_no_runner_runs_a_replys_calls_in_order_on_its_own_thread(self) -> None:
+        here = threading.current_thread().name
+        script = [tool_call_reply([("whichThread", "{}")] * 3), text_reply("ok")]
+        with ScriptedChatServer(script) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = ToolLoop(client, [ThreadNamingTool()], self.audit)  # Part I's InOrder
+            self.assertEqual(loop.run("?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
+        self.assertEqual(tool_results(server.requests[1]), [{"thread": here}] * 3)
+        answered = [m["tool_call_id"] for m in server.requests[1].json()["messages"][3:]]
+        asked = [c["id"] for c in server.requests[1].json()["messages"][2]["tool_calls"]]
+        self.assertEqual(answered, asked)  # one answer each, in call order
+
+    def test_workers_refuse_no_worker_and_no_time(self) -> None:
+        for workers, timeout in ((0, 30.0), (4, 0.0), (4, -1.0)):
+            with self.subTest(workers=workers, timeout=timeout), self.assertRaises(ConfigError):
+                fc.Workers(workers, timeout)
+
     def test_the_threads_that_ran_one_reply_run_the_next(self) -> None:
         naming = ThreadNamingTool()
         script = [tool_call_reply([("whichThread", "{}")]), text_reply("ok")] * 10
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, [naming], self.audit)
+            loop = ToolLoop(client, [naming], self.audit, runner=fc.Workers())
             for _ in range(10):
                 self.assertEqual(
                     loop.run("which?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered"
@@ -2696,9 +2739,10 @@ class WorkerThreadTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, [hanging, ThreadNamingTool()], self.audit, tool_timeout=0.3)
+            workers = fc.Workers(timeout=0.3)
+            loop = ToolLoop(client, [hanging, ThreadNamingTool()], self.audit, runner=workers)
             loop.run("hang", ToolContext(DEMO_CUSTOMER))
-            loop.tool_timeout = 30  # the next calls have all the time they need
+            workers.timeout = 30  # the next calls have all the time they need
             self.assertEqual(loop.run("fast", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
         results = tool_results(server.requests[3])
         self.assertEqual(len(results), 4)
@@ -2714,7 +2758,7 @@ class WorkerThreadTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, [InlineThreadNamingTool()], self.audit)
+            loop = ToolLoop(client, [InlineThreadNamingTool()], self.audit, runner=fc.Workers())
             for _ in range(2):
                 self.assertEqual(loop.run("?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
         alone, together = tool_results(server.requests[1]), tool_results(server.requests[3])
@@ -2741,7 +2785,7 @@ class WorkerThreadTest(LoopTestCase):
         result, requests = self.run_turn(
             [tool_call_reply([("hang", "{}")]), text_reply("It did not answer.")],
             tools=[hanging],
-            loop={"tool_timeout": 0.3},
+            loop={"runner": fc.Workers(timeout=0.3)},
         )
         self.assertEqual(tool_results(requests[1])[0]["error"], "timeout")
         self.assertEqual(result.answer, "It did not answer.")
@@ -2771,7 +2815,9 @@ class Lookup(fc.Tool):
 
 data = Path(tempfile.mkdtemp())
 client = fc.ChatClient(fc.Settings(base_url=sys.argv[2], model="m", max_retries=0))
-loop = fc.ToolLoop(client, [Lookup()], fc.AuditLog(data / "audit.log", fsync=False))
+loop = fc.ToolLoop(
+    client, [Lookup()], fc.AuditLog(data / "audit.log", fsync=False), runner=fc.Workers()
+)
 on_text = (lambda text: None) if sys.argv[3] == "stream" else None
 tracemalloc.start()
 result = loop.run("hi", fc.ToolContext("C-1"), on_text=on_text)
@@ -3535,7 +3581,7 @@ class WireQuirkTest(LoopTestCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "leaves note out of required"):
-            ToolLoop(client, [Loose(self.tools[0].store)], self.audit)  # type: ignore[attr-defined]
+            ToolLoop(client, [Loose(self.tools[0].store)], self.audit, runner=fc.Workers())  # type: ignore[attr-defined]
         _, requests = self.run_turn([text_reply("ok")], tools=[Strict(self.tools[0].store)])  # type: ignore[attr-defined]
         self.assertIs(requests[0].json()["tools"][0]["function"]["strict"], True)
         _, requests = self.run_turn([text_reply("ok")])
@@ -3566,6 +3612,7 @@ class WireQuirkTest(LoopTestCase):
                 self.audit,
                 approvals=self.approvals,
                 tool_choice="nope",
+                runner=fc.Workers(),
             )
         result, _ = self.run_turn(
             [ScriptedReply(b'{"error":{"message":"no"}}', 400)], loop={"tool_choice": "required"}
@@ -3597,6 +3644,7 @@ class WireQuirkTest(LoopTestCase):
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
+                runner=fc.Workers(),
             )
             moved = loop.run(
                 "And now?", ToolContext(DEMO_CUSTOMER), first.messages, history_origin=first.origin
@@ -3692,7 +3740,13 @@ class LoopTest(LoopTestCase):
         result, requests = self.run_turn(forever, max_rounds=2)
         self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 2))
         with self.assertRaises(ConfigError):
-            ToolLoop(ChatClient(Settings(api_key=FAKE_KEY)), self.tools, self.audit, max_rounds=0)
+            ToolLoop(
+                ChatClient(Settings(api_key=FAKE_KEY)),
+                self.tools,
+                self.audit,
+                max_rounds=0,
+                runner=fc.Workers(),
+            )
 
     def test_a_tool_infrastructure_failure_ends_the_turn_and_its_text_stays_in_the_audit_log(
         self,
@@ -4296,10 +4350,10 @@ class ApprovalTest(ApprovalCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "needs Approvals"):
-            ToolLoop(client, self.tools, self.audit)
+            ToolLoop(client, self.tools, self.audit, runner=fc.Workers())
         with self.assertRaisesRegex(ConfigError, "no apply step"):
             careless = Careless(fc.OrderStore(self.database))
-            ToolLoop(client, [careless], self.audit, approvals=self.approvals)
+            ToolLoop(client, [careless], self.audit, approvals=self.approvals, runner=fc.Workers())
 
     def test_dispatch_without_approvals_fails_closed(self) -> None:
         call = fc.ToolCall("c1", "requestShippingRefund", '{"orderId":"ORD-1003"}')
@@ -4985,7 +5039,14 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
         budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
         with ScriptedChatServer([restarted]) as model:
             client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals, budget=budget)
+            loop = ToolLoop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=budget,
+                runner=fc.Workers(),
+            )
             result, _ = conversations.turn(
                 loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
             )
@@ -5008,7 +5069,9 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
 
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
             client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             cut = mock.patch.object(fc, "_index_turn", restarting)
             with cut, self.assertRaises(sqlite3.OperationalError):
                 conversations.turn(loop, conversation, "a", ToolContext(DEMO_CUSTOMER))
@@ -8040,7 +8103,7 @@ class ConversationTest(ApprovalCase):
     def loop_on(self, server: ScriptedChatServer, approvals: Approvals) -> ToolLoop:
         """The shop's loop against `server`, filing writes with `approvals` (the API's way)."""
         client = ChatClient(Settings(base_url=server.base_url, model="m"))
-        return ToolLoop(client, self.tools, self.audit, approvals=approvals)
+        return ToolLoop(client, self.tools, self.audit, approvals=approvals, runner=fc.Workers())
 
     def test_a_turn_reads_no_more_after_400_saved_turns_than_after_40(self) -> None:
         # Flat, proven without a clock: the same number of JSON texts decoded (load, the
@@ -9678,7 +9741,7 @@ class TrivialTool(Tool):
 
 
 class TrivialToolOnAWorker(TrivialTool):
-    """The same, run as a tool that may hang is: on a worker thread, under tool_timeout."""
+    """The same, run as a tool that may hang is: on a worker thread, under the Workers' timeout."""
 
     inline = False
 
@@ -9726,7 +9789,9 @@ class InboxCase(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            loop = fc.ToolLoop(
+                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             self.store = fc.Conversations(self.database)
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
             context = ToolContext(DEMO_CUSTOMER)
@@ -9889,7 +9954,9 @@ class InboxTest(InboxCase):
         script = [tool_call_reply([(tool.name, arguments)], content=said), text_reply(LOUD_KEY)]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY))
-            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            loop = fc.ToolLoop(
+                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
             self.store.turn(loop, conversation, "Refund it.", ToolContext(DEMO_CUSTOMER))
         origin, link = self.start_inbox()
@@ -10292,7 +10359,9 @@ class EditBeforeApproveTest(InboxCase):
         with ScriptedChatServer([text_reply("It was refunded, with a corrected note.")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             tool = RefundWithNoteForTests()
-            loop = fc.ToolLoop(client, [tool], self.audit, approvals=self.approvals)
+            loop = fc.ToolLoop(
+                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             self.store.turn(
                 loop, self.conversation, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
             )
@@ -11481,7 +11550,7 @@ class Benchmarks(LoopTestCase):
         with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
             client = ChatClient(Settings(base_url=recorder.base_url, model="bench"))
             approvals = Approvals(self.database, audit)
-            ToolLoop(client, tools, audit, approvals=approvals).run(
+            ToolLoop(client, tools, audit, approvals=approvals, runner=fc.Workers()).run(
                 "where?", ToolContext(DEMO_CUSTOMER)
             )
         first, second = recorder.requests[0].body, recorder.requests[1].body
@@ -11492,7 +11561,7 @@ class Benchmarks(LoopTestCase):
         )
         with turns_child as turns, floor_child as floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(client, tools, audit, approvals=approvals)
+            loop = ToolLoop(client, tools, audit, approvals=approvals, runner=fc.Workers())
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
             kept = kept_connection(floor.base_url)
             turn = functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
@@ -11531,6 +11600,7 @@ class Benchmarks(LoopTestCase):
                         audit,
                         approvals=approvals,
                         budget=chosen,
+                        runner=fc.Workers(),
                     )
                     for server, chosen in ((one, budget), (other, None))
                 ]
@@ -11570,9 +11640,9 @@ class Benchmarks(LoopTestCase):
         client = ChatClient(Settings(base_url=base_url, model="bench", max_retries=0))
         if cafile:
             client._tls = ssl.create_default_context(cafile=str(cafile))
-        result = ToolLoop(client, self.tools, self.audit, approvals=self.approvals).run(
-            "where?", ToolContext(DEMO_CUSTOMER)
-        )
+        result = ToolLoop(
+            client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+        ).run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual(result.stop_reason, "answered", result.error)
 
     def test_a_reply_of_16_calls_against_one(self) -> None:
@@ -11586,7 +11656,9 @@ class Benchmarks(LoopTestCase):
         with servers[1], servers[16]:
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loops[calls] = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+                loops[calls] = ToolLoop(
+                    client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                )
             with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
                 loops[16].run("where?", ToolContext(DEMO_CUSTOMER))
             syncs = fsync.call_count - 1  # less the turn's own line
@@ -11612,7 +11684,9 @@ class Benchmarks(LoopTestCase):
         floor = ScriptedChatServer([sse(body)] * runs)
         with turns, floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(client, self.tools, self.audit, approvals=self.approvals)
+            loop = ToolLoop(
+                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            )
             kept = kept_connection(floor.base_url)
             request = bytes(fc._request_body("bench", [fc._message("user", "hi")], "[]", True))
             pairs = interleaved(
@@ -11675,7 +11749,7 @@ class Benchmarks(LoopTestCase):
         with servers[1], servers[4]:
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loops[calls] = ToolLoop(client, [SleepyTool()], self.audit)
+                loops[calls] = ToolLoop(client, [SleepyTool()], self.audit, runner=fc.Workers())
             pairs = interleaved(
                 lambda: loops[4].run("go", ToolContext(DEMO_CUSTOMER)),
                 lambda: loops[1].run("go", ToolContext(DEMO_CUSTOMER)),
@@ -11700,6 +11774,7 @@ class Benchmarks(LoopTestCase):
                     self.tools,
                     self.audit,
                     approvals=self.approvals,
+                    runner=fc.Workers(),
                 )
                 for server in servers
             ]
@@ -11742,6 +11817,7 @@ class Benchmarks(LoopTestCase):
                     self.tools,
                     self.audit,
                     approvals=self.approvals,
+                    runner=fc.Workers(),
                 )
                 for server in servers
             )
@@ -11786,6 +11862,7 @@ class Benchmarks(LoopTestCase):
                     budget=fc.Budget(
                         daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(databases[name])
                     ),
+                    runner=fc.Workers(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -11844,6 +11921,7 @@ class Benchmarks(LoopTestCase):
                     [TrivialTool()],
                     audits[name],
                     approvals=approvals[name],
+                    runner=fc.Workers(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -12233,7 +12311,7 @@ url, cafile, stack, fsync = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] =
 
 class Trivial(fc.Tool):
     name, description, parameters = "getOrderStatus", "A lookup.", fc.GetOrderStatus.parameters
-    inline = stack == "trivial"  # else "worker": on a worker thread, under tool_timeout
+    inline = stack == "trivial"  # else "worker": on a worker thread, under its timeout
     def execute(self, args, context):
         return {"ok": True}
 
@@ -12244,7 +12322,9 @@ tools = fc.shop_tools(database) if stack == "shipped" else [Trivial()]
 client = fc.ChatClient(fc.Settings(base_url=url, model="bench", api_key="sk-bench"))
 if cafile:
     client._tls = ssl.create_default_context(cafile=cafile)
-loop = fc.ToolLoop(client, tools, audit, approvals=fc.Approvals(database, audit))
+loop = fc.ToolLoop(
+    client, tools, audit, approvals=fc.Approvals(database, audit), runner=fc.Workers()
+)
 for _ in sys.stdin:
     started = time.perf_counter()
     loop.run("where?", fc.ToolContext("CUST-0001"))
