@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #3ac8975a: the whole file, every part kept
+# function_calling.py 2026-12-04 #7252bf0f: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,490 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,491 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
 together. Part II, hardening (about 2,930 lines), makes each of its promises hold against real
@@ -105,8 +105,8 @@ else:
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database",
-    "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
+    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Dispatcher",
+    "InOrder", "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
     "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource",
     "ToolSourceError", "TurnResult", "Workers", "audit_disagreements", "audit_stats",
     "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
@@ -164,11 +164,11 @@ MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this hel
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
 REQUEST_TIMEOUT_S = 600.0  # per request, connect to last byte (a stream's: to its headers)
 STREAM_IDLE_S = 60.0  # then a stream goes on while a byte comes at least this often
-TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds, retries and tools together
+TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds and retries (tools: Workers)
 MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
 MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
-TOOL_WORKERS = 4  # calls of one reply run concurrently, this many at a time
-TOOL_TIMEOUT_S = 30.0  # a call not done by then is answered {"error":"timeout"}
+TOOL_WORKERS = 4  # Workers: calls of one reply run concurrently, this many at a time
+TOOL_TIMEOUT_S = 30.0  # Workers: a call not done by then is answered {"error":"timeout"}
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
 APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
@@ -971,6 +971,8 @@ class ToolLoop:
             raise ConfigError("max_rounds and max_calls_per_reply must be >= 1")
         if turn_timeout <= 0:
             raise ConfigError("turn_timeout must be positive")
+        if not isinstance(runner, (InOrder, type(None))):  # Workers, say, not Workers()
+            raise ConfigError("runner must be a runner built, such as Workers()")
         self.client = client
         self.tools = tool_table(tools)
         _require_approval_step(self.tools.values(), approvals)
@@ -1472,7 +1474,6 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
 #             "required": ["city"],
 #             "additionalProperties": False,
 #         }
-#         inline = True  # no network, no wait: it may run on the loop's own thread
 #
 #         def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
 #             city_name = re.compile("[A-Z][a-z]{1,30}")  # ASCII classes, matched whole

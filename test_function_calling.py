@@ -2708,10 +2708,13 @@ class WorkerThreadTest(LoopTestCase):
         asked = [c["id"] for c in server.requests[1].json()["messages"][2]["tool_calls"]]
         self.assertEqual(answered, asked)  # one answer each, in call order
 
-    def test_workers_refuse_no_worker_and_no_time(self) -> None:
+    def test_workers_and_the_loop_refuse_a_runner_that_cannot_run(self) -> None:
         for workers, timeout in ((0, 30.0), (4, 0.0), (4, -1.0)):
             with self.subTest(workers=workers, timeout=timeout), self.assertRaises(ConfigError):
                 fc.Workers(workers, timeout)
+        client = ChatClient(Settings(base_url="http://127.0.0.1:9/v1", model="m"))
+        with self.assertRaisesRegex(ConfigError, "such as Workers()"):  # before any request
+            ToolLoop(client, self.tools, self.audit, runner=fc.Workers)  # type: ignore[arg-type]
 
     def test_the_threads_that_ran_one_reply_run_the_next(self) -> None:
         naming = ThreadNamingTool()
