@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #7252bf0f: the whole file, every part kept
+# function_calling.py 2026-12-04 #c2df902e: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,491 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the reply
 (the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
 together. Part II, hardening (about 2,930 lines), makes each of its promises hold against real
@@ -106,12 +106,13 @@ else:
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Dispatcher",
-    "InOrder", "Limits", "PendingAction", "RecordedRequest", "ScriptedChatServer", "ScriptedReply",
-    "Settings", "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource",
-    "ToolSourceError", "TurnResult", "Workers", "audit_disagreements", "audit_stats",
-    "canonical_json", "check_argument_names", "delta_chunk", "main", "parse_arguments",
-    "portable_history", "require_choice", "require_integer", "require_pattern", "stream_reply",
-    "text_reply", "tool_call_reply", "tool_table", "verify_audit",
+    "InOrder", "Limits", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
+    "ScriptedReply", "ServerQuirks", "Settings", "Tally", "Tool", "ToolContext", "ToolError",
+    "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Workers", "audit_disagreements",
+    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "main",
+    "parse_arguments", "portable_history", "require_choice", "require_integer",
+    "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
+    "verify_audit",
 ]
 # fmt: on
 # The day this file was stamped (`make version`). What identifies its exact text is that day
@@ -121,34 +122,22 @@ __version__ = "2026-12-04"
 
 
 # ===================================================================== Part I: the mechanism
-# What Part I relies on from later parts, by the promise each makes (how it keeps it is at
-# its definition; a reader may take these on trust and stop at the end marker):
-#
-#   ChatClient(settings).complete(…)  one whole Reply by the deadline, or ApiError; only the
-#       HTTP request is retried, never a tool (the transport, the stream)
-#   Budget, Spend, _token_count  what a turn may spend and has; a limit a request or a reply
-#       would pass is named before anything it would pay for happens (budgets)
-#   tool_table  the tools by exact name, refusing names and schemas a server would reject;
-#       _tool_choice_json  tool_choice as JSON text (start-up checks, server quirks)
-#   skip_calls, _not_run_content  a call that does not run is answered and audited (the
-#       workers)
-#   _arguments_text, _asks_again, _api_failure, _call_written_as_text, _TEXT_CALL_HINT,
-#       _CUT_CALLS, portable_history  what real servers send that the protocol does not
-#       say, made into plain cases (server quirks)
-#   AuditFile, _one_fsync  a record is one hash-chained line, on disk when `record` returns
-#       or a batch ends; _scrubbed, _FREE_TEXT, _refuse_secrets, _without_secrets_in_use
-#       what looks like a secret, and the key and tokens held, are cut out (the audit chain)
-#   Database, _waits_until  the data directory's SQLite file: reading() is read-only,
-#       write_transaction() commits whole or not at all, waits end by a deadline (the database)
-#   _APPROVALS_SCHEMA, _file_action, _open_actions, _open_action, _mark, _about  pending
-#       actions in SQLite: one open action per exact request; a decision finds its action
-#       still pending and unexpired and marks it in its own transaction, so it runs once
-#   _IN_FLIGHT_SCHEMA, _taking_turns, _intend, _conclude, _step_finished, _withdraw,
-#       _settle, _settle_if_free  a step's journal row is written before its first line and
-#       removed after its last; a row a crash left is settled before the next step (the
-#       approvals' journal); _OUTCOMES_SCHEMA, _record_outcome, _EDITS_SCHEMA, _edit_action
-#       a decision's result and a person's edit (checked as the model's arguments are),
-#       kept in the decision's own transaction; _HOSTS_SCHEMA  which host wrote what (the same)
+# What Part I still relies on from later parts (issue 46 replaces each with a seam), by the
+# promise each makes, kept at its definition; a reader may take these on trust:
+#   ChatClient: one whole Reply by the deadline, or ApiError; a tool is never rerun (transport)
+#   Budget, Spend, _token_count: a limit is named before what would pass it is paid (budgets)
+#   tool_table, _tool_choice_json: tools by exact name; tool_choice as JSON (start-up checks)
+#   skip_calls, _not_run_content: a call that does not run is answered and audited (workers)
+#   _arguments_text, _CUT_CALLS: arguments sent as no text or as an object (server quirks)
+#   AuditFile, _one_fsync, _scrubbed, _FREE_TEXT, _refuse_secrets, _without_secrets_in_use:
+#       one hash-chained line, on disk when `record` returns or a batch ends, secrets cut out
+#   Database, _waits_until: read-only reads, whole writes, waits with deadlines (database)
+#   _APPROVALS_SCHEMA, _file_action, _open_action, _open_actions, _mark, _about, _EDITS_SCHEMA,
+#       _OUTCOMES_SCHEMA, _record_outcome, _edit_action, _HOSTS_SCHEMA: one open action per
+#       exact request, decided once in its own transaction with its result and edit; and
+#       _IN_FLIGHT_SCHEMA, _taking_turns, _intend, _conclude, _step_finished, _withdraw,
+#       _settle, _settle_if_free: a journal row from before a step's first line until after
+#       its last, settled by the next step after a crash (the approvals' journal)
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -915,6 +904,24 @@ class InOrder:
             yield dispatcher(call)
 
 
+class Quirks:
+    """What servers do beside the protocol: here, nothing. It does not survive a server that
+    refuses the model's call, writes a call as text, or rejects another's history (Part II's
+    ServerQuirks make each a plain case)."""
+
+    def asks_again(self, exc: ApiError, turn: _Turn, max_rounds: int) -> bool:
+        return False  # a refused request ends the turn
+
+    def failure(self, exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
+        return "api_error", None, str(exc)
+
+    def call_written_as_text(self, content: str | None, tools: Mapping[str, Tool]) -> str | None:
+        return None  # text is an answer
+
+    def carried(self, history: Sequence[str]) -> Sequence[str]:
+        return history  # another server's history, sent as it is
+
+
 GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
 
 
@@ -964,6 +971,7 @@ class ToolLoop:
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
         turn_timeout: float = TURN_TIMEOUT_S,
         runner: InOrder | None = None,  # None: in order, on this thread (Part II: Workers)
+        quirks: Quirks | None = None,  # None: the protocol as written (Part II: ServerQuirks)
         tool_choice: str = "auto",
         parallel_tool_calls: bool | None = None,
     ) -> None:
@@ -985,6 +993,7 @@ class ToolLoop:
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
         self.runner = runner or InOrder()
+        self.quirks = quirks or Quirks()
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
         self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
         self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
@@ -1002,9 +1011,9 @@ class ToolLoop:
         """One turn. Never raises for the model's or the network's faults: see stop_reason.
         With `on_text`, replies are streamed and their text handed over as it arrives. A
         `history` whose `history_origin` (TurnResult.origin) is another server or model than
-        this loop's goes in portable form (portable_history), not as the byte-exact echo."""
+        this loop's goes as the quirks say (ServerQuirks: in portable form)."""
         if history and history_origin and history_origin != self._origin:
-            history = portable_history(history)
+            history = self.quirks.carried(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
         turn.spend.origin, turn.spend.ratio = " ".join(self._origin), self._bytes_per_token
         turn.messages.append(_message("user", user_message))
@@ -1041,9 +1050,9 @@ class ToolLoop:
                 max_output=turn.spend.bound,
             )
         except ApiError as exc:
-            if exc.code == "tool_use_failed" and _asks_again(turn, self.max_rounds):
+            if self.quirks.asks_again(exc, turn, self.max_rounds):
                 return None  # the server refused the model's call: a new round asks again
-            return self._finish(turn, context, *_api_failure(exc, choice, turn))
+            return self._finish(turn, context, *self.quirks.failure(exc, choice, turn))
         turn.add_reply(reply, self.max_calls_per_reply)
         self.budget.warn(turn.spend, context, self.audit)  # a limit near: said once a turn
         if not reply.tool_calls:
@@ -1072,9 +1081,9 @@ class ToolLoop:
 
     def _ending(self, reply: Reply, spend: Spend) -> tuple[str, str | None, str | None]:
         """How a reply without tool calls ends the turn: an answer, or plainly not one."""
-        written = _call_written_as_text(reply.content, self.tools)
+        written = self.quirks.call_written_as_text(reply.content, self.tools)
         if written:  # never run: what the model wrote is text, not a request we can trust
-            return "unparsed_tool_call", None, _TEXT_CALL_HINT.format(name=written)
+            return "unparsed_tool_call", None, written
         # a limit this reply took the turn past is said now, with the answer it paid for
         over = self.budget.passed_by(spend, reply.finish_reason == "length")
         if over:
@@ -3028,41 +3037,50 @@ def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
     return message_json[start:end]
 
 
-def _asks_again(turn: _Turn, max_rounds: int) -> bool:
-    """After a server's tool_use_failed: is there a round left, and a try?"""
-    turn.refused_calls += 1
-    return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < max_rounds
+class ServerQuirks(Quirks):
+    """Part I's Quirks made real (`ToolLoop(quirks=ServerQuirks())`): a call the server
+    refused is asked again, a call written as text is named and never run, a forced
+    tool_choice a server refuses is said, and another's history goes in portable form."""
 
+    def asks_again(self, exc: ApiError, turn: _Turn, max_rounds: int) -> bool:
+        """After a server's tool_use_failed: is there a round left, and a try?"""
+        if exc.code != "tool_use_failed":
+            return False
+        turn.refused_calls += 1
+        return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < max_rounds
 
-def _api_failure(exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
-    """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
-    if exc.code == "tool_use_failed":
-        times = f"{turn.refused_calls} time{'s' if turn.refused_calls > 1 else ''}"
-        return "invalid_tool_call", None, f"the server refused the model's tool call {times}: {exc}"
-    if exc.status == 400 and choice != '"auto"':
-        forced = f"the request forced tool_choice {choice}; this server may not support it"
-        return "api_error", None, f"{exc} ({forced})"
-    return "api_error", None, str(exc)
+    def failure(self, exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
+        """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
+        if exc.code == "tool_use_failed":
+            times = f"{turn.refused_calls} time{'s' if turn.refused_calls > 1 else ''}"
+            said = f"the server refused the model's tool call {times}: {exc}"
+            return "invalid_tool_call", None, said
+        if exc.status == 400 and choice != '"auto"':
+            forced = f"the request forced tool_choice {choice}; this server may not support it"
+            return "api_error", None, f"{exc} ({forced})"
+        return "api_error", None, str(exc)
 
-
-def _call_written_as_text(content: str | None, tools: Mapping[str, Tool]) -> str | None:
-    """The tool a reply's text calls, if it is a call written out as text: JSON with a name
-    this turn offered and arguments. An answer that merely holds JSON is not one."""
-    if not content:
-        return None
-    found = [group for match in _WRITTEN_CALL.finditer(content) for group in match.groups()]
-    for text in [*filter(None, found), content.strip()]:
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            if not isinstance(item, dict) or not ("arguments" in item or "parameters" in item):
+    def call_written_as_text(self, content: str | None, tools: Mapping[str, Tool]) -> str | None:
+        """What to say of a reply's text that is a call written out as text: JSON with a
+        name this turn offered and arguments. An answer that merely holds JSON is not one."""
+        if not content:
+            return None
+        found = [group for match in _WRITTEN_CALL.finditer(content) for group in match.groups()]
+        for text in [*filter(None, found), content.strip()]:
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError):
                 continue
-            name = item.get("name")
-            if isinstance(name, str) and name in tools:
-                return name
-    return None
+            for item in value if isinstance(value, list) else [value]:
+                if not isinstance(item, dict) or not ("arguments" in item or "parameters" in item):
+                    continue
+                name = item.get("name")
+                if isinstance(name, str) and name in tools:
+                    return _TEXT_CALL_HINT.format(name=name)
+        return None
+
+    def carried(self, history: Sequence[str]) -> Sequence[str]:
+        return portable_history(history)
 
 
 def _tool_choice_json(choice: str, tools: Mapping[str, Tool]) -> str:
@@ -5004,6 +5022,7 @@ def _tool_loop(
         workspace.audit,
         approvals=workspace.approvals,
         runner=Workers(),
+        quirks=ServerQuirks(),
         system_prompt=app.system_prompt,
         round_cap_answer=app.round_cap_answer,
         repeated_calls_answer=app.repeated_calls_answer,

@@ -166,7 +166,7 @@ class LoopTestCase(unittest.TestCase):
                 self.audit,
                 approvals=self.approvals,
                 max_rounds=max_rounds,
-                **{"runner": fc.Workers(), **(loop or {})},
+                **{"runner": fc.Workers(), "quirks": fc.ServerQuirks(), **(loop or {})},
             )
             context = ToolContext(customer_id=customer)
             result = tool_loop.run(question, context, history, on_text=on_text)
@@ -178,7 +178,12 @@ class LoopTestCase(unittest.TestCase):
         )
         client = ChatClient(settings, sleep=self.sleeps.append)
         return ToolLoop(
-            client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            client,
+            self.tools,
+            self.audit,
+            approvals=self.approvals,
+            runner=fc.Workers(),
+            quirks=fc.ServerQuirks(),
         ).run("hi", ToolContext(DEMO_CUSTOMER))
 
     def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
@@ -912,7 +917,12 @@ class AuditChainTest(LoopTestCase):
         with ScriptedChatServer([with_usage(text_reply("a"), 7, 3)] * 3) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             _, talk = conversations.turn(loop, talk, "one", ToolContext(DEMO_CUSTOMER))
             _, talk = conversations.turn(loop, talk, "two", ToolContext(DEMO_CUSTOMER))
@@ -1071,7 +1081,12 @@ class WireTest(LoopTestCase):
         with ScriptedChatServer([text_reply("hi")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="local"))
             ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             ).run("hi", ToolContext(DEMO_CUSTOMER))
         self.assertNotIn("authorization", server.requests[0].headers)
 
@@ -1491,7 +1506,12 @@ class ConnectionReuseTest(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual((result.stop_reason, result.rounds), ("answered", 3))
@@ -1519,7 +1539,12 @@ class ConnectionReuseTest(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER), on_text=lambda text: None)
         self.assertEqual((result.stop_reason, result.answer), ("answered", "Shipped."))
@@ -1698,7 +1723,9 @@ class KeepAliveTest(LoopTestCase):
             with self.subTest(first.__name__), KeptConnections(first, answer) as server:
                 said_more.clear()
                 client = ChatClient(Settings(base_url=server.url, model="m", max_retries=0))
-                loop = ToolLoop(client, [Lookup()], self.audit, runner=fc.Workers())
+                loop = ToolLoop(
+                    client, [Lookup()], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+                )
                 result = loop.run("hi", ToolContext(DEMO_CUSTOMER))
                 self.assertEqual((result.stop_reason, result.answer), ("answered", "fresh"))
 
@@ -1806,9 +1833,9 @@ class KeyInTheModelsTextTest(LoopTestCase):
         said = text_reply(f"It said {token}; and {token[:20]}, its start.")
         with ScriptedChatServer([said]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=token))
-            result = ToolLoop(client, [], self.audit, runner=fc.Workers()).run(
-                "hi", ToolContext("c-1")
-            )
+            result = ToolLoop(
+                client, [], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+            ).run("hi", ToolContext("c-1"))
         self.assertEqual(result.stop_reason, "answered")
         self.assertEqual(
             fc._without_secrets_in_use(result.answer),
@@ -2228,6 +2255,7 @@ class OutputBoundTest(LoopTestCase):
                 approvals=self.approvals,
                 budget=limited,
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             for question in ("one", "two"):
                 _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
@@ -2409,6 +2437,7 @@ class EstimateTest(LoopTestCase):
                         approvals=self.approvals,
                         budget=budget,
                         runner=fc.Workers(),
+                        quirks=fc.ServerQuirks(),
                     )
                 loop.run(question, ToolContext(DEMO_CUSTOMER))
                 request = server.requests[-1]
@@ -2567,6 +2596,7 @@ class LedgerTest(LoopTestCase):
                 approvals=self.approvals,
                 budget=budget,
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             context = ToolContext(DEMO_CUSTOMER)
             result, first = conversations.turn(loop, first, "one", context, self.approvals)
@@ -2591,6 +2621,7 @@ class LedgerTest(LoopTestCase):
                 approvals=self.approvals,
                 budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
 
     def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
@@ -2721,7 +2752,9 @@ class WorkerThreadTest(LoopTestCase):
         script = [tool_call_reply([("whichThread", "{}")]), text_reply("ok")] * 10
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, [naming], self.audit, runner=fc.Workers())
+            loop = ToolLoop(
+                client, [naming], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+            )
             for _ in range(10):
                 self.assertEqual(
                     loop.run("which?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered"
@@ -2743,7 +2776,13 @@ class WorkerThreadTest(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             workers = fc.Workers(timeout=0.3)
-            loop = ToolLoop(client, [hanging, ThreadNamingTool()], self.audit, runner=workers)
+            loop = ToolLoop(
+                client,
+                [hanging, ThreadNamingTool()],
+                self.audit,
+                runner=workers,
+                quirks=fc.ServerQuirks(),
+            )
             loop.run("hang", ToolContext(DEMO_CUSTOMER))
             workers.timeout = 30  # the next calls have all the time they need
             self.assertEqual(loop.run("fast", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
@@ -2761,7 +2800,13 @@ class WorkerThreadTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(client, [InlineThreadNamingTool()], self.audit, runner=fc.Workers())
+            loop = ToolLoop(
+                client,
+                [InlineThreadNamingTool()],
+                self.audit,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
+            )
             for _ in range(2):
                 self.assertEqual(loop.run("?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
         alone, together = tool_results(server.requests[1]), tool_results(server.requests[3])
@@ -2818,9 +2863,8 @@ class Lookup(fc.Tool):
 
 data = Path(tempfile.mkdtemp())
 client = fc.ChatClient(fc.Settings(base_url=sys.argv[2], model="m", max_retries=0))
-loop = fc.ToolLoop(
-    client, [Lookup()], fc.AuditLog(data / "audit.log", fsync=False), runner=fc.Workers()
-)
+audit = fc.AuditLog(data / "audit.log", fsync=False)
+loop = fc.ToolLoop(client, [Lookup()], audit, runner=fc.Workers(), quirks=fc.ServerQuirks())
 on_text = (lambda text: None) if sys.argv[3] == "stream" else None
 tracemalloc.start()
 result = loop.run("hi", fc.ToolContext("C-1"), on_text=on_text)
@@ -3544,6 +3588,10 @@ class WireQuirkTest(LoopTestCase):
         other = ScriptedReply(b'{"error":{"message":"bad model","code":"model_not_found"}}', 400)
         result, requests = self.run_turn([other, text_reply("never")])
         self.assertEqual((result.stop_reason, len(requests)), ("api_error", 1))
+        # Part I's Quirks know the protocol alone: the refusal ends the turn, asked once
+        result, requests = self.run_turn([refused, text_reply("never")], loop={"quirks": None})
+        self.assertEqual((result.stop_reason, len(requests)), ("api_error", 1))
+        self.assertIn("Failed to call a function", result.error or "")
 
     def test_a_call_written_as_text_is_never_run_and_the_user_is_told_how_to_fix_it(self) -> None:
         for content in (
@@ -3562,6 +3610,9 @@ class WireQuirkTest(LoopTestCase):
             with self.subTest(answer=answer):
                 result, _ = self.run_turn([text_reply(answer)])
                 self.assertEqual(result.stop_reason, "answered")
+        written = text_reply('{"name": "getOrderStatus", "arguments": {"orderId": "ORD-1001"}}')
+        result, _ = self.run_turn([written], loop={"quirks": None})  # Part I's: text is text
+        self.assertEqual((result.stop_reason, self.audit_records()), ("answered", []))
         with ScriptedChatServer(
             [text_reply('{"name": "getOrderStatus", "arguments": {}}')]
         ) as server:
@@ -3584,7 +3635,13 @@ class WireQuirkTest(LoopTestCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "leaves note out of required"):
-            ToolLoop(client, [Loose(self.tools[0].store)], self.audit, runner=fc.Workers())  # type: ignore[attr-defined]
+            ToolLoop(
+                client,
+                [Loose(self.tools[0].store)],
+                self.audit,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
+            )  # type: ignore[attr-defined]
         _, requests = self.run_turn([text_reply("ok")], tools=[Strict(self.tools[0].store)])  # type: ignore[attr-defined]
         self.assertIs(requests[0].json()["tools"][0]["function"]["strict"], True)
         _, requests = self.run_turn([text_reply("ok")])
@@ -3616,6 +3673,7 @@ class WireQuirkTest(LoopTestCase):
                 approvals=self.approvals,
                 tool_choice="nope",
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
         result, _ = self.run_turn(
             [ScriptedReply(b'{"error":{"message":"no"}}', 400)], loop={"tool_choice": "required"}
@@ -3648,6 +3706,7 @@ class WireQuirkTest(LoopTestCase):
                 self.audit,
                 approvals=self.approvals,
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             moved = loop.run(
                 "And now?", ToolContext(DEMO_CUSTOMER), first.messages, history_origin=first.origin
@@ -3749,6 +3808,7 @@ class LoopTest(LoopTestCase):
                 self.audit,
                 max_rounds=0,
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
 
     def test_a_tool_infrastructure_failure_ends_the_turn_and_its_text_stays_in_the_audit_log(
@@ -4353,10 +4413,17 @@ class ApprovalTest(ApprovalCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "needs Approvals"):
-            ToolLoop(client, self.tools, self.audit, runner=fc.Workers())
+            ToolLoop(client, self.tools, self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks())
         with self.assertRaisesRegex(ConfigError, "no apply step"):
             careless = Careless(fc.OrderStore(self.database))
-            ToolLoop(client, [careless], self.audit, approvals=self.approvals, runner=fc.Workers())
+            ToolLoop(
+                client,
+                [careless],
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
+            )
 
     def test_dispatch_without_approvals_fails_closed(self) -> None:
         call = fc.ToolCall("c1", "requestShippingRefund", '{"orderId":"ORD-1003"}')
@@ -5049,6 +5116,7 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
                 approvals=self.approvals,
                 budget=budget,
                 runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             result, _ = conversations.turn(
                 loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
@@ -5073,7 +5141,12 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
             client = ChatClient(Settings(base_url=model.base_url, model="m"))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             cut = mock.patch.object(fc, "_index_turn", restarting)
             with cut, self.assertRaises(sqlite3.OperationalError):
@@ -8106,7 +8179,14 @@ class ConversationTest(ApprovalCase):
     def loop_on(self, server: ScriptedChatServer, approvals: Approvals) -> ToolLoop:
         """The shop's loop against `server`, filing writes with `approvals` (the API's way)."""
         client = ChatClient(Settings(base_url=server.base_url, model="m"))
-        return ToolLoop(client, self.tools, self.audit, approvals=approvals, runner=fc.Workers())
+        return ToolLoop(
+            client,
+            self.tools,
+            self.audit,
+            approvals=approvals,
+            runner=fc.Workers(),
+            quirks=fc.ServerQuirks(),
+        )
 
     def test_a_turn_reads_no_more_after_400_saved_turns_than_after_40(self) -> None:
         # Flat, proven without a clock: the same number of JSON texts decoded (load, the
@@ -9793,7 +9873,12 @@ class InboxCase(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             loop = fc.ToolLoop(
-                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                [tool],
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             self.store = fc.Conversations(self.database)
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
@@ -9958,7 +10043,12 @@ class InboxTest(InboxCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY))
             loop = fc.ToolLoop(
-                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                [tool],
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
             self.store.turn(loop, conversation, "Refund it.", ToolContext(DEMO_CUSTOMER))
@@ -10363,7 +10453,12 @@ class EditBeforeApproveTest(InboxCase):
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             tool = RefundWithNoteForTests()
             loop = fc.ToolLoop(
-                client, [tool], self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                [tool],
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             self.store.turn(
                 loop, self.conversation, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
@@ -11553,9 +11648,14 @@ class Benchmarks(LoopTestCase):
         with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
             client = ChatClient(Settings(base_url=recorder.base_url, model="bench"))
             approvals = Approvals(self.database, audit)
-            ToolLoop(client, tools, audit, approvals=approvals, runner=fc.Workers()).run(
-                "where?", ToolContext(DEMO_CUSTOMER)
-            )
+            ToolLoop(
+                client,
+                tools,
+                audit,
+                approvals=approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
+            ).run("where?", ToolContext(DEMO_CUSTOMER))
         first, second = recorder.requests[0].body, recorder.requests[1].body
         # enough replies for the wall-clock runs and then the CPU-time runs
         turns_child, floor_child = (
@@ -11564,7 +11664,14 @@ class Benchmarks(LoopTestCase):
         )
         with turns_child as turns, floor_child as floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(client, tools, audit, approvals=approvals, runner=fc.Workers())
+            loop = ToolLoop(
+                client,
+                tools,
+                audit,
+                approvals=approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
+            )
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
             kept = kept_connection(floor.base_url)
             turn = functools.partial(loop.run, "where?", ToolContext(DEMO_CUSTOMER))
@@ -11604,6 +11711,7 @@ class Benchmarks(LoopTestCase):
                         approvals=approvals,
                         budget=chosen,
                         runner=fc.Workers(),
+                        quirks=fc.ServerQuirks(),
                     )
                     for server, chosen in ((one, budget), (other, None))
                 ]
@@ -11644,7 +11752,12 @@ class Benchmarks(LoopTestCase):
         if cafile:
             client._tls = ssl.create_default_context(cafile=str(cafile))
         result = ToolLoop(
-            client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+            client,
+            self.tools,
+            self.audit,
+            approvals=self.approvals,
+            runner=fc.Workers(),
+            quirks=fc.ServerQuirks(),
         ).run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual(result.stop_reason, "answered", result.error)
 
@@ -11660,7 +11773,12 @@ class Benchmarks(LoopTestCase):
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
                 loops[calls] = ToolLoop(
-                    client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                    client,
+                    self.tools,
+                    self.audit,
+                    approvals=self.approvals,
+                    runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
                 )
             with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
                 loops[16].run("where?", ToolContext(DEMO_CUSTOMER))
@@ -11688,7 +11806,12 @@ class Benchmarks(LoopTestCase):
         with turns, floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
             loop = ToolLoop(
-                client, self.tools, self.audit, approvals=self.approvals, runner=fc.Workers()
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                runner=fc.Workers(),
+                quirks=fc.ServerQuirks(),
             )
             kept = kept_connection(floor.base_url)
             request = bytes(fc._request_body("bench", [fc._message("user", "hi")], "[]", True))
@@ -11752,7 +11875,13 @@ class Benchmarks(LoopTestCase):
         with servers[1], servers[4]:
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loops[calls] = ToolLoop(client, [SleepyTool()], self.audit, runner=fc.Workers())
+                loops[calls] = ToolLoop(
+                    client,
+                    [SleepyTool()],
+                    self.audit,
+                    runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
+                )
             pairs = interleaved(
                 lambda: loops[4].run("go", ToolContext(DEMO_CUSTOMER)),
                 lambda: loops[1].run("go", ToolContext(DEMO_CUSTOMER)),
@@ -11778,6 +11907,7 @@ class Benchmarks(LoopTestCase):
                     self.audit,
                     approvals=self.approvals,
                     runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
                 )
                 for server in servers
             ]
@@ -11821,6 +11951,7 @@ class Benchmarks(LoopTestCase):
                     self.audit,
                     approvals=self.approvals,
                     runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
                 )
                 for server in servers
             )
@@ -11866,6 +11997,7 @@ class Benchmarks(LoopTestCase):
                         daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(databases[name])
                     ),
                     runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -11925,6 +12057,7 @@ class Benchmarks(LoopTestCase):
                     audits[name],
                     approvals=approvals[name],
                     runner=fc.Workers(),
+                    quirks=fc.ServerQuirks(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -12325,8 +12458,9 @@ tools = fc.shop_tools(database) if stack == "shipped" else [Trivial()]
 client = fc.ChatClient(fc.Settings(base_url=url, model="bench", api_key="sk-bench"))
 if cafile:
     client._tls = ssl.create_default_context(cafile=cafile)
+approvals = fc.Approvals(database, audit)
 loop = fc.ToolLoop(
-    client, tools, audit, approvals=fc.Approvals(database, audit), runner=fc.Workers()
+    client, tools, audit, approvals=approvals, runner=fc.Workers(), quirks=fc.ServerQuirks()
 )
 for _ in sys.stdin:
     started = time.perf_counter()
