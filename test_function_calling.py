@@ -3635,13 +3635,7 @@ class WireQuirkTest(LoopTestCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "leaves note out of required"):
-            ToolLoop(
-                client,
-                [Loose(self.tools[0].store)],
-                self.audit,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
-            )  # type: ignore[attr-defined]
+            ToolLoop(client, [Loose(self.tools[0].store)], self.audit)  # type: ignore[attr-defined]
         _, requests = self.run_turn([text_reply("ok")], tools=[Strict(self.tools[0].store)])  # type: ignore[attr-defined]
         self.assertIs(requests[0].json()["tools"][0]["function"]["strict"], True)
         _, requests = self.run_turn([text_reply("ok")])
