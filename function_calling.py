@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #c2df902e: the whole file, every part kept
+# function_calling.py 2026-12-04 #8d8563ce: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -1050,7 +1050,7 @@ class ToolLoop:
                 max_output=turn.spend.bound,
             )
         except ApiError as exc:
-            if self.quirks.asks_again(exc, turn, self.max_rounds):
+            if turn.rounds < self.max_rounds and self.quirks.asks_again(exc, turn, self.max_rounds):
                 return None  # the server refused the model's call: a new round asks again
             return self._finish(turn, context, *self.quirks.failure(exc, choice, turn))
         turn.add_reply(reply, self.max_calls_per_reply)
@@ -1100,7 +1100,7 @@ class ToolLoop:
         """The guard that stops this turn before the reply's calls run, if one does."""
         if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
             return "repeated_calls"
-        if turn.rounds == self.max_rounds:  # a result now could never reach the model
+        if turn.rounds >= self.max_rounds:  # a result now could never reach the model
             return "round_cap"
         # the budget is asked last, because it charges the calls that will run: a call the
         # guards above stop must not be paid for. It names the limit that the reply's usage,

@@ -3588,6 +3588,14 @@ class WireQuirkTest(LoopTestCase):
         other = ScriptedReply(b'{"error":{"message":"bad model","code":"model_not_found"}}', 400)
         result, requests = self.run_turn([other, text_reply("never")])
         self.assertEqual((result.stop_reason, len(requests)), ("api_error", 1))
+
+        # the round cap holds whatever quirks say: one that always asks again still stops
+        class Insistent(fc.ServerQuirks):
+            def asks_again(self, exc: fc.ApiError, turn: Any, max_rounds: int) -> bool:
+                return True
+
+        result, requests = self.run_turn([refused] * 9, max_rounds=3, loop={"quirks": Insistent()})
+        self.assertEqual((result.stop_reason, len(requests)), ("invalid_tool_call", 3))
         # Part I's Quirks know the protocol alone: the refusal ends the turn, asked once
         result, requests = self.run_turn([refused, text_reply("never")], loop={"quirks": None})
         self.assertEqual((result.stop_reason, len(requests)), ("api_error", 1))
