@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #8d8563ce: the whole file, every part kept
+# function_calling.py 2026-12-04 #a2625158: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -122,8 +122,7 @@ __version__ = "2026-12-04"
 
 
 # ===================================================================== Part I: the mechanism
-# What Part I still relies on from later parts (issue 46 replaces each with a seam), by the
-# promise each makes, kept at its definition; a reader may take these on trust:
+# What Part I still relies on from later parts, by the promise each keeps (each to be a seam):
 #   ChatClient: one whole Reply by the deadline, or ApiError; a tool is never rerun (transport)
 #   Budget, Spend, _token_count: a limit is named before what would pass it is paid (budgets)
 #   tool_table, _tool_choice_json: tools by exact name; tool_choice as JSON (start-up checks)
@@ -895,9 +894,8 @@ class Dispatcher:
 
 
 class InOrder:
-    """The calls' runner: a reply's calls one after another, on the loop's own thread, each
-    result yielded as it comes. It does not survive a tool that hangs: the turn waits with it
-    (Part II's Workers run the calls at once, and answer one with no result in time)."""
+    """The calls' runner: a reply's calls one by one on the loop's thread. It does not survive
+    a tool that hangs (Part II's Workers run calls at once, and answer a late one in time)."""
 
     def run(self, calls: Sequence[ToolCall], dispatcher: Dispatcher) -> Iterator[ToolResult]:
         for call in calls:
@@ -905,9 +903,8 @@ class InOrder:
 
 
 class Quirks:
-    """What servers do beside the protocol: here, nothing. It does not survive a server that
-    refuses the model's call, writes a call as text, or rejects another's history (Part II's
-    ServerQuirks make each a plain case)."""
+    """What servers do beside the protocol: nothing. It does not survive a server that refuses
+    a call, writes one as text, or rejects another's history (Part II's ServerQuirks)."""
 
     def asks_again(self, exc: ApiError, turn: _Turn, max_rounds: int) -> bool:
         return False  # a refused request ends the turn
@@ -1059,10 +1056,13 @@ class ToolLoop:
             return self._finish(turn, context, *self._ending(reply, turn.spend))
         # a plan the model did not finish writing is not a plan: none of it runs
         guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
+        mark = len(turn.messages)  # where this reply's results start
         try:  # no result goes back before the batch's lines are on disk (AuditLog.batch)
             with self.audit.batch():
                 results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
-        except AuditError as exc:  # fail closed: no unaudited result goes back
+        except AuditError as exc:  # fail closed: results whose lines may be lost are taken back
+            del turn.messages[mark:]
+            turn.open_calls = collections.deque(reply.tool_calls)
             turn.close_open_calls("audit_failed")
             return self._finish(turn, context, "audit_failed", error=str(exc))
         if guard:  # cut short: the text that came and a note; a guard: its fallback (and why)

@@ -595,6 +595,20 @@ class AuditTest(LoopTestCase):
         assert_every_call_answered_once_in_order(self, result.messages)
         self.assertNotIn(str(self.data_dir), result.error or "")
 
+    def test_a_result_whose_audit_line_never_reached_the_disk_is_not_in_the_history(self) -> None:
+        # the line is written, but the batch's one fsync fails: the result must not go back
+        # to the model, in this turn or in the next one that sends this history again
+        failing = OSError(5, "Input/output error")  # EIO
+        with mock.patch("os.fsync", side_effect=failing):
+            result, requests = self.run_turn(
+                [tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')]), text_reply("x")]
+            )
+        self.assertEqual((result.stop_reason, len(requests)), ("audit_failed", 1))
+        assert_every_call_answered_once_in_order(self, result.messages)
+        (answer,) = [json.loads(m) for m in result.messages if json.loads(m)["role"] == "tool"]
+        self.assertNotIn("SHIPPED", answer["content"])  # the order's status: not sent again
+        self.assertEqual(json.loads(answer["content"])["error"], "not_run")
+
     def test_a_lone_surrogate_in_arguments_is_audited(self) -> None:
         body = (
             b'{"choices":[{"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c1",'
