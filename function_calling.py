@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #a2625158: the whole file, every part kept
+# function_calling.py 2026-12-04 #f8a2fead: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -109,8 +109,8 @@ __all__ = [
     "InOrder", "Limits", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
     "ScriptedReply", "ServerQuirks", "Settings", "Tally", "Tool", "ToolContext", "ToolError",
     "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Workers", "audit_disagreements",
-    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "main",
-    "parse_arguments", "portable_history", "require_choice", "require_integer",
+    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "hardened_loop",
+    "main", "parse_arguments", "portable_history", "require_choice", "require_integer",
     "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
     "verify_audit",
 ]
@@ -3083,6 +3083,15 @@ class ServerQuirks(Quirks):
         return portable_history(history)
 
 
+def hardened_loop(
+    client: ChatClient, tools: Sequence[Tool], audit: AuditLog, **options: Any
+) -> ToolLoop:
+    """A ToolLoop with Part II's pieces in its seams (Workers, ServerQuirks): what App and the
+    CLI run. `options` are ToolLoop's own, and may name a seam's piece to use instead."""
+    seams: dict[str, Any] = {"runner": Workers(), "quirks": ServerQuirks()}
+    return ToolLoop(client, tools, audit, **{**seams, **options})
+
+
 def _tool_choice_json(choice: str, tools: Mapping[str, Tool]) -> str:
     """tool_choice as it goes on the wire: "auto", "none", "required", or one named tool."""
     if choice in ("auto", "none", "required"):
@@ -5016,13 +5025,11 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
 def _tool_loop(
     app: App, workspace: _Workspace, tools: Sequence[Tool], client: ChatClient, **limits: Any
 ) -> ToolLoop:
-    return ToolLoop(
+    return hardened_loop(
         client,
         tools,
         workspace.audit,
         approvals=workspace.approvals,
-        runner=Workers(),
-        quirks=ServerQuirks(),
         system_prompt=app.system_prompt,
         round_cap_answer=app.round_cap_answer,
         repeated_calls_answer=app.repeated_calls_answer,

@@ -160,13 +160,13 @@ class LoopTestCase(unittest.TestCase):
                 api_key=FAKE_KEY,
                 **{"max_retries": 0, **(client or {})},
             )
-            tool_loop = ToolLoop(
+            tool_loop = fc.hardened_loop(
                 ChatClient(settings, sleep=self.sleeps.append),
                 tools or self.tools,
                 self.audit,
                 approvals=self.approvals,
                 max_rounds=max_rounds,
-                **{"runner": fc.Workers(), "quirks": fc.ServerQuirks(), **(loop or {})},
+                **(loop or {}),
             )
             context = ToolContext(customer_id=customer)
             result = tool_loop.run(question, context, history, on_text=on_text)
@@ -177,13 +177,11 @@ class LoopTestCase(unittest.TestCase):
             base_url=base_url, model="m", api_key=FAKE_KEY, timeout=timeout, max_retries=retries
         )
         client = ChatClient(settings, sleep=self.sleeps.append)
-        return ToolLoop(
+        return fc.hardened_loop(
             client,
             self.tools,
             self.audit,
             approvals=self.approvals,
-            runner=fc.Workers(),
-            quirks=fc.ServerQuirks(),
         ).run("hi", ToolContext(DEMO_CUSTOMER))
 
     def results_for(self, tool: str, arguments: Sequence[str]) -> list[dict[str, Any]]:
@@ -930,13 +928,11 @@ class AuditChainTest(LoopTestCase):
         talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         with ScriptedChatServer([with_usage(text_reply("a"), 7, 3)] * 3) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             _, talk = conversations.turn(loop, talk, "one", ToolContext(DEMO_CUSTOMER))
             _, talk = conversations.turn(loop, talk, "two", ToolContext(DEMO_CUSTOMER))
@@ -1094,13 +1090,11 @@ class WireTest(LoopTestCase):
     def test_no_authorization_header_is_sent_without_a_key(self) -> None:
         with ScriptedChatServer([text_reply("hi")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="local"))
-            ToolLoop(
+            fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             ).run("hi", ToolContext(DEMO_CUSTOMER))
         self.assertNotIn("authorization", server.requests[0].headers)
 
@@ -1519,13 +1513,11 @@ class ConnectionReuseTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual((result.stop_reason, result.rounds), ("answered", 3))
@@ -1552,13 +1544,11 @@ class ConnectionReuseTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", max_retries=0))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             result = loop.run("where?", ToolContext(DEMO_CUSTOMER), on_text=lambda text: None)
         self.assertEqual((result.stop_reason, result.answer), ("answered", "Shipped."))
@@ -1737,8 +1727,10 @@ class KeepAliveTest(LoopTestCase):
             with self.subTest(first.__name__), KeptConnections(first, answer) as server:
                 said_more.clear()
                 client = ChatClient(Settings(base_url=server.url, model="m", max_retries=0))
-                loop = ToolLoop(
-                    client, [Lookup()], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+                loop = fc.hardened_loop(
+                    client,
+                    [Lookup()],
+                    self.audit,
                 )
                 result = loop.run("hi", ToolContext(DEMO_CUSTOMER))
                 self.assertEqual((result.stop_reason, result.answer), ("answered", "fresh"))
@@ -1847,8 +1839,10 @@ class KeyInTheModelsTextTest(LoopTestCase):
         said = text_reply(f"It said {token}; and {token[:20]}, its start.")
         with ScriptedChatServer([said]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=token))
-            result = ToolLoop(
-                client, [], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+            result = fc.hardened_loop(
+                client,
+                [],
+                self.audit,
             ).run("hi", ToolContext("c-1"))
         self.assertEqual(result.stop_reason, "answered")
         self.assertEqual(
@@ -2262,14 +2256,12 @@ class OutputBoundTest(LoopTestCase):
         )
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
                 budget=limited,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             for question in ("one", "two"):
                 _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
@@ -2444,14 +2436,12 @@ class EstimateTest(LoopTestCase):
             for budget in budgets:
                 if loop is None or budget.ledger is not None:
                     client = ChatClient(settings)
-                    loop = ToolLoop(
+                    loop = fc.hardened_loop(
                         client,
                         self.tools,
                         self.audit,
                         approvals=self.approvals,
                         budget=budget,
-                        runner=fc.Workers(),
-                        quirks=fc.ServerQuirks(),
                     )
                 loop.run(question, ToolContext(DEMO_CUSTOMER))
                 request = server.requests[-1]
@@ -2603,14 +2593,12 @@ class LedgerTest(LoopTestCase):
         heavy = with_usage(text_reply("ok"), 90_000, 10_000)
         with ScriptedChatServer([heavy, text_reply("ok")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
                 budget=budget,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             context = ToolContext(DEMO_CUSTOMER)
             result, first = conversations.turn(loop, first, "one", context, self.approvals)
@@ -2628,14 +2616,12 @@ class LedgerTest(LoopTestCase):
 
     def test_a_daily_limit_without_a_ledger_is_refused(self) -> None:
         with self.assertRaisesRegex(fc.ConfigError, "needs a ledger"):
-            ToolLoop(
+            fc.hardened_loop(
                 ChatClient(Settings(api_key=FAKE_KEY)),
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
                 budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
 
     def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
@@ -2766,8 +2752,10 @@ class WorkerThreadTest(LoopTestCase):
         script = [tool_call_reply([("whichThread", "{}")]), text_reply("ok")] * 10
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(
-                client, [naming], self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks()
+            loop = fc.hardened_loop(
+                client,
+                [naming],
+                self.audit,
             )
             for _ in range(10):
                 self.assertEqual(
@@ -2790,12 +2778,8 @@ class WorkerThreadTest(LoopTestCase):
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             workers = fc.Workers(timeout=0.3)
-            loop = ToolLoop(
-                client,
-                [hanging, ThreadNamingTool()],
-                self.audit,
-                runner=workers,
-                quirks=fc.ServerQuirks(),
+            loop = fc.hardened_loop(
+                client, [hanging, ThreadNamingTool()], self.audit, runner=workers
             )
             loop.run("hang", ToolContext(DEMO_CUSTOMER))
             workers.timeout = 30  # the next calls have all the time they need
@@ -2814,12 +2798,10 @@ class WorkerThreadTest(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 [InlineThreadNamingTool()],
                 self.audit,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             for _ in range(2):
                 self.assertEqual(loop.run("?", ToolContext(DEMO_CUSTOMER)).stop_reason, "answered")
@@ -2878,7 +2860,7 @@ class Lookup(fc.Tool):
 data = Path(tempfile.mkdtemp())
 client = fc.ChatClient(fc.Settings(base_url=sys.argv[2], model="m", max_retries=0))
 audit = fc.AuditLog(data / "audit.log", fsync=False)
-loop = fc.ToolLoop(client, [Lookup()], audit, runner=fc.Workers(), quirks=fc.ServerQuirks())
+loop = fc.hardened_loop(client, [Lookup()], audit)
 on_text = (lambda text: None) if sys.argv[3] == "stream" else None
 tracemalloc.start()
 result = loop.run("hi", fc.ToolContext("C-1"), on_text=on_text)
@@ -3682,14 +3664,12 @@ class WireQuirkTest(LoopTestCase):
         self.assertEqual(requests[0].json()["tool_choice"], "auto")
         self.assertNotIn("parallel_tool_calls", requests[0].json())
         with self.assertRaisesRegex(ConfigError, "tool_choice 'nope'"):
-            ToolLoop(
+            fc.hardened_loop(
                 ChatClient(Settings(api_key=FAKE_KEY)),
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
                 tool_choice="nope",
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
         result, _ = self.run_turn(
             [ScriptedReply(b'{"error":{"message":"no"}}', 400)], loop={"tool_choice": "required"}
@@ -3716,13 +3696,11 @@ class WireQuirkTest(LoopTestCase):
         result, requests = self.run_turn([strict_server], history=first.messages, loop={})
         self.assertEqual(result.stop_reason, "api_error")  # sent verbatim: no origin given
         with ScriptedChatServer([strict_server]) as other:
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 ChatClient(Settings(base_url=other.base_url, model="other")),
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             moved = loop.run(
                 "And now?", ToolContext(DEMO_CUSTOMER), first.messages, history_origin=first.origin
@@ -3818,13 +3796,11 @@ class LoopTest(LoopTestCase):
         result, requests = self.run_turn(forever, max_rounds=2)
         self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 2))
         with self.assertRaises(ConfigError):
-            ToolLoop(
+            fc.hardened_loop(
                 ChatClient(Settings(api_key=FAKE_KEY)),
                 self.tools,
                 self.audit,
                 max_rounds=0,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
 
     def test_a_tool_infrastructure_failure_ends_the_turn_and_its_text_stays_in_the_audit_log(
@@ -4429,16 +4405,18 @@ class ApprovalTest(ApprovalCase):
 
         client = ChatClient(Settings(api_key=FAKE_KEY))
         with self.assertRaisesRegex(ConfigError, "needs Approvals"):
-            ToolLoop(client, self.tools, self.audit, runner=fc.Workers(), quirks=fc.ServerQuirks())
+            fc.hardened_loop(
+                client,
+                self.tools,
+                self.audit,
+            )
         with self.assertRaisesRegex(ConfigError, "no apply step"):
             careless = Careless(fc.OrderStore(self.database))
-            ToolLoop(
+            fc.hardened_loop(
                 client,
                 [careless],
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
 
     def test_dispatch_without_approvals_fails_closed(self) -> None:
@@ -5125,14 +5103,12 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
         budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
         with ScriptedChatServer([restarted]) as model:
             client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
                 budget=budget,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             result, _ = conversations.turn(
                 loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
@@ -5156,13 +5132,11 @@ class PostgresFaultTest(OnPostgres, ApprovalCase):
 
         with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
             client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             cut = mock.patch.object(fc, "_index_turn", restarting)
             with cut, self.assertRaises(sqlite3.OperationalError):
@@ -8195,13 +8169,11 @@ class ConversationTest(ApprovalCase):
     def loop_on(self, server: ScriptedChatServer, approvals: Approvals) -> ToolLoop:
         """The shop's loop against `server`, filing writes with `approvals` (the API's way)."""
         client = ChatClient(Settings(base_url=server.base_url, model="m"))
-        return ToolLoop(
+        return fc.hardened_loop(
             client,
             self.tools,
             self.audit,
             approvals=approvals,
-            runner=fc.Workers(),
-            quirks=fc.ServerQuirks(),
         )
 
     def test_a_turn_reads_no_more_after_400_saved_turns_than_after_40(self) -> None:
@@ -9888,13 +9860,11 @@ class InboxCase(LoopTestCase):
         ]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = fc.ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 [tool],
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             self.store = fc.Conversations(self.database)
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
@@ -10058,13 +10028,11 @@ class InboxTest(InboxCase):
         script = [tool_call_reply([(tool.name, arguments)], content=said), text_reply(LOUD_KEY)]
         with ScriptedChatServer(script) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY))
-            loop = fc.ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 [tool],
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             conversation = self.store.start(DEMO_CUSTOMER, "be brief")
             self.store.turn(loop, conversation, "Refund it.", ToolContext(DEMO_CUSTOMER))
@@ -10468,13 +10436,11 @@ class EditBeforeApproveTest(InboxCase):
         with ScriptedChatServer([text_reply("It was refunded, with a corrected note.")]) as server:
             client = ChatClient(Settings(base_url=server.base_url, model="m"))
             tool = RefundWithNoteForTests()
-            loop = fc.ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 [tool],
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             self.store.turn(
                 loop, self.conversation, "and?", ToolContext(DEMO_CUSTOMER), self.approvals
@@ -11664,13 +11630,11 @@ class Benchmarks(LoopTestCase):
         with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
             client = ChatClient(Settings(base_url=recorder.base_url, model="bench"))
             approvals = Approvals(self.database, audit)
-            ToolLoop(
+            fc.hardened_loop(
                 client,
                 tools,
                 audit,
                 approvals=approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             ).run("where?", ToolContext(DEMO_CUSTOMER))
         first, second = recorder.requests[0].body, recorder.requests[1].body
         # enough replies for the wall-clock runs and then the CPU-time runs
@@ -11680,13 +11644,11 @@ class Benchmarks(LoopTestCase):
         )
         with turns_child as turns, floor_child as floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 tools,
                 audit,
                 approvals=approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             loop.run("warm up", ToolContext(DEMO_CUSTOMER))
             kept = kept_connection(floor.base_url)
@@ -11720,14 +11682,12 @@ class Benchmarks(LoopTestCase):
         ):
             with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
                 loops = [
-                    ToolLoop(
+                    fc.hardened_loop(
                         ChatClient(Settings(base_url=server.base_url, model="bench")),
                         [TrivialTool()],
                         audit,
                         approvals=approvals,
                         budget=chosen,
-                        runner=fc.Workers(),
-                        quirks=fc.ServerQuirks(),
                     )
                     for server, chosen in ((one, budget), (other, None))
                 ]
@@ -11767,13 +11727,11 @@ class Benchmarks(LoopTestCase):
         client = ChatClient(Settings(base_url=base_url, model="bench", max_retries=0))
         if cafile:
             client._tls = ssl.create_default_context(cafile=str(cafile))
-        result = ToolLoop(
+        result = fc.hardened_loop(
             client,
             self.tools,
             self.audit,
             approvals=self.approvals,
-            runner=fc.Workers(),
-            quirks=fc.ServerQuirks(),
         ).run("where?", ToolContext(DEMO_CUSTOMER))
         self.assertEqual(result.stop_reason, "answered", result.error)
 
@@ -11788,13 +11746,11 @@ class Benchmarks(LoopTestCase):
         with servers[1], servers[16]:
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loops[calls] = ToolLoop(
+                loops[calls] = fc.hardened_loop(
                     client,
                     self.tools,
                     self.audit,
                     approvals=self.approvals,
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
             with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
                 loops[16].run("where?", ToolContext(DEMO_CUSTOMER))
@@ -11821,13 +11777,11 @@ class Benchmarks(LoopTestCase):
         floor = ScriptedChatServer([sse(body)] * runs)
         with turns, floor:
             client = ChatClient(Settings(base_url=turns.base_url, model="bench"))
-            loop = ToolLoop(
+            loop = fc.hardened_loop(
                 client,
                 self.tools,
                 self.audit,
                 approvals=self.approvals,
-                runner=fc.Workers(),
-                quirks=fc.ServerQuirks(),
             )
             kept = kept_connection(floor.base_url)
             request = bytes(fc._request_body("bench", [fc._message("user", "hi")], "[]", True))
@@ -11891,12 +11845,10 @@ class Benchmarks(LoopTestCase):
         with servers[1], servers[4]:
             for calls, server in servers.items():
                 client = ChatClient(Settings(base_url=server.base_url, model="bench"))
-                loops[calls] = ToolLoop(
+                loops[calls] = fc.hardened_loop(
                     client,
                     [SleepyTool()],
                     self.audit,
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
             pairs = interleaved(
                 lambda: loops[4].run("go", ToolContext(DEMO_CUSTOMER)),
@@ -11917,13 +11869,11 @@ class Benchmarks(LoopTestCase):
         servers = [ScriptedChatServer([text_reply("ok")] * (2 * runs + 1)) for _ in range(3)]
         with servers[0], servers[1], servers[2]:
             loops = [
-                ToolLoop(
+                fc.hardened_loop(
                     ChatClient(Settings(base_url=server.base_url, model="bench")),
                     self.tools,
                     self.audit,
                     approvals=self.approvals,
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
                 for server in servers
             ]
@@ -11961,13 +11911,11 @@ class Benchmarks(LoopTestCase):
         servers = [ScriptedChatServer([text_reply("ok")] * (runs + 1)) for _ in range(2)]
         with servers[0], servers[1]:
             saved, plain = (
-                ToolLoop(
+                fc.hardened_loop(
                     ChatClient(Settings(base_url=server.base_url, model="bench")),
                     self.tools,
                     self.audit,
                     approvals=self.approvals,
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
                 for server in servers
             )
@@ -12004,7 +11952,7 @@ class Benchmarks(LoopTestCase):
         runs = 101
         with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
             loops = {
-                name: ToolLoop(
+                name: fc.hardened_loop(
                     ChatClient(Settings(base_url=server.base_url, model="bench")),
                     [TrivialTool()],
                     audits[name],
@@ -12012,8 +11960,6 @@ class Benchmarks(LoopTestCase):
                     budget=fc.Budget(
                         daily=fc.Limits(total_tokens=10**8), ledger=fc.Ledger(databases[name])
                     ),
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -12067,13 +12013,11 @@ class Benchmarks(LoopTestCase):
         answers = [text_reply("ok")]
         with ServerInAChild(answers, runs + 2) as one, ServerInAChild(answers, runs + 2) as other:
             plain = {
-                name: ToolLoop(
+                name: fc.hardened_loop(
                     ChatClient(Settings(base_url=server.base_url, model="bench")),
                     [TrivialTool()],
                     audits[name],
                     approvals=approvals[name],
-                    runner=fc.Workers(),
-                    quirks=fc.ServerQuirks(),
                 )
                 for name, server in (("postgresql", one), ("sqlite", other))
             }
@@ -12475,9 +12419,7 @@ client = fc.ChatClient(fc.Settings(base_url=url, model="bench", api_key="sk-benc
 if cafile:
     client._tls = ssl.create_default_context(cafile=cafile)
 approvals = fc.Approvals(database, audit)
-loop = fc.ToolLoop(
-    client, tools, audit, approvals=approvals, runner=fc.Workers(), quirks=fc.ServerQuirks()
-)
+loop = fc.hardened_loop(client, tools, audit, approvals=approvals)
 for _ in sys.stdin:
     started = time.perf_counter()
     loop.run("where?", fc.ToolContext("CUST-0001"))
