@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #f8a2fead: the whole file, every part kept
+# function_calling.py 2026-12-04 #4da79d69: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,13 +26,14 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,500 of this file, and a reader may stop
-at its end marker: settings · errors · tools and validation · audit · the request · the reply
-(the verbatim echo) · dispatch (the trust boundary) · the loop · approvals · a tool and a turn,
-together. Part II, hardening (about 2,930 lines), makes each of its promises hold against real
-servers and faults: the transport · the stream · the workers · budgets · server quirks ·
-start-up checks · the audit chain · the approvals' journal · the database. Part III, operating
-it (about 1,310 lines): the audit log's figures · the CLI · the scripted server.
+First reading: Part I, the mechanism, is lines 1 to 1,814 of this file, and a reader may stop
+at its end marker: settings · errors · tools and validation · audit · the request · the
+client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,830 lines),
+makes each of its promises hold against real servers and faults: the transport · the stream ·
+the workers · budgets · server quirks · start-up checks · the audit chain · the approvals'
+journal · the database · the seams, filled. Part III, operating
+it (about 1,370 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -85,6 +86,7 @@ import ssl
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -123,14 +125,9 @@ __version__ = "2026-12-04"
 
 # ===================================================================== Part I: the mechanism
 # What Part I still relies on from later parts, by the promise each keeps (each to be a seam):
-#   ChatClient: one whole Reply by the deadline, or ApiError; a tool is never rerun (transport)
-#   Budget, Spend, _token_count: a limit is named before what would pass it is paid (budgets)
-#   tool_table, _tool_choice_json: tools by exact name; tool_choice as JSON (start-up checks)
-#   skip_calls, _not_run_content: a call that does not run is answered and audited (workers)
-#   _arguments_text, _CUT_CALLS: arguments sent as no text or as an object (server quirks)
 #   AuditFile, _one_fsync, _scrubbed, _FREE_TEXT, _refuse_secrets, _without_secrets_in_use:
 #       one hash-chained line, on disk when `record` returns or a batch ends, secrets cut out
-#   Database, _waits_until: read-only reads, whole writes, waits with deadlines (database)
+#   Database: read-only reads, whole writes, waits with deadlines (database)
 #   _APPROVALS_SCHEMA, _file_action, _open_action, _open_actions, _mark, _about, _EDITS_SCHEMA,
 #       _OUTCOMES_SCHEMA, _record_outcome, _edit_action, _HOSTS_SCHEMA: one open action per
 #       exact request, decided once in its own transaction with its result and edit; and
@@ -181,6 +178,78 @@ ROUND_CAP_ANSWER = (
 REPEATED_CALLS_ANSWER = (
     "Sorry, I kept asking for the same information without progress. Please rephrase."
 )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the model lives and how to reach it; checked once, when built."""
+
+    base_url: str = DEFAULT_BASE_URL
+    model: str = DEFAULT_MODEL
+    api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
+    timeout: float = REQUEST_TIMEOUT_S
+    stream_idle: float = STREAM_IDLE_S
+    retry_timeouts: bool = False  # a request the server took may still run: _unanswered
+    max_retries: int = MAX_RETRIES
+    max_retry_wait: float = MAX_RETRY_WAIT_S
+    max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
+    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
+    # Where a request's output bound goes when a budget sets one: OpenAI's reasoning models
+    # refuse max_tokens, and servers that know only max_tokens (Ollama, LM Studio) ignore
+    # max_completion_tokens. None: max_completion_tokens for OpenAI and Azure, else max_tokens.
+    output_field: str | None = None
+
+    def __post_init__(self) -> None:
+        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
+            parts = urllib.parse.urlsplit(self.base_url)
+            parts.port  # noqa: B018 -- read to validate
+        except ValueError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
+                " or a broken [IPv6] address"
+            ) from None
+        # subtle: a file: or data: URL names no server; it must not get as far as a request
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        if self.api_key and not self.api_key.isascii():
+            raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
+        if self.api_key and not _is_header_safe(self.api_key):
+            # subtle: http.client's own error would print the header, key and all
+            raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
+        if not self.api_key and parts.hostname == "api.openai.com":
+            raise ConfigError(
+                "OPENAI_API_KEY is not set (required for api.openai.com; for a local server,"
+                " set OPENAI_BASE_URL to it instead; `demo` runs offline)"
+            )
+        if not self.model:
+            raise ConfigError("the model name is empty")
+        if self.output_field is None:
+            openai = parts.hostname == "api.openai.com" or parts.hostname.endswith(".azure.com")
+            object.__setattr__(self, "output_field", f"max_{'completion_' * openai}tokens")
+        if self.output_field not in ("max_completion_tokens", "max_tokens"):
+            raise ConfigError("output_field must be max_completion_tokens or max_tokens")
+        if (
+            min(self.timeout, self.stream_idle) <= 0
+            or self.max_retries < 0
+            or self.max_retry_wait < 0
+        ):
+            raise ConfigError("timeouts must be positive and retries not negative")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
+        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
+        `choices` sets the other fields (timeout=, max_retries=, …)."""
+        return cls(
+            base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
+            model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
+            api_key=environ.get("OPENAI_API_KEY") or None,
+            **choices,
+        )
+
+
+def _is_header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -568,6 +637,105 @@ def _request_body(
     return body
 
 
+# ------------------------------------------------------------------------------ the client
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: following one would send the key to wherever it points."""
+
+    def redirect_request(self, *args: Any) -> None:
+        return None
+
+
+class Client:
+    """The transport: one POST to /chat/completions with urllib.request, a timeout, no
+    redirect followed, and the key never in an error. It does not survive a server that
+    sends a byte a minute, a dropped connection or a 429 (Part II's ChatClient adds a
+    deadline on every byte, retries, keep-alive and streaming)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._opener = urllib.request.build_opener(_NoRedirects)  # proxies: from the environment
+
+    def complete(
+        self,
+        messages: Sequence[str],
+        tools_json: str = "[]",
+        deadline: float | None = None,
+        on_text: Callable[[str], None] | None = None,
+        *,
+        tool_choice: str = '"auto"',
+        parallel_tool_calls: bool | None = None,
+        max_output: int | None = None,
+    ) -> Reply:
+        """One reply by `deadline` (a time.monotonic() value), or ApiError; `on_text` gets its
+        text whole, as it does not stream; `max_output` bounds what the reply may write."""
+        bound = None if max_output is None else (str(self.settings.output_field), max_output)
+        body = _request_body(
+            self.settings.model,
+            messages,
+            tools_json,
+            False,
+            tool_choice,
+            parallel_tool_calls,
+            bound,
+        )
+        left = self.settings.timeout if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError("the turn's deadline passed before the model could be asked again")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        url = self.settings.base_url + "/chat/completions"
+        request = urllib.request.Request(  # noqa: S310 -- Settings allows http and https only
+            url, bytes(body), headers, method="POST"
+        )
+        limit = self.settings.max_response_bytes
+        try:
+            with self._opener.open(request, timeout=min(left, self.settings.timeout)) as response:
+                data = response.read(limit + 1)
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(exc) from None
+        except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+            reason = getattr(exc, "reason", exc)
+            why = "timed out" if isinstance(reason, TimeoutError) else type(reason).__name__
+            raise ApiError(f"the model API could not be reached ({why})") from None
+        if len(data) > limit:
+            raise ApiError(f"the model API sent a reply over {limit} bytes")
+        reply = parse_reply(data)
+        if on_text is not None and reply.content:
+            on_text(reply.content)
+        return reply
+
+    def _http_error(self, exc: urllib.error.HTTPError) -> ApiError:
+        """An HTTP error as one line: the status and the server's message, key redacted."""
+        detail = ""
+        with suppress(OSError, http.client.HTTPException):
+            detail = _printable(exc.read(2000))
+        error = _error_body(detail)
+        said = _redacted(_cut(str(error.get("message") or exc.reason), 300), self.settings.api_key)
+        code = error.get("code") if isinstance(error.get("code"), str) else None
+        return ApiError(f"the model API answered HTTP {exc.code}: {said}", exc.code, code)
+
+    def close(self) -> None:
+        return None  # nothing is kept open between requests
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _error_body(text: str) -> dict[str, Any]:
+    """The {"error": {...}} object of an error body, or {} if it has none."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {"message": str(error)}
+
+
 # --------------------------------------------------------------------------------- the reply
 # The echo: the assistant message goes back in the next request exactly as it came, because
 # providers verify fields in it (reasoning signatures), and a re-serialization that reorders
@@ -690,6 +858,16 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
         arguments_json = _arguments_text(arguments, message_json, span)
     name = names.setdefault(function["name"], function["name"])
     return ToolCall(id=call_id, name=name, arguments_json=arguments_json)
+
+
+def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
+    """Arguments that came as no text at all ("{}": seen for no-argument tools) or as the
+    object itself (its text as sent, duplicate keys and all)."""
+    if arguments is None or arguments == "":
+        return "{}"
+    function = _members(message_json, call)["function"]  # type: ignore[index]
+    start, end = _members(message_json, function)["arguments"]  # type: ignore[index]
+    return message_json[start:end]
 
 
 # Where a value sits in a JSON text, as (start, end) indexes: in '{"a": [1, 2], "b": "x"}',
@@ -873,6 +1051,65 @@ def _is_tool_error(outcome: str) -> bool:
     return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"
 
 
+# ------------------------------------------------------------------- calls that do not run
+# Every call the model asked for gets its tool message and its audit line, whether it ran or
+# not (a guard, the per-reply cap): a history with an unanswered call cannot be sent again.
+
+_SKIP_REASONS = {
+    "round_cap": "the round cap was reached, so its result could never be read",
+    "repeated_calls": "the same calls as the previous reply; the turn was stopped",
+    "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
+    "budget": "the turn reached a spending limit, so none of them ran",
+    "audit_failed": "the audit log could not be written",
+    "interrupted": "the user interrupted the turn",
+    "incomplete": "the reply was cut at the token limit, so none of its calls ran",
+}
+
+
+def skip_call(
+    call: ToolCall, reason: str, context: ToolContext, audit: AuditLog, round_number: int
+) -> ToolResult:
+    """A call that will not run still gets its tool message and its audit line."""
+    _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
+    return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
+
+
+def skip_calls(
+    calls: Sequence[ToolCall],
+    reason: str,
+    named: int,
+    context: ToolContext,
+    audit: AuditLog,
+    round_number: int,
+) -> Iterator[ToolResult]:
+    """Answer every call that will not run: the first `named` with an audit line each, the
+    rest with one line together (how many, and a digest of their ids).
+
+    subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
+    valid), but only as many are audited one by one as could have run."""
+    for call in calls[:named]:
+        yield skip_call(call, reason, context, audit, round_number)
+    counted = [call.id for call in calls[named:]]
+    if counted:
+        audit.record_in_batch(
+            "tool_calls_skipped",
+            turn_id=context.turn_id,
+            round=round_number,
+            customer_id=context.customer_id,
+            reason=reason,
+            count=len(counted),
+            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
+        )
+        # shared, and short: 100,000 of them go in every later request (the first say why)
+        content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
+        yield from (ToolResult(call, content, outcome) for call in calls[named:])
+
+
+def _not_run_content(reason: str) -> str:
+    """What the model reads for a call that did not run, and why."""
+    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
+
+
 # ---------------------------------------------------------------------------------- the loop
 
 
@@ -919,6 +1156,68 @@ class Quirks:
         return history  # another server's history, sent as it is
 
 
+_CUT_CALLS = (
+    "the reply was cut at the model's token limit while it asked for tools; none of them ran"
+)
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
+    """The start-up checks: the tools by exact name, each name one every server accepts, each
+    schema one `validate` can rely on. It does not survive a strict schema that strict mode
+    refuses at the first request (Part II's checked_tools refuses it here)."""
+    table: dict[str, Tool] = {}
+    for tool in tools:
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
+        if tool.name in table:
+            raise ConfigError(f"two tools are named {tool.name!r}")
+        problem = tool.schema_problem()
+        if problem:
+            raise ConfigError(f"tool {tool.name!r}: {problem}")
+        table[tool.name] = tool
+    return table
+
+
+class Unlimited:
+    """What a turn may spend: anything, counted nowhere. It does not survive a model that
+    spends without end inside the round cap (Part II's Budget names a limit first)."""
+
+    def checked(self) -> Unlimited:
+        return self  # nothing to check
+
+    def for_turn(
+        self, context: ToolContext, audit: AuditLog, origin: str, deadline: float
+    ) -> Spending:
+        return Spending()
+
+
+class Spending:
+    """One turn's spending, as the loop reports it: here kept nowhere, and never refused."""
+
+    bound: int | None = None  # the output tokens the next request may ask for (None: any)
+
+    def before_request(self, messages: Sequence[str], tools_json: str) -> str | None:
+        return None  # the limit the next request would pass, if any: then it is not sent
+
+    def after_reply(self, reply: Reply) -> None:
+        return None  # what a reply spent
+
+    def before_calls(self, calls: int) -> str | None:
+        return None  # the limit a reply passed, or its calls would: then none of them run
+
+    def passed_by(self, cut: bool) -> str | None:
+        return None  # the limit a reply without calls took the turn past
+
+    def answer_for(self, reason: str | None) -> str:
+        return ""  # what the user reads when a limit stops the turn
+
+    def after_turn(self) -> None:
+        return None
+
+
 GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
 
 
@@ -955,7 +1254,7 @@ class ToolLoop:
 
     def __init__(
         self,
-        client: ChatClient,
+        client: Client,  # Part II: ChatClient
         tools: Sequence[Tool],
         audit: AuditLog,
         *,
@@ -963,12 +1262,13 @@ class ToolLoop:
         system_prompt: str = SYSTEM_PROMPT,
         round_cap_answer: str = ROUND_CAP_ANSWER,
         repeated_calls_answer: str = REPEATED_CALLS_ANSWER,
-        budget: Budget | None = None,  # None: nothing spent is limited (a Budget of Nones)
+        budget: Unlimited | None = None,  # None: nothing is limited (Part II: Budget)
         max_rounds: int = MAX_ROUNDS,
         max_calls_per_reply: int = MAX_CALLS_PER_REPLY,
         turn_timeout: float = TURN_TIMEOUT_S,
         runner: InOrder | None = None,  # None: in order, on this thread (Part II: Workers)
         quirks: Quirks | None = None,  # None: the protocol as written (Part II: ServerQuirks)
+        checks: Callable[[Sequence[Tool]], dict[str, Tool]] = tool_table,  # Part II: checked_tools
         tool_choice: str = "auto",
         parallel_tool_calls: bool | None = None,
     ) -> None:
@@ -979,13 +1279,13 @@ class ToolLoop:
         if not isinstance(runner, (InOrder, type(None))):  # Workers, say, not Workers()
             raise ConfigError("runner must be a runner built, such as Workers()")
         self.client = client
-        self.tools = tool_table(tools)
+        self.tools = checks(tools)
         _require_approval_step(self.tools.values(), approvals)
         self.audit = audit
         self.approvals = approvals
         self.system_prompt = system_prompt
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
-        self.budget = (budget or Budget()).checked()
+        self.budget = (budget or Unlimited()).checked()
         self.max_rounds = max_rounds
         self.max_calls_per_reply = max_calls_per_reply
         self.turn_timeout = turn_timeout
@@ -995,7 +1295,6 @@ class ToolLoop:
         self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
         self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
         self._origin = (client.settings.base_url, client.settings.model)
-        self._bytes_per_token: float | None = None  # of this server's input, as its turns learn
 
     def run(
         self,
@@ -1012,14 +1311,14 @@ class ToolLoop:
         if history and history_origin and history_origin != self._origin:
             history = self.quirks.carried(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
-        turn.spend.origin, turn.spend.ratio = " ".join(self._origin), self._bytes_per_token
+        origin = " ".join(self._origin)
+        turn.spending = self.budget.for_turn(context, self.audit, origin, turn.deadline)
         turn.messages.append(_message("user", user_message))
         try:  # round after round, until a reply asks for no tool or a guard or failure ends it
-            with _waits_until(turn.deadline):  # the ledger's waits too
-                while True:
-                    ended = self._round(turn, context, on_text)
-                    if ended:
-                        return ended
+            while True:
+                ended = self._round(turn, context, on_text)
+                if ended:
+                    return ended
         except KeyboardInterrupt:  # Ctrl-C: the turn is still recorded, then the user has it
             turn.close_open_calls("interrupted")
             self._finish(turn, context, "interrupted", error="interrupted")
@@ -1033,9 +1332,9 @@ class ToolLoop:
         # a tool_choice that forces a call applies to the first round only: forced in every
         # round, the model could never answer, and the turn would end at the round cap
         choice = self.tool_choice if turn.rounds == 1 else '"auto"'
-        over = self.budget.before_request(turn.messages, self._tools_json, turn.spend, context)
+        over = turn.spending.before_request(turn.messages, self._tools_json)
         if over:  # never sent: as estimated, it would pass a limit
-            return self._finish(turn, context, "budget", self.budget.answer_for(over), over)
+            return self._finish(turn, context, "budget", turn.spending.answer_for(over), over)
         try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
                 turn.messages,
@@ -1044,16 +1343,16 @@ class ToolLoop:
                 on_text,
                 tool_choice=choice,
                 parallel_tool_calls=self.parallel_tool_calls,
-                max_output=turn.spend.bound,
+                max_output=turn.spending.bound,
             )
         except ApiError as exc:
             if turn.rounds < self.max_rounds and self.quirks.asks_again(exc, turn, self.max_rounds):
                 return None  # the server refused the model's call: a new round asks again
             return self._finish(turn, context, *self.quirks.failure(exc, choice, turn))
         turn.add_reply(reply, self.max_calls_per_reply)
-        self.budget.warn(turn.spend, context, self.audit)  # a limit near: said once a turn
+        turn.spending.after_reply(reply)  # counted; a limit near is said, once a turn
         if not reply.tool_calls:
-            return self._finish(turn, context, *self._ending(reply, turn.spend))
+            return self._finish(turn, context, *self._ending(reply, turn.spending))
         # a plan the model did not finish writing is not a plan: none of it runs
         guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
         mark = len(turn.messages)  # where this reply's results start
@@ -1069,7 +1368,7 @@ class ToolLoop:
             answer = reply.content if guard == "incomplete" else self.fallbacks.get(guard)
             note = _CUT_CALLS if guard == "incomplete" else turn.over
             if guard == "budget":
-                answer = self.budget.answer_for(turn.over)
+                answer = turn.spending.answer_for(turn.over)
             return self._finish(turn, context, guard, answer, note)
         if turn.failed_tool:
             error = f"the tool {turn.failed_tool} failed; details are in the audit log"
@@ -1079,13 +1378,13 @@ class ToolLoop:
             return self._finish(turn, context, "returned_direct", answer=answer)
         return None
 
-    def _ending(self, reply: Reply, spend: Spend) -> tuple[str, str | None, str | None]:
+    def _ending(self, reply: Reply, spending: Spending) -> tuple[str, str | None, str | None]:
         """How a reply without tool calls ends the turn: an answer, or plainly not one."""
         written = self.quirks.call_written_as_text(reply.content, self.tools)
         if written:  # never run: what the model wrote is text, not a request we can trust
             return "unparsed_tool_call", None, written
         # a limit this reply took the turn past is said now, with the answer it paid for
-        over = self.budget.passed_by(spend, reply.finish_reason == "length")
+        over = spending.passed_by(reply.finish_reason == "length")
         if over:
             return "budget", reply.content, over
         if reply.finish_reason == "length":
@@ -1105,7 +1404,7 @@ class ToolLoop:
         # the budget is asked last, because it charges the calls that will run: a call the
         # guards above stop must not be paid for. It names the limit that the reply's usage,
         # or its calls, would pass; None means every limit holds.
-        turn.over = self.budget.after_reply(turn.spend, len(turn.calls_now))
+        turn.over = turn.spending.before_calls(len(turn.calls_now))
         return "budget" if turn.over else None
 
     def _run_calls(
@@ -1136,8 +1435,7 @@ class ToolLoop:
         answer: str | None = None,
         error: str | None = None,
     ) -> TurnResult:
-        self._bytes_per_token = turn.spend.ratio  # for the next turn's first estimate
-        self.budget.after_turn(turn.spend, context)  # a ledger keeps every turn's spend
+        turn.spending.after_turn()  # a ledger keeps every turn's spend
         result = TurnResult(
             stop_reason=stop_reason,
             answer=answer,
@@ -1170,6 +1468,23 @@ class ToolLoop:
         return result
 
 
+def _tool_choice_json(choice: str, tools: Mapping[str, Tool]) -> str:
+    """tool_choice as it goes on the wire: "auto", "none", "required", or one named tool."""
+    if choice in ("auto", "none", "required"):
+        return json.dumps(choice)
+    if choice not in tools:
+        raise ConfigError(f"tool_choice {choice!r} is not auto, none, required or a tool's name")
+    return _compact({"type": "function", "function": {"name": choice}})
+
+
+def _token_count(value: Any) -> int | None:
+    """A count of tokens a server reported, or None: one that is not one (negative, a string,
+    4,300 digits) is no count."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15:
+        return value
+    return None
+
+
 @dataclass
 class _Turn:
     """The loop's working state for one turn."""
@@ -1187,8 +1502,8 @@ class _Turn:
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
     calls_before: tuple[tuple[str, str], ...] = ()
-    spend: Spend = field(default_factory=lambda: Spend())  # noqa: PLW0108 -- Spend: Part II
-    over: str | None = None  # the limit a reply passed (Budget.after_reply)
+    spending: Spending = field(default_factory=Spending)  # the budget's, for this turn
+    over: str | None = None  # the limit a reply passed (Spending.before_calls)
 
     def add_reply(self, reply: Reply, can_run: int) -> None:
         self.messages.append(reply.message_json)  # the echo (the reply)
@@ -1197,7 +1512,6 @@ class _Turn:
         runnable = reply.tool_calls[:can_run]
         self.calls_before, self.calls_now = self.calls_now, _call_signature(runnable)
         self.retries += reply.retries
-        self.spend.add(reply)
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             count = _token_count(reply.usage.get(key))
             if count is not None:
@@ -1509,78 +1823,6 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
 # error here: following it would send the Authorization header to the host it names).
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Where the model lives and how to reach it; checked once, when built."""
-
-    base_url: str = DEFAULT_BASE_URL
-    model: str = DEFAULT_MODEL
-    api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
-    timeout: float = REQUEST_TIMEOUT_S
-    stream_idle: float = STREAM_IDLE_S
-    retry_timeouts: bool = False  # a request the server took may still run: _unanswered
-    max_retries: int = MAX_RETRIES
-    max_retry_wait: float = MAX_RETRY_WAIT_S
-    max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
-    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
-    # Where a request's output bound goes when a budget sets one: OpenAI's reasoning models
-    # refuse max_tokens, and servers that know only max_tokens (Ollama, LM Studio) ignore
-    # max_completion_tokens. None: max_completion_tokens for OpenAI and Azure, else max_tokens.
-    output_field: str | None = None
-
-    def __post_init__(self) -> None:
-        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
-            parts = urllib.parse.urlsplit(self.base_url)
-            parts.port  # noqa: B018 -- read to validate
-        except ValueError:
-            raise ConfigError(
-                "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
-                " or a broken [IPv6] address"
-            ) from None
-        # subtle: a file: or data: URL names no server; it must not get as far as a request
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
-        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
-        if self.api_key and not self.api_key.isascii():
-            raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
-        if self.api_key and not _is_header_safe(self.api_key):
-            # subtle: http.client's own error would print the header, key and all
-            raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
-        if not self.api_key and parts.hostname == "api.openai.com":
-            raise ConfigError(
-                "OPENAI_API_KEY is not set (required for api.openai.com; for a local server,"
-                " set OPENAI_BASE_URL to it instead; `demo` runs offline)"
-            )
-        if not self.model:
-            raise ConfigError("the model name is empty")
-        if self.output_field is None:
-            openai = parts.hostname == "api.openai.com" or parts.hostname.endswith(".azure.com")
-            object.__setattr__(self, "output_field", f"max_{'completion_' * openai}tokens")
-        if self.output_field not in ("max_completion_tokens", "max_tokens"):
-            raise ConfigError("output_field must be max_completion_tokens or max_tokens")
-        if (
-            min(self.timeout, self.stream_idle) <= 0
-            or self.max_retries < 0
-            or self.max_retry_wait < 0
-        ):
-            raise ConfigError("timeouts must be positive and retries not negative")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
-        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
-        `choices` sets the other fields (timeout=, max_retries=, …)."""
-        return cls(
-            base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
-            model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
-            api_key=environ.get("OPENAI_API_KEY") or None,
-            **choices,
-        )
-
-
-def _is_header_safe(value: str) -> bool:
-    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
-
-
 # subtle: a socket timeout bounds each socket operation, not the request: a server that sends
 # its status line, a header, a "100 Continue", a chunk-size line or a trailer one byte at a
 # time, each within the timeout, would never trip it. So every read from the socket goes
@@ -1730,7 +1972,7 @@ class _RetryableError(ApiError):
 _log = logging.getLogger("function_calling")
 
 
-class ChatClient:
+class ChatClient(Client):
     """Sends chat-completions requests over one kept-alive connection; every failure becomes
     one ApiError.
 
@@ -2416,60 +2658,6 @@ def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
 # one; and the calls that do not run (a guard, the per-reply cap, a timeout) are answered and
 # audited all the same.
 
-_SKIP_REASONS = {
-    "round_cap": "the round cap was reached, so its result could never be read",
-    "repeated_calls": "the same calls as the previous reply; the turn was stopped",
-    "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
-    "budget": "the turn reached a spending limit, so none of them ran",
-    "audit_failed": "the audit log could not be written",
-    "interrupted": "the user interrupted the turn",
-    "incomplete": "the reply was cut at the token limit, so none of its calls ran",
-}
-
-
-def skip_call(
-    call: ToolCall, reason: str, context: ToolContext, audit: AuditLog, round_number: int
-) -> ToolResult:
-    """A call that will not run still gets its tool message and its audit line."""
-    _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
-    return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
-
-
-def skip_calls(
-    calls: Sequence[ToolCall],
-    reason: str,
-    named: int,
-    context: ToolContext,
-    audit: AuditLog,
-    round_number: int,
-) -> Iterator[ToolResult]:
-    """Answer every call that will not run: the first `named` with an audit line each, the
-    rest with one line together (how many, and a digest of their ids).
-
-    subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
-    valid), but only as many are audited one by one as could have run."""
-    for call in calls[:named]:
-        yield skip_call(call, reason, context, audit, round_number)
-    counted = [call.id for call in calls[named:]]
-    if counted:
-        audit.record_in_batch(
-            "tool_calls_skipped",
-            turn_id=context.turn_id,
-            round=round_number,
-            customer_id=context.customer_id,
-            reason=reason,
-            count=len(counted),
-            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
-        )
-        # shared, and short: 100,000 of them go in every later request (the first say why)
-        content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
-        yield from (ToolResult(call, content, outcome) for call in calls[named:])
-
-
-def _not_run_content(reason: str) -> str:
-    """What the model reads for a call that did not run, and why."""
-    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
-
 
 def timed_out_call(
     call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
@@ -2723,7 +2911,7 @@ class Tally:
 
 
 @dataclass(frozen=True)
-class Budget:
+class Budget(Unlimited):
     """What one turn may spend (these fields), and, kept by a SpendKeeper, what a customer may in a
     UTC day and a conversation in all its turns; None: no limit (the default)."""
 
@@ -2744,6 +2932,8 @@ class Budget:
     conversation_answer: str = CONVERSATION_BUDGET_ANSWER
     warn_at: float | None = None  # a limit spent to this fraction is said, once a turn (0.8)
     turn: Limits = field(init=False, repr=False, compare=False)  # the five above, made once
+    # input bytes a token, by "BASE_URL MODEL", as its turns' counts taught (the estimate)
+    learned: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_limits(self)
@@ -2760,6 +2950,12 @@ class Budget:
         if (self.daily.any or self.conversation.any) and self.ledger is None:
             raise ConfigError("a daily or a conversation limit needs a ledger to keep it in")
         return self
+
+    def for_turn(
+        self, context: ToolContext, audit: AuditLog, origin: str, deadline: float
+    ) -> Spending:
+        spend = Spend(origin=origin, ratio=self.learned.get(origin))
+        return Metered(self, spend, context, audit, deadline)
 
     def cost_of(self, spent: Tally) -> float:
         """What tokens cost at the prices (0 without them)."""
@@ -2882,14 +3078,6 @@ def _size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
-def _token_count(value: Any) -> int | None:
-    """A count of tokens a server reported, or None: one that is not one (negative, a string,
-    4,300 digits) is no count."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15:
-        return value
-    return None
-
-
 @dataclass
 class Spend:
     """What a turn has spent so far: the server's counts, or the estimates where it gave none."""
@@ -2942,6 +3130,48 @@ class Spend:
             guessed -= held.input + held.output  # the charge was all estimate; now, this part
             self.ledger.add(self.scopes, change, guessed, (self.origin, self.ratio))
             self.charged = None
+
+
+class Metered(Spending):
+    """One turn's spending under a Budget (in place of Part I's Spending): counted, a limit
+    near said, and a request or a reply's calls refused before they would pass one. The
+    ledger's waits for the database end by the turn's deadline."""
+
+    def __init__(
+        self, budget: Budget, spend: Spend, context: ToolContext, audit: AuditLog, deadline: float
+    ) -> None:
+        self.budget, self.spend, self.context, self.audit = budget, spend, context, audit
+        self.deadline = deadline
+
+    @property
+    def bound(self) -> int | None:  # type: ignore[override]  # Spending's is a plain None
+        return self.spend.bound
+
+    def before_request(self, messages: Sequence[str], tools_json: str) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.before_request(messages, tools_json, self.spend, self.context)
+
+    def after_reply(self, reply: Reply) -> None:
+        with _waits_until(self.deadline):
+            self.spend.add(reply)
+            self.budget.warn(self.spend, self.context, self.audit)
+
+    def before_calls(self, calls: int) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.after_reply(self.spend, calls)
+
+    def passed_by(self, cut: bool) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.passed_by(self.spend, cut)
+
+    def answer_for(self, reason: str | None) -> str:
+        return self.budget.answer_for(reason)
+
+    def after_turn(self) -> None:
+        if self.spend.ratio is not None:  # for the next turn's first estimate
+            self.budget.learned[self.spend.origin] = self.spend.ratio
+        with _waits_until(self.deadline):
+            self.budget.after_turn(self.spend, self.context)
 
 
 # A ledger's scope: its key in the table, its limits, and how a message names it.
@@ -3008,11 +3238,6 @@ SPEND_KEEPERS: list[type[SpendKeeper]] = []  # a part further down adds its own
 MAX_REFUSED_CALLS = 2  # a server's tool_use_failed is asked again twice, each a new round
 
 
-_CUT_CALLS = (
-    "the reply was cut at the model's token limit while it asked for tools; none of them ran"
-)
-
-
 _TEXT_CALL_HINT = (
     "the model wrote a call to {name} as text, not as a tool call, so nothing was run: the"
     " server is not parsing tool calls (llama.cpp: start llama-server with --jinja; vLLM:"
@@ -3025,16 +3250,6 @@ _WRITTEN_CALL = re.compile(
     r"|\[TOOL_CALLS\]\s*(.*)|```(?:json)?\s*(.*?)```",
     re.DOTALL,
 )
-
-
-def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
-    """Arguments that came as no text at all ("{}": seen for no-argument tools) or as the
-    object itself (its text as sent, duplicate keys and all)."""
-    if arguments is None or arguments == "":
-        return "{}"
-    function = _members(message_json, call)["function"]  # type: ignore[index]
-    start, end = _members(message_json, function)["arguments"]  # type: ignore[index]
-    return message_json[start:end]
 
 
 class ServerQuirks(Quirks):
@@ -3081,24 +3296,6 @@ class ServerQuirks(Quirks):
 
     def carried(self, history: Sequence[str]) -> Sequence[str]:
         return portable_history(history)
-
-
-def hardened_loop(
-    client: ChatClient, tools: Sequence[Tool], audit: AuditLog, **options: Any
-) -> ToolLoop:
-    """A ToolLoop with Part II's pieces in its seams (Workers, ServerQuirks): what App and the
-    CLI run. `options` are ToolLoop's own, and may name a seam's piece to use instead."""
-    seams: dict[str, Any] = {"runner": Workers(), "quirks": ServerQuirks()}
-    return ToolLoop(client, tools, audit, **{**seams, **options})
-
-
-def _tool_choice_json(choice: str, tools: Mapping[str, Tool]) -> str:
-    """tool_choice as it goes on the wire: "auto", "none", "required", or one named tool."""
-    if choice in ("auto", "none", "required"):
-        return json.dumps(choice)
-    if choice not in tools:
-        raise ConfigError(f"tool_choice {choice!r} is not auto, none, required or a tool's name")
-    return _compact({"type": "function", "function": {"name": choice}})
 
 
 def _strict_problem(schema: Any, where: str) -> str | None:
@@ -3182,27 +3379,19 @@ def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
 # writes must have a human's step too (approvals). A misconfigured tool fails here, never
 # halfway through a turn.
 
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NOTICE_TOOL = "application_notice"  # a saved conversation's own call: never a tool's name
 
 
-def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
-    """The tools of one turn by exact name; refuses what a server would reject mid-conversation."""
-    table: dict[str, Tool] = {}
-    for tool in tools:
-        if not _TOOL_NAME.fullmatch(tool.name):
-            raise ConfigError(f"tool name {tool.name!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
-        if tool.name in table:
-            raise ConfigError(f"two tools are named {tool.name!r}")
+def checked_tools(tools: Sequence[Tool]) -> dict[str, Tool]:
+    """Part I's tool_table, and more (`ToolLoop(checks=checked_tools)`): a strict tool's
+    schema as strict mode requires it, and no tool named as the application's own call."""
+    table = tool_table(tools)
+    for tool in table.values():
         if tool.name == NOTICE_TOOL:  # a conversation tells decisions as this call of ours
             raise ConfigError(f"the tool name {NOTICE_TOOL!r} is the application's own")
-        problem = tool.schema_problem()
-        if problem:
-            raise ConfigError(f"tool {tool.name!r}: {problem}")
         problem = _strict_problem(tool.parameters, "parameters") if tool.strict else None
         if problem:
             raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
-        table[tool.name] = tool
     return table
 
 
@@ -4443,6 +4632,19 @@ def _sql_statements(script: str) -> Iterator[str]:
         raise ConfigError("a schema ends with an unfinished SQL statement")
 
 
+# ------------------------------------------------------------------------ the seams, filled
+
+
+def hardened_loop(
+    client: ChatClient, tools: Sequence[Tool], audit: AuditLog, **options: Any
+) -> ToolLoop:
+    """A ToolLoop with Part II's pieces in its seams (Workers, ServerQuirks, checked_tools):
+    what App and the CLI run. `options` are ToolLoop's own, and may name a seam's piece to
+    use instead."""
+    seams: dict[str, Any] = {"runner": Workers(), "quirks": ServerQuirks(), "checks": checked_tools}
+    return ToolLoop(client, tools, audit, **{**seams, **options})
+
+
 # ==================================================================== Part III: operating it
 
 # -------------------------------------------------------------------------- the audit log's figures
@@ -5313,7 +5515,7 @@ def _cmd_approve(args: argparse.Namespace, app: App) -> int:
         # there) is refused as it is, without starting a tool source's servers first
         waiting = any(a.action_id == args.action_id for a in workspace.approvals.pending())
         extra = _source_tools(args, workspace.audit, stack) if waiting else []
-        tools = tool_table([*app.tools(workspace.database), *extra])
+        tools = checked_tools([*app.tools(workspace.database), *extra])
         try:
             approvals = workspace.approvals
             outcome = approvals.approve(args.action_id, tools, args.operator, args.arguments)
@@ -5534,7 +5736,7 @@ def _run_demo(args: argparse.Namespace, app: App, kept: bool) -> int:
     if kept:
         _demo_hands_over(workspace)
     else:
-        failed = _demo_human_decides(workspace, tool_table(tools)) or failed
+        failed = _demo_human_decides(workspace, checked_tools(tools)) or failed
     where = f"in {workspace.audit.path}" if kept else "(in a temporary directory, now removed)"
     print(f"\nEach call and decision above was audited as one JSON line {where}.")
     if not kept:
@@ -10861,7 +11063,7 @@ def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
     workspace = _open(args, app, create=False)
     with ExitStack() as stack:
         extra = _source_tools(args, workspace.audit, stack)
-        tools = tool_table([*app.tools(workspace.database), *extra])
+        tools = checked_tools([*app.tools(workspace.database), *extra])
         token = secrets.token_urlsafe(32)
         try:
             server = _InboxHTTPServer(
