@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #4da79d69: the whole file, every part kept
+# function_calling.py 2026-12-04 #95bea5f5: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,10 +26,10 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,814 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 1,937 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,830 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,760 lines),
 makes each of its promises hold against real servers and faults: the transport · the stream ·
 the workers · budgets · server quirks · start-up checks · the audit chain · the approvals'
 journal · the database · the seams, filled. Part III, operating
@@ -90,7 +90,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
@@ -107,11 +107,12 @@ else:
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditLog", "Budget", "ChatClient", "ConfigError", "Database", "Dispatcher",
-    "InOrder", "Limits", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
-    "ScriptedReply", "ServerQuirks", "Settings", "Tally", "Tool", "ToolContext", "ToolError",
-    "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Workers", "audit_disagreements",
-    "audit_stats", "canonical_json", "check_argument_names", "delta_chunk", "hardened_loop",
+    "AuditError", "AuditFile", "AuditLog", "Budget", "ChatClient", "Client", "ConfigError",
+    "Database", "Dispatcher", "InOrder", "Limits", "LineFile", "PendingAction", "Quirks",
+    "RecordedRequest", "ScriptedChatServer", "ScriptedReply", "ServerQuirks", "Settings",
+    "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
+    "TurnResult", "Unlimited", "Workers", "audit_disagreements", "audit_stats",
+    "canonical_json", "check_argument_names", "checked_tools", "delta_chunk", "hardened_loop",
     "main", "parse_arguments", "portable_history", "require_choice", "require_integer",
     "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
     "verify_audit",
@@ -125,8 +126,6 @@ __version__ = "2026-12-04"
 
 # ===================================================================== Part I: the mechanism
 # What Part I still relies on from later parts, by the promise each keeps (each to be a seam):
-#   AuditFile, _one_fsync, _scrubbed, _FREE_TEXT, _refuse_secrets, _without_secrets_in_use:
-#       one hash-chained line, on disk when `record` returns or a batch ends, secrets cut out
 #   Database: read-only reads, whole writes, waits with deadlines (database)
 #   _APPROVALS_SCHEMA, _file_action, _open_action, _open_actions, _mark, _about, _EDITS_SCHEMA,
 #       _OUTCOMES_SCHEMA, _record_outcome, _edit_action, _HOSTS_SCHEMA: one open action per
@@ -301,6 +300,85 @@ def _control_escaped(text: str, keep: str = "") -> str:
     return "".join(
         c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
     )
+
+
+# Secrets: the API key (and a tool server's token) is given to no tool, whoever says it back.
+
+MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
+_IN_USE: tuple[str, ...] = ()  # the secrets this process holds, longest first (_keep_secret)
+_KEEPING = threading.Lock()
+
+
+def _keep_secret(*values: str | None) -> None:
+    """These values (the API key, a tool server's token) never rest outside this process: they
+    are redacted from whatever the model or a server wrote that this process prints, saves or
+    logs (_without_secrets_in_use), however they came to be in it."""
+    found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
+    global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
+    with _KEEPING:
+        _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
+
+
+def _refuse_secrets(args: Mapping[str, Any]) -> None:
+    """ArgumentError if the model's arguments hold a secret this process holds: no tool is
+    given one, and no action is filed with it."""
+    if _holds_secret(args, _IN_USE):
+        raise ArgumentError("the arguments hold a credential of this application")
+
+
+def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
+    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere? A text
+    that is JSON is looked into decoded (_decoded_json); however deep, without recursion."""
+    if not secrets:
+        return False
+    return any(_leaf_holds_secret(leaf, secrets) for leaf in _leaves(value))
+
+
+def _leaf_holds_secret(leaf: Any, secrets: tuple[str, ...]) -> bool:
+    """Does one text or number hold a secret: a text's start of one (a JSON text's decoded,
+    where an escape could hide one: no decoding on the way of every audit line otherwise), a
+    number's digits one whole?"""
+    if isinstance(leaf, str):
+        decoded = _decoded_json(leaf) if "\\" in leaf else None
+        if decoded is not None:
+            return _holds_secret(decoded, secrets)
+        return _secrets_pattern(secrets).search(leaf) is not None
+    numeric = isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
+    return numeric and any(secret in repr(leaf) for secret in secrets)
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every key and value in a decoded JSON value that is no object or array, by a stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+        else:
+            yield item
+
+
+@functools.lru_cache(maxsize=64)
+def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
+    """Where any of `secrets` may be: its start (all of it, if short), in any case. A server
+    or a header may change a value's case (a Content-Type is read lowercased), and a secret
+    said in capitals is the secret all the same; a start longer than KEY_PREFIX_SHOWN is
+    enough to matter (a text cut mid-secret)."""
+    heads = {secret[: KEY_PREFIX_SHOWN + 1] for secret in secrets}
+    return re.compile("|".join(map(re.escape, sorted(heads, key=len, reverse=True))), re.I)
+
+
+def _decoded_json(text: str) -> Any:
+    """A text that is a JSON object or array, decoded (an escape, \\u0073k-… or \\/, would
+    hide a secret from the raw text, and a cut could break its escapes); None if it is not."""
+    if text[:1] not in ("{", "["):
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 # ------------------------------------------------------------------- tools and validation
@@ -537,9 +615,50 @@ def _cut(text: str, limit: int) -> str:
 AUDIT_LOGGER = "function_calling.audit"
 
 
+GENESIS = "0" * 64  # the "prev" of the first record
+
+
+class LineFile:
+    """Part I's audit file: each record one JSON line, {"seq": N, "prev": SHA-256 of line N-1,
+    …}, appended and fsynced under a lock, the chain continued from the file's last line. It
+    does not survive a second writer on the file (the chain forks), a half line a full disk or
+    a crash left, or a secret in an exception's text (Part II's AuditFile)."""
+
+    @classmethod
+    def of(cls, path: Path, fsync: bool, head_file: Path | None) -> LineFile:
+        if head_file is not None:
+            raise ConfigError("a head file is kept by Part II's AuditFile (writer=AuditFile)")
+        return cls(path, fsync)
+
+    def __init__(self, path: Path, fsync: bool = True) -> None:
+        self.path, self.fsync = path, fsync
+        self._lock = threading.Lock()
+        self._seq, self._prev = 0, GENESIS
+        if path.exists() and path.stat().st_size:  # read once, as the log is opened
+            last = path.read_bytes().splitlines()[-1]
+            self._seq, self._prev = json.loads(last)["seq"], hashlib.sha256(last).hexdigest()
+
+    def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
+        """One line, on disk when this returns (`sync` aside: every line is synced)."""
+        with self._lock:
+            line = _compact({"seq": self._seq + 1, "prev": self._prev, **record}).encode()
+            with self.path.open("ab") as file:
+                file.write(line + b"\n")
+                file.flush()
+                if self.fsync:
+                    os.fsync(file.fileno())
+            self._seq, self._prev = self._seq + 1, hashlib.sha256(line).hexdigest()
+
+    def batch(self) -> AbstractContextManager[None]:
+        return nullcontext()  # each line is on disk as it is written
+
+    def cleaned(self, record: dict[str, Any]) -> dict[str, Any]:
+        return record  # as it is: secrets in free text are Part II's to cut
+
+
 class AuditLog:
-    """The audit trail of one file: each record appended to its hash chain (Part II's
-    AuditFile), then handed to the named logger AUDIT_LOGGER.
+    """The audit trail of one file: each record appended to its hash chain by the `writer`
+    (Part I's LineFile; Part II's AuditFile), then handed to the named logger AUDIT_LOGGER.
 
     Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
     The file is written whatever logging is set to do: logging.disable() cannot drop a line.
@@ -549,11 +668,16 @@ class AuditLog:
     """
 
     def __init__(
-        self, path: Path, fsync: bool = True, head_file: Path | None = None, host: str = ""
+        self,
+        path: Path,
+        fsync: bool = True,
+        head_file: Path | None = None,
+        host: str = "",
+        writer: type[LineFile] = LineFile,  # Part II: AuditFile
     ) -> None:
         self.path = path.resolve()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._file = AuditFile.of(self.path, fsync, head_file)
+        self._file = writer.of(self.path, fsync, head_file)
         self._host = {"host": host} if host else {}
         self._logger = logging.getLogger(AUDIT_LOGGER)
         self._logger.propagate = False
@@ -570,12 +694,10 @@ class AuditLog:
     def batch(self) -> AbstractContextManager[None]:
         """The lines written with record_in_batch inside are on disk when the block ends, with
         one fsync for them all: the calls of a reply cost no more fsyncs than one call."""
-        return _one_fsync(self._file)
+        return self._file.batch()
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
-        record = {"time": _utc_now(), "event": event, **self._host}
-        record.update((k, _scrubbed(v) if k in _FREE_TEXT else v) for k, v in fields.items())
-        record = _without_secrets_in_use(record)  # the model's arguments too: never the key
+        record = self._file.cleaned({"time": _utc_now(), "event": event, **self._host, **fields})
         try:
             self._file.append(record, sync)
         except OSError as exc:
@@ -655,6 +777,7 @@ class Client:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        _keep_secret(settings.api_key)  # given to no tool, whoever says it back
         self._opener = urllib.request.build_opener(_NoRedirects)  # proxies: from the environment
 
     def complete(
@@ -3399,11 +3522,11 @@ def checked_tools(tools: Sequence[Tool]) -> dict[str, Tool]:
 # How an audit line reaches the disk so that nobody can quietly edit, drop or reorder lines:
 # each carries the hash of the one before it.
 
-GENESIS = "0" * 64  # the "prev" of the first record
 
-
-class AuditFile:
-    """Appends each audit record as one hash-chained JSON line; one per file in a process.
+class AuditFile(LineFile):
+    """Part I's LineFile, hardened (`AuditLog(writer=AuditFile)`): one per file in a process,
+    secrets cut out, lines fsynced once a batch, a head file kept, other processes' lines
+    chained in.
 
     Each line is {"seq": N, "prev": SHA-256 of line N-1's bytes, …the record}. The append is
     one os.write through O_APPEND, under this object's lock (threads) and an flock (other
@@ -3448,6 +3571,15 @@ class AuditFile:
                 self._unsynced = self._unsynced or later
             finally:
                 os.close(fd)
+
+    def batch(self) -> AbstractContextManager[None]:
+        return _one_fsync(self)
+
+    def cleaned(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Secrets cut out: free text's look-alikes, and every secret this process holds (the
+        model's arguments too: never the key)."""
+        record = {k: _scrubbed(v) if k in _FREE_TEXT else v for k, v in record.items()}
+        return _without_secrets_in_use(record)  # type: ignore[no-any-return]
 
     def open_batch(self) -> None:
         with self._lock:
@@ -3558,28 +3690,6 @@ def _scrubbed(value: Any) -> Any:
     return value
 
 
-MIN_SECRET_CHARS = 8  # a shorter value ("1", "true", a port) would redact ordinary words
-_IN_USE: tuple[str, ...] = ()  # the secrets this process holds, longest first (_keep_secret)
-_KEEPING = threading.Lock()
-
-
-def _keep_secret(*values: str | None) -> None:
-    """These values (the API key, a tool server's token) never rest outside this process: they
-    are redacted from whatever the model or a server wrote that this process prints, saves or
-    logs (_without_secrets_in_use), however they came to be in it."""
-    found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
-    global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
-    with _KEEPING:
-        _IN_USE = tuple(sorted(found.union(_IN_USE), key=len, reverse=True))
-
-
-def _refuse_secrets(args: Mapping[str, Any]) -> None:
-    """ArgumentError if the model's arguments hold a secret this process holds: no tool is
-    given one, and no action is filed with it."""
-    if _holds_secret(args, _IN_USE):
-        raise ArgumentError("the arguments hold a credential of this application")
-
-
 def _credentials(values: Mapping[str, str]) -> list[str]:
     """The values named as credentials are (a token, a key, a password, Authorization): those
     this process keeps from everything (_keep_secret). A server's other values (a path, a
@@ -3596,40 +3706,6 @@ def _without_secrets_in_use(value: Any) -> Any:
     none, so that a text without one keeps its exact bytes."""
     secrets = _IN_USE
     return _without_secrets(value, secrets) if secrets and _holds_secret(value, secrets) else value
-
-
-def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
-    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere? A text
-    that is JSON is looked into decoded (_decoded_json); however deep, without recursion."""
-    if not secrets:
-        return False
-    return any(_leaf_holds_secret(leaf, secrets) for leaf in _leaves(value))
-
-
-def _leaf_holds_secret(leaf: Any, secrets: tuple[str, ...]) -> bool:
-    """Does one text or number hold a secret: a text's start of one (a JSON text's decoded,
-    where an escape could hide one: no decoding on the way of every audit line otherwise), a
-    number's digits one whole?"""
-    if isinstance(leaf, str):
-        decoded = _decoded_json(leaf) if "\\" in leaf else None
-        if decoded is not None:
-            return _holds_secret(decoded, secrets)
-        return _secrets_pattern(secrets).search(leaf) is not None
-    numeric = isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
-    return numeric and any(secret in repr(leaf) for secret in secrets)
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    """Every key and value in a decoded JSON value that is no object or array, by a stack."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, (list, tuple)):
-            stack += item
-        else:
-            yield item
 
 
 def _text_without_secrets(text: str, secrets: tuple[str, ...]) -> str:
@@ -3664,16 +3740,6 @@ def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
     return value
 
 
-@functools.lru_cache(maxsize=64)
-def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
-    """Where any of `secrets` may be: its start (all of it, if short), in any case. A server
-    or a header may change a value's case (a Content-Type is read lowercased), and a secret
-    said in capitals is the secret all the same; a start longer than KEY_PREFIX_SHOWN is
-    enough to matter (a text cut mid-secret)."""
-    heads = {secret[: KEY_PREFIX_SHOWN + 1] for secret in secrets}
-    return re.compile("|".join(map(re.escape, sorted(heads, key=len, reverse=True))), re.I)
-
-
 def _cut_secrets(text: str, secrets: tuple[str, ...]) -> str:
     """`text` with each secret, or a start of one (_secrets_pattern), cut out with the whole
     run of key-like characters around it, and the secret's own end if it goes on past that
@@ -3697,17 +3763,6 @@ def _cut_secrets(text: str, secrets: tuple[str, ...]) -> str:
 
 
 _KEY_LIKE = re.compile(r"[\w\-.~+/=]")  # what keys and tokens are made of, in a run
-
-
-def _decoded_json(text: str) -> Any:
-    """A text that is a JSON object or array, decoded (an escape, \\u0073k-… or \\/, would
-    hide a secret from the raw text, and a cut could break its escapes); None if it is not."""
-    if text[:1] not in ("{", "["):
-        return None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
 
 
 @contextmanager
@@ -5207,7 +5262,7 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
         raise ConfigError(f"no database at {path.resolve()}; check --data-dir")  # not start one
     try:
         database = named or Database(path)
-        audit = AuditLog(directory / "audit.log", host=database.host)
+        audit = AuditLog(directory / "audit.log", host=database.host, writer=AuditFile)
         return _Workspace(directory, database, audit, Approvals(database, audit))
     except OSError as exc:  # a file where the directory should be, no permission, …
         reason = exc.strerror or type(exc).__name__
