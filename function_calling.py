@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #95bea5f5: the whole file, every part kept
+# function_calling.py 2026-12-04 #61da8cae: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,14 +26,14 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 1,937 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,045 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,760 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,880 lines),
 makes each of its promises hold against real servers and faults: the transport · the stream ·
 the workers · budgets · server quirks · start-up checks · the audit chain · the approvals'
 journal · the database · the seams, filled. Part III, operating
-it (about 1,370 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,400 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -42,6 +42,7 @@ Commands: python3 function_calling.py COMMAND (--help for each; --version)
   ask "QUESTION" [--stream]                       one turn; chat: one per line, until /quit
   pending · approve ID · reject ID · verify-audit · stats
   copy OUT [--without PART,…]                     this file, without the parts named
+  copy OUT --mechanism                            Part I alone: python3 OUT "QUESTION"
 Env:  OPENAI_API_KEY · OPENAI_BASE_URL (default https://api.openai.com/v1) ·
       OPENAI_MODEL, else MODEL (default gpt-4.1-mini) ·
       FUNCTION_CALLING_DATA (default ./.function_calling)
@@ -89,8 +90,16 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zoneinfo
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
+from contextlib import (
+    AbstractContextManager,
+    ExitStack,
+    closing,
+    contextmanager,
+    nullcontext,
+    suppress,
+)
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from email.message import Message
@@ -108,14 +117,14 @@ else:
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditFile", "AuditLog", "Budget", "ChatClient", "Client", "ConfigError",
-    "Database", "Dispatcher", "InOrder", "Limits", "LineFile", "PendingAction", "Quirks",
-    "RecordedRequest", "ScriptedChatServer", "ScriptedReply", "ServerQuirks", "Settings",
-    "Tally", "Tool", "ToolContext", "ToolError", "ToolLoop", "ToolSource", "ToolSourceError",
-    "TurnResult", "Unlimited", "Workers", "audit_disagreements", "audit_stats",
-    "canonical_json", "check_argument_names", "checked_tools", "delta_chunk", "hardened_loop",
-    "main", "parse_arguments", "portable_history", "require_choice", "require_integer",
-    "require_pattern", "stream_reply", "text_reply", "tool_call_reply", "tool_table",
-    "verify_audit",
+    "CurrentTime", "Database", "Dispatcher", "InOrder", "JournaledApprovals", "Limits",
+    "LineFile", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
+    "ScriptedReply", "ServerQuirks", "Settings", "Tally", "Tool", "ToolContext", "ToolError",
+    "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Unlimited", "Workers",
+    "audit_disagreements", "audit_stats", "canonical_json", "check_argument_names",
+    "checked_tools", "delta_chunk", "hardened_loop", "main", "parse_arguments",
+    "portable_history", "require_choice", "require_integer", "require_pattern", "stream_reply",
+    "text_reply", "tool_call_reply", "tool_table", "verify_audit",
 ]
 # fmt: on
 # The day this file was stamped (`make version`). What identifies its exact text is that day
@@ -125,14 +134,9 @@ __version__ = "2026-12-04"
 
 
 # ===================================================================== Part I: the mechanism
-# What Part I still relies on from later parts, by the promise each keeps (each to be a seam):
-#   Database: read-only reads, whole writes, waits with deadlines (database)
-#   _APPROVALS_SCHEMA, _file_action, _open_action, _open_actions, _mark, _about, _EDITS_SCHEMA,
-#       _OUTCOMES_SCHEMA, _record_outcome, _edit_action, _HOSTS_SCHEMA: one open action per
-#       exact request, decided once in its own transaction with its result and edit; and
-#       _IN_FLIGHT_SCHEMA, _taking_turns, _intend, _conclude, _step_finished, _withdraw,
-#       _settle, _settle_if_free: a journal row from before a step's first line until after
-#       its last, settled by the next step after a crash (the approvals' journal)
+# A complete program: it calls nothing defined after its end marker (the suite checks), and
+# `copy OUT --mechanism` writes it alone. Each piece says what it does not survive, and which
+# Part II piece takes its place through a seam (a constructor argument; hardened_loop).
 
 # ---------------------------------------------------------------------------------- settings
 
@@ -1727,37 +1731,68 @@ class PendingAction:
     edit: Mapping[str, str] | None = None  # what was proposed, if a person edited it
 
 
+# Kept in the data directory's database, so that a tool whose data lives there commits its
+# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
+# table had a version row of its own (when it shared the example's schema) is taken as it is.
+_APPROVALS_SCHEMA = """
+-- What a model proposed and a human must decide. One open action per exact request.
+CREATE TABLE IF NOT EXISTS pending_actions (
+    action_id      TEXT PRIMARY KEY,
+    customer_id    TEXT NOT NULL,
+    tool           TEXT NOT NULL,
+    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
+    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
+    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
+    created_at     TEXT NOT NULL,
+    expires_at     TEXT NOT NULL,
+    status         TEXT NOT NULL DEFAULT 'pending'
+                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
+    decided_at     TEXT,
+    decided_by     TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
+    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
+"""
+
+_ACTION_FIELDS = (
+    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
+    " created_at, expires_at, status"
+)
+
+
 class Approvals:
-    """The human side of every write, for any tool with `writes = True`. The model can only
-    file a request; no tool approves or executes anything. A human lists, approves or rejects
-    on the command line, and approving re-checks everything and applies the change once.
-
-    Each step is written ahead, as a database's own log is, so that the audit log and the
-    database never disagree about an action, wherever the process dies:
-
-    - filing: the action and an in_flight row commit together; its tool_call line follows;
-      then the row goes. If the line cannot be written the action is withdrawn at once.
-    - deciding: an in_flight row; an approval_intent line; the change, the action's status and
-      the row's result_json in one transaction; an approval_decision line; the row goes.
-
-    A row left behind is a crash, settled by the next step (Part II: the approvals' journal)."""
+    """The human side of every write (a tool with `writes = True`), kept in the SQLite file
+    the tools' data is in. The model can only file a request; a person lists, approves or
+    rejects it; approving re-checks everything and applies the change once, in one
+    transaction with the action's status. A filing's audit line is written inside its
+    transaction (no line, no action); a decision's, as soon as it commits. It does not
+    survive a crash between a step's commit and its line (the log and the database then
+    disagree), hosts sharing a database, or a person's edit (Part II's JournaledApprovals)."""
 
     def __init__(
         self,
-        database: Database,
+        path: Path,
         audit: AuditLog,
         ttl_seconds: float = APPROVAL_TTL_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        database.install("approvals", 1, _APPROVALS_SCHEMA + _IN_FLIGHT_SCHEMA)
-        database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
-        database.install("approval_edits", 1, _EDITS_SCHEMA)
-        database.install("approval_hosts", 1, _HOSTS_SCHEMA)
-        self.database = database
-        self.audit = audit
-        self.ttl_seconds = ttl_seconds
-        self.clock = clock
-        self.lock_path = database.path.with_name(database.path.name + ".approvals-lock")
+        self.path, self.audit, self.ttl_seconds, self.clock = path, audit, ttl_seconds, clock
+        with self._transaction() as db:
+            for statement in filter(str.strip, _APPROVALS_SCHEMA.split(";")):
+                db.execute(statement)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, all of it or none; a second writer waits for the first."""
+        db = sqlite3.connect(self.path, timeout=DATABASE_BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")  # the write lock now: no two decisions interleave
+            yield db
+            db.execute("COMMIT")
+        finally:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            db.close()
 
     def propose(
         self,
@@ -1767,130 +1802,152 @@ class Approvals:
         summary: Mapping[str, Any],
         record: Callable[[Mapping[str, str]], None] | None = None,
     ) -> dict[str, Any]:
-        """File a validated, eligible request and its audit line: both or neither. `record`
-        writes the line (dispatch writes the call's own); by default, a tool_call line here.
-        Returns what the model is told."""
+        """File a validated, eligible request with its audit line (`record` writes it; by
+        default a tool_call line here): both or neither. Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
-        with _taking_turns(self):
-            told = _file_action(self, action_id, tool, args, context, summary)
+        arguments_json, now = canonical_json(args), self.clock()
+        row = (action_id, context.customer_id, tool.name, arguments_json)
+        binding = _binding(context.customer_id, tool.name, arguments_json)
+        expires = _iso(now + self.ttl_seconds)
+        with self._transaction() as db:
             try:
-                if record is None:
-                    self.audit.record(
-                        "tool_call",
-                        turn_id=context.turn_id,
-                        customer_id=context.customer_id,
-                        tool=tool.name,
-                        arguments=canonical_json(args),
-                        outcome="proposed",
-                        approval_id=action_id,
-                    )
-                else:
-                    record({"approval_id": action_id})
-            except BaseException:
-                _withdraw(self, action_id)  # no audit line, no action
-                raise
-            _step_finished(self, action_id)
-        return told
+                db.execute(
+                    f"INSERT INTO pending_actions ({_ACTION_FIELDS}) VALUES (?,?,?,?,?,?,?,?,?)",  # noqa: S608
+                    (*row, binding, canonical_json(summary), _iso(now), expires, "pending"),
+                )
+            except sqlite3.IntegrityError:  # the one-open-action index
+                raise ToolError(
+                    "this request is already waiting for a person to approve it"
+                ) from None
+            line = {"approval_id": action_id}
+            if record is not None:
+                record(line)  # inside the transaction: if it fails, the action goes with it
+            else:
+                self.audit.record(
+                    "tool_call",
+                    turn_id=context.turn_id,
+                    tool=tool.name,
+                    customer_id=context.customer_id,
+                    arguments=arguments_json,
+                    outcome="proposed",
+                    **line,
+                )
+        return {
+            "status": "requires_approval",
+            "approvalId": action_id,
+            **summary,
+            "expiresAt": expires,
+        }
 
     def pending(self) -> list[PendingAction]:
-        """Open actions, oldest first: filed with their audit line, and not expired. Settles
-        what a crash left half done first, unless a filing or decision is under way."""
-        _settle_if_free(self)
-        return _open_actions(self)
+        """Open actions, oldest first, not expired."""
+        with closing(sqlite3.connect(self.path, timeout=DATABASE_BUSY_TIMEOUT_S)) as db:
+            rows = db.execute(
+                f"SELECT {_ACTION_FIELDS} FROM pending_actions"  # noqa: S608 -- constant columns
+                " WHERE status = 'pending' AND expires_at > ? ORDER BY created_at, rowid",
+                (_iso(self.clock()),),
+            ).fetchall()
+        return [_pending_action(row) for row in rows]
 
-    def approve(
-        self,
-        action_id: str,
-        tools: Mapping[str, Tool],
-        operator: str,
-        edited: str | None = None,
-    ) -> dict[str, Any]:
-        """Re-check everything, then apply the write and mark the action used, atomically.
-        `edited`: the arguments as the person corrected them (JSON text), checked exactly as
-        the model's were; the approval binds to them, and what was proposed is kept."""
+    def approve(self, action_id: str, tools: Mapping[str, Tool], operator: str) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = _open_action(self, db, action_id)
+            action = self._open_action(db, action_id)
             tool = tools.get(action.tool)
             if tool is None or not tool.writes:
                 raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
             context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
-            try:  # a refused edit is the model's refusal, word for word; nothing is decided
-                if edited is not None:
-                    action = _edit_action(db, action, tool, edited, context, operator)
-                args = self._bound_arguments(action)
-                tool.validate(args)
-                outcome = tool.apply(args, context, db)
-            except ApprovalError:
-                raise  # the binding's own refusal
-            except ToolError as exc:
-                raise ApprovalError(f"{action_id}: not carried out: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
-                raise ApprovalError(
-                    f"{action_id}: not carried out: the tool failed; details are in the audit log",
-                    detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
-                ) from None
-            _mark(self, db, action, "approved", operator)
-            _record_outcome(db, action_id, result=canonical_json(outcome))
-            return action, outcome
+            return action, _applied(action, tool, context, db)
 
-        return self._decide(action_id, "approve", operator, carry_out)
+        return self._decide(action_id, "approved", operator, carry_out)
 
     def reject(self, action_id: str, operator: str, reason: str) -> None:
         """Close an open action without running it; `reason` is what the model will be told,
         so it is needed (1 to 500 printable characters): "rejected" alone teaches it nothing."""
         if not reason.strip() or len(reason) > 500 or not reason.isprintable():
             raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
-
-        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = _open_action(self, db, action_id)
-            _mark(self, db, action, "rejected", operator)
-            _record_outcome(db, action_id, reason=reason)
-            return action, {"reason": reason}
-
-        self._decide(action_id, "reject", operator, carry_out)
+        self._decide(
+            action_id,
+            "rejected",
+            operator,
+            lambda db: (self._open_action(db, action_id), {"reason": reason}),
+        )
 
     def _decide(
         self,
         action_id: str,
-        step: str,
+        outcome: str,
         operator: str,
         carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
     ) -> dict[str, Any]:
-        """One decision, in the steps Approvals lists."""
-        intent_id = "dec-" + secrets.token_hex(8)
-        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
-        with _taking_turns(self):
-            _intend(self, intent, operator)  # its in_flight row, then its approval_intent line
-            try:
-                with self.database.write_transaction() as db:
-                    action, result = carry_out(db)
-                    db.execute(  # in the journal, in the same commit
-                        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
-                        (canonical_json(result), intent_id),
-                    )
-            except ApprovalError as exc:
-                error = {"error": exc.detail} if exc.detail else {}
-                _conclude(self, intent, operator, "refused", reason=str(exc), **error)
-                raise
-            except BaseException:
-                # whatever failed, the database now says what happened; let the log say so too
-                with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
-                    _settle(self)
-                raise
-            _conclude(self, intent, operator, _DECIDED[step], **_about(action), result=result)
+        """One decision: carried out and marked in one transaction, then its audit line."""
+        line = {"action_id": action_id, "operator": operator}
+        try:
+            with self._transaction() as db:
+                action, result = carry_out(db)
+                marked = db.execute(
+                    "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
+                    " WHERE action_id = ? AND status = 'pending'",
+                    (outcome, _iso(self.clock()), operator, action_id),
+                )
+                if marked.rowcount != 1:
+                    raise ApprovalError(f"{action_id}: decided by someone else meanwhile")
+        except ApprovalError as exc:
+            error = {"error": exc.detail} if exc.detail else {}
+            self.audit.record(
+                "approval_decision", **line, outcome="refused", reason=str(exc), **error
+            )
+            raise
+        about = {"tool": action.tool, "arguments": action.arguments_json}
+        self.audit.record("approval_decision", **line, outcome=outcome, **about, result=result)
         return result
 
-    def _bound_arguments(self, action: PendingAction) -> dict[str, Any]:
-        """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
-        try:
-            args = parse_arguments(action.arguments_json)
-        except ArgumentError:
-            args = {}
-        binding = _binding(action.customer_id, action.tool, canonical_json(args))
-        if not hmac.compare_digest(binding, action.binding_sha256):
-            raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
-        return args
+    def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
+        row = db.execute(
+            f"SELECT {_ACTION_FIELDS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            (action_id,),
+        ).fetchone()
+        if row is None:
+            raise ApprovalError(f"{_shown(action_id)}: no such action")
+        action = _pending_action(row)
+        if action.status != "pending":
+            raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
+        if action.expires_at <= _iso(self.clock()):
+            raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
+        return action
+
+
+def _applied(
+    action: PendingAction, tool: Tool, context: ToolContext, db: sqlite3.Connection
+) -> dict[str, Any]:
+    """The write, applied in the decision's transaction to exactly the arguments proposed;
+    ApprovalError if they changed, or the tool refuses (its own words) or fails."""
+    try:
+        args = _bound_arguments(action)
+        tool.validate(args)
+        return tool.apply(args, context, db)
+    except ApprovalError:
+        raise  # the binding's own refusal
+    except ToolError as exc:
+        raise ApprovalError(f"{action.action_id}: not carried out: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators
+        raise ApprovalError(
+            f"{action.action_id}: not carried out: the tool failed; details are in the audit log",
+            detail=_cut(f"{type(exc).__name__}: {exc}", 2000),
+        ) from None
+
+
+def _bound_arguments(action: PendingAction) -> dict[str, Any]:
+    """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
+    try:
+        args = parse_arguments(action.arguments_json)
+    except ArgumentError:
+        args = {}
+    binding = _binding(action.customer_id, action.tool, canonical_json(args))
+    if not hmac.compare_digest(binding, action.binding_sha256):
+        raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
+    return args
 
 
 _DECIDED = {"approve": "approved", "reject": "rejected"}
@@ -1906,32 +1963,83 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
     return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
 
 
+def _pending_action(row: Sequence[Any]) -> PendingAction:
+    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
+    values = list(row)
+    values[5] = json.loads(values[5])
+    return PendingAction(*values)
+
+
+def _iso(timestamp: float) -> str:
+    """UTC, to the second, in a form whose text order is its time order."""
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 # ---------------------------------------------------------------- a tool and a turn, together
-# One tool of yours and one turn, as a program that imports this file writes them. The suite
-# runs these lines as written. ScriptedChatServer (Part III) plays the model on 127.0.0.1;
-# Settings() with OPENAI_API_KEY set would reach the real one.
-#
-#     class GetWeather(Tool):
-#         name = "getWeather"
-#         description = "Today's weather in one city. city: its name in English, e.g. Oslo."
-#         parameters = {
-#             "type": "object",
-#             "properties": {"city": {"type": "string", "description": "a city, e.g. Oslo"}},
-#             "required": ["city"],
-#             "additionalProperties": False,
-#         }
-#
-#         def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
-#             city_name = re.compile("[A-Z][a-z]{1,30}")  # ASCII classes, matched whole
-#             city = require_pattern(args, "city", city_name, "a city, e.g. Oslo")
-#             return {"city": city, "rain": city in ("Oslo", "Bergen")}
-#
-#     script = [tool_call_reply([("getWeather", '{"city":"Oslo"}')]), text_reply("Yes, rain.")]
-#     with ScriptedChatServer(script) as model:
-#         with ChatClient(Settings(base_url=model.base_url)) as client:
-#             loop = ToolLoop(client, [GetWeather()], AuditLog(Path("audit.log")))
-#             result = loop.run("Rain in Oslo today?", ToolContext(customer_id="c-1"))
-#     print(result.stop_reason, result.answer)  # answered Yes, rain.
+# One tool and one turn, as a program of yours writes them. `copy OUT --mechanism` writes
+# Part I alone with a last line that calls mechanism_main: `python3 OUT "QUESTION"`.
+
+
+class CurrentTime(Tool):
+    """Part I's own tool: the time now in one IANA time zone, from this machine's clock."""
+
+    name = "current_time"
+    description = (
+        "The current date and time in one time zone. zone: an IANA time zone name, e.g."
+        " Europe/Oslo, America/New_York or UTC. Returns the zone and the local time, ISO 8601."
+    )
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "description": "e.g. Europe/Oslo"}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        # ASCII classes, matched whole: no "..", no absolute path reaches the zone database
+        zone = require_pattern(args, "zone", _ZONE_NAME, "an IANA time zone, e.g. Europe/Oslo")
+        try:
+            now = datetime.now(zoneinfo.ZoneInfo(zone))
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ArgumentError(
+                f"zone: expected a time zone this machine knows; got {zone}"
+            ) from None
+        return {"zone": zone, "time": now.isoformat(timespec="seconds")}
+
+
+_ZONE_NAME = re.compile("[A-Za-z][A-Za-z0-9_+-]{0,30}(/[A-Za-z0-9_+-]{1,30}){0,2}")
+
+
+def ask(question: str, environ: Mapping[str, str]) -> TurnResult:
+    """One turn, with Part I's pieces: the model at OPENAI_BASE_URL (OPENAI_API_KEY,
+    OPENAI_MODEL), Part I's tool, the audit log in FUNCTION_CALLING_DATA."""
+    settings = Settings.from_env(environ)
+    audit = AuditLog(Path(environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR) / "audit.log")
+    with Client(settings) as client:
+        loop = ToolLoop(client, [CurrentTime()], audit)
+        return loop.run(question, ToolContext(customer_id="local"))
+
+
+def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
+    """`python3 OUT "QUESTION"` for Part I alone: the answer, or one line saying why not."""
+    if len(argv) != 1:
+        print('usage: python3 FILE "QUESTION"', file=sys.stderr)
+        return 2
+    try:
+        result = ask(argv[0], environ)
+    except (ConfigError, AuditError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the data directory: its reason, not its path
+        print(f"error: the audit log could not be opened ({exc.strerror})", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # recorded as interrupted by the loop; no traceback
+        return 130
+    if result.stop_reason != "answered":
+        print(f"{result.stop_reason}: {result.error or result.answer or ''}", file=sys.stderr)
+        return 1
+    print(result.answer)
+    return 0
 
 
 # ============================================================== end of Part I: the mechanism
@@ -3912,7 +4020,7 @@ def _record_or_none(line: bytes) -> dict[str, Any] | None:
 
 
 # -------------------------------------------------------------------- the approvals' journal
-# The tables behind Approvals, and what settles its steps (listed there) after a crash: an
+# The tables behind JournaledApprovals, and what settles its steps (listed there) after a crash: an
 # in_flight row still there while nothing is under way is what a crash left. The next filing or
 # decision settles it against the audit log first: a filing whose line is not in the log is
 # withdrawn; a decision whose transaction committed (result_json is set) gets its missing
@@ -3921,32 +4029,9 @@ def _record_or_none(line: bytes) -> dict[str, Any] | None:
 # database, so that settling never takes another process's step in progress for a crash,
 # and the lock dies with its process.
 
-# Kept in the data directory's database, so that a tool whose data lives there commits its
-# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
-# table had a version row of its own (when it shared the example's schema) is taken as it is.
-_APPROVALS_SCHEMA = """
--- What a model proposed and a human must decide. One open action per exact request.
-CREATE TABLE IF NOT EXISTS pending_actions (
-    action_id      TEXT PRIMARY KEY,
-    customer_id    TEXT NOT NULL,
-    tool           TEXT NOT NULL,
-    arguments_json TEXT NOT NULL,    -- canonical: parsed, keys sorted, compact
-    binding_sha256 TEXT NOT NULL,    -- over customer, tool and arguments_json
-    summary_json   TEXT NOT NULL,    -- what the human is asked to approve
-    created_at     TEXT NOT NULL,
-    expires_at     TEXT NOT NULL,
-    status         TEXT NOT NULL DEFAULT 'pending'
-                   CHECK (status IN ('pending', 'approved', 'rejected', 'expired')),
-    decided_at     TEXT,
-    decided_by     TEXT
-);
-CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
-    ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
-"""
-
 
 def _file_action(
-    approvals: Approvals,
+    approvals: JournaledApprovals,
     action_id: str,
     tool: Tool,
     args: Mapping[str, Any],
@@ -3989,7 +4074,9 @@ def _file_action(
     return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
 
 
-def _open_action(approvals: Approvals, db: sqlite3.Connection, action_id: str) -> PendingAction:
+def _open_action(
+    approvals: JournaledApprovals, db: sqlite3.Connection, action_id: str
+) -> PendingAction:
     row = db.execute(
         f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
         (action_id,),
@@ -4006,7 +4093,11 @@ def _open_action(approvals: Approvals, db: sqlite3.Connection, action_id: str) -
 
 
 def _mark(
-    approvals: Approvals, db: sqlite3.Connection, action: PendingAction, status: str, operator: str
+    approvals: JournaledApprovals,
+    db: sqlite3.Connection,
+    action: PendingAction,
+    status: str,
+    operator: str,
 ) -> None:
     """Mark the action decided, in the decision's transaction: no second use."""
     marked = db.execute(
@@ -4021,8 +4112,8 @@ def _mark(
 _ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
 
 
-def _open_actions(approvals: Approvals) -> list[PendingAction]:
-    """Approvals.pending's rows: pending, not expired, and not a filing still under way."""
+def _open_actions(approvals: JournaledApprovals) -> list[PendingAction]:
+    """JournaledApprovals.pending's rows: pending, not expired, and not a filing still under way."""
     with approvals.database.reading() as db:
         rows = db.execute(
             f"SELECT {_ACTION_COLUMNS} FROM pending_actions"  # noqa: S608 -- constant columns
@@ -4046,24 +4137,6 @@ def _about(action: PendingAction) -> dict[str, str]:
     }
 
 
-_ACTION_COLUMNS = (
-    "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
-    " created_at, expires_at, status, filed_by"
-)
-
-
-def _pending_action(row: Sequence[Any]) -> PendingAction:
-    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
-    values = list(row)
-    values[5] = json.loads(values[5])
-    return PendingAction(*values)
-
-
-def _iso(timestamp: float) -> str:
-    """UTC, to the second, in a form whose text order is its time order."""
-    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 # What each decision produced, written in the decision's own transaction: what a conversation
 # that filed the action is told on its next turn. Its own part: databases made
 # before it get the table the first time they are opened.
@@ -4079,7 +4152,7 @@ CREATE TABLE IF NOT EXISTS action_outcomes (
 def _record_outcome(
     db: sqlite3.Connection, action_id: str, result: str | None = None, reason: str | None = None
 ) -> None:
-    """What a decision produced, in the decision's own transaction (Approvals)."""
+    """What a decision produced, in the decision's own transaction (JournaledApprovals)."""
     db.execute(
         "INSERT INTO action_outcomes (action_id, result_json, reason) VALUES (?, ?, ?)",
         (action_id, result, reason),
@@ -4186,7 +4259,7 @@ ALTER TABLE pending_actions ADD COLUMN decided_on TEXT;
 """
 
 
-def _intend(approvals: Approvals, intent: Mapping[str, str], operator: str) -> None:
+def _intend(approvals: JournaledApprovals, intent: Mapping[str, str], operator: str) -> None:
     """A decision's in_flight row, then its approval_intent line (or neither)."""
     host = approvals.database.host
     with approvals.database.write_transaction() as db:
@@ -4203,7 +4276,11 @@ def _intend(approvals: Approvals, intent: Mapping[str, str], operator: str) -> N
 
 
 def _conclude(
-    approvals: Approvals, intent: Mapping[str, str], operator: str, outcome: str, **fields: Any
+    approvals: JournaledApprovals,
+    intent: Mapping[str, str],
+    operator: str,
+    outcome: str,
+    **fields: Any,
 ) -> None:
     """The decision's line, then its in_flight row goes."""
     try:
@@ -4216,14 +4293,14 @@ def _conclude(
     _step_finished(approvals, intent["intent_id"])
 
 
-def _withdraw(approvals: Approvals, action_id: str) -> None:
+def _withdraw(approvals: JournaledApprovals, action_id: str) -> None:
     """A filing whose line was never written: neither the action nor its row stays."""
     with approvals.database.write_transaction() as db:
         db.execute("DELETE FROM pending_actions WHERE action_id = ?", (action_id,))
         db.execute("DELETE FROM in_flight WHERE intent_id = ?", (action_id,))
 
 
-def _step_finished(approvals: Approvals, intent_id: str) -> None:
+def _step_finished(approvals: JournaledApprovals, intent_id: str) -> None:
     """A step whose every line is written: its row goes. If the database cannot be written
     now (a full disk), the row stays, which changes nothing that happened: the next filing
     or decision settles it, finding every line it needs in the log, by removing it."""
@@ -4286,7 +4363,7 @@ def _turn_given_back(fd: int) -> None:
 
 
 @contextmanager
-def _taking_turns(approvals: Approvals) -> Iterator[None]:
+def _taking_turns(approvals: JournaledApprovals) -> Iterator[None]:
     """The data directory's filings and decisions take turns; a crashed one is settled
     before the next begins."""
     with _turn_lock(approvals.lock_path, wait=True):
@@ -4294,7 +4371,7 @@ def _taking_turns(approvals: Approvals) -> Iterator[None]:
         yield
 
 
-def _settle_if_free(approvals: Approvals) -> None:
+def _settle_if_free(approvals: JournaledApprovals) -> None:
     """Settle what a crash left half done, unless a filing or decision is under way, or the
     database's write lock stays held (then the next filing, decision or look settles it)."""
     with _turn_lock(approvals.lock_path, wait=False) as ours:
@@ -4306,8 +4383,8 @@ def _settle_if_free(approvals: Approvals) -> None:
                     raise
 
 
-def _settle(approvals: Approvals) -> None:
-    """Finish what a crashed filing or decision left in in_flight (see Approvals)."""
+def _settle(approvals: JournaledApprovals) -> None:
+    """Finish what a crashed filing or decision left in in_flight (see JournaledApprovals)."""
     with approvals.database.reading() as db:
         rows = _journal_rows(db, approvals.database.host)
     if not rows:
@@ -4340,7 +4417,7 @@ def _journal_rows(db: sqlite3.Connection, host: str) -> list[Any]:
 
 
 def _recover_decision(
-    approvals: Approvals,
+    approvals: JournaledApprovals,
     intent_id: str,
     action_id: str,
     step: str,
@@ -4382,6 +4459,150 @@ def _events_naming(path: Path, intent_ids: set[str]) -> dict[str, set[str]]:
             if key in intent_ids:
                 found.setdefault(key, set()).add(str(record.get("event")))
     return found
+
+
+_ACTION_COLUMNS = _ACTION_FIELDS + ", filed_by"  # and the host that filed it
+
+
+class JournaledApprovals(Approvals):
+    """Part I's JournaledApprovals, hardened (App and the CLI use it): in the data directory's
+    Database, with a person's edits, hosts sharing a database, and a journal. Each step is
+    written ahead, as a database's own log is, so that the audit log and the
+    database never disagree about an action, wherever the process dies:
+
+    - filing: the action and an in_flight row commit together; its tool_call line follows;
+      then the row goes. If the line cannot be written the action is withdrawn at once.
+    - deciding: an in_flight row; an approval_intent line; the change, the action's status and
+      the row's result_json in one transaction; an approval_decision line; the row goes.
+
+    A row left behind is a crash, settled by the next step (above)."""
+
+    def __init__(  # Part I's store is its own file; this one is the Database's
+        self,
+        database: Database,
+        audit: AuditLog,
+        ttl_seconds: float = APPROVAL_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        database.install("approvals", 1, _APPROVALS_SCHEMA + _IN_FLIGHT_SCHEMA)
+        database.install("approval_outcomes", 1, _OUTCOMES_SCHEMA)
+        database.install("approval_edits", 1, _EDITS_SCHEMA)
+        database.install("approval_hosts", 1, _HOSTS_SCHEMA)
+        self.database = database
+        self.audit = audit
+        self.ttl_seconds = ttl_seconds
+        self.clock = clock
+        self.lock_path = database.path.with_name(database.path.name + ".approvals-lock")
+
+    def propose(
+        self,
+        tool: Tool,
+        args: Mapping[str, Any],
+        context: ToolContext,
+        summary: Mapping[str, Any],
+        record: Callable[[Mapping[str, str]], None] | None = None,
+    ) -> dict[str, Any]:
+        """File a validated, eligible request and its audit line: both or neither. `record`
+        writes the line (dispatch writes the call's own); by default, a tool_call line here.
+        Returns what the model is told."""
+        action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
+        with _taking_turns(self):
+            told = _file_action(self, action_id, tool, args, context, summary)
+            try:
+                if record is None:
+                    self.audit.record(
+                        "tool_call",
+                        turn_id=context.turn_id,
+                        customer_id=context.customer_id,
+                        tool=tool.name,
+                        arguments=canonical_json(args),
+                        outcome="proposed",
+                        approval_id=action_id,
+                    )
+                else:
+                    record({"approval_id": action_id})
+            except BaseException:
+                _withdraw(self, action_id)  # no audit line, no action
+                raise
+            _step_finished(self, action_id)
+        return told
+
+    def pending(self) -> list[PendingAction]:
+        """Open actions, oldest first: filed with their audit line, and not expired. Settles
+        what a crash left half done first, unless a filing or decision is under way."""
+        _settle_if_free(self)
+        return _open_actions(self)
+
+    def approve(  # Part I's, and a person's edit
+        self,
+        action_id: str,
+        tools: Mapping[str, Tool],
+        operator: str,
+        edited: str | None = None,
+    ) -> dict[str, Any]:
+        """Re-check everything, then apply the write and mark the action used, atomically.
+        `edited`: the arguments as the person corrected them (JSON text), checked exactly as
+        the model's were; the approval binds to them, and what was proposed is kept."""
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = _open_action(self, db, action_id)
+            tool = tools.get(action.tool)
+            if tool is None or not tool.writes:
+                raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
+            context = ToolContext(action.customer_id, f"approval-{action_id}", action_id)
+            if edited is not None:  # a refused edit is the model's refusal; nothing is decided
+                action = _edit_action(db, action, tool, edited, context, operator)
+            outcome = _applied(action, tool, context, db)
+            _mark(self, db, action, "approved", operator)
+            _record_outcome(db, action_id, result=canonical_json(outcome))
+            return action, outcome
+
+        return self._decide(action_id, "approve", operator, carry_out)
+
+    def reject(self, action_id: str, operator: str, reason: str) -> None:
+        """Close an open action without running it; `reason` is what the model will be told,
+        so it is needed (1 to 500 printable characters): "rejected" alone teaches it nothing."""
+        if not reason.strip() or len(reason) > 500 or not reason.isprintable():
+            raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            action = _open_action(self, db, action_id)
+            _mark(self, db, action, "rejected", operator)
+            _record_outcome(db, action_id, reason=reason)
+            return action, {"reason": reason}
+
+        self._decide(action_id, "reject", operator, carry_out)
+
+    def _decide(
+        self,
+        action_id: str,
+        step: str,
+        operator: str,
+        carry_out: Callable[[sqlite3.Connection], tuple[PendingAction, dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """One decision, in the steps JournaledApprovals lists."""
+        intent_id = "dec-" + secrets.token_hex(8)
+        intent = {"intent_id": intent_id, "action_id": action_id, "decision": step}
+        with _taking_turns(self):
+            _intend(self, intent, operator)  # its in_flight row, then its approval_intent line
+            try:
+                with self.database.write_transaction() as db:
+                    action, result = carry_out(db)
+                    db.execute(  # in the journal, in the same commit
+                        "UPDATE in_flight SET result_json = ? WHERE intent_id = ?",
+                        (canonical_json(result), intent_id),
+                    )
+            except ApprovalError as exc:
+                error = {"error": exc.detail} if exc.detail else {}
+                _conclude(self, intent, operator, "refused", reason=str(exc), **error)
+                raise
+            except BaseException:
+                # whatever failed, the database now says what happened; let the log say so too
+                with suppress(AuditError, sqlite3.Error, OSError):  # else the next run does
+                    _settle(self)
+                raise
+            _conclude(self, intent, operator, _DECIDED[step], **_about(action), result=result)
+        return result
 
 
 def audit_disagreements(path: Path, database: Database) -> list[str]:
@@ -5108,6 +5329,11 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     copy = commands.add_parser("copy", help="write this file without the parts named")
     copy.add_argument("out", metavar="OUT", type=Path, help="the new file; it must not exist")
     copy.add_argument(
+        "--mechanism",
+        action="store_true",
+        help='Part I alone, runnable: python3 OUT "QUESTION" (its own tool, urllib client)',
+    )
+    copy.add_argument(
         "--without",
         metavar="PART,…",
         type=_part_names,
@@ -5208,7 +5434,7 @@ class _Workspace:
     directory: Path
     database: Database
     audit: AuditLog
-    approvals: Approvals
+    approvals: JournaledApprovals
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
@@ -5263,7 +5489,7 @@ def _open(args: argparse.Namespace, app: App, *, create: bool) -> _Workspace:
     try:
         database = named or Database(path)
         audit = AuditLog(directory / "audit.log", host=database.host, writer=AuditFile)
-        return _Workspace(directory, database, audit, Approvals(database, audit))
+        return _Workspace(directory, database, audit, JournaledApprovals(database, audit))
     except OSError as exc:  # a file where the directory should be, no permission, …
         reason = exc.strerror or type(exc).__name__
         raise ConfigError(f"cannot use {directory} as the data directory ({reason})") from None
@@ -5682,6 +5908,8 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     """This file without the parts named: the same lines the README's sed recipe keeps, but
     for line 1, which says the version and what the copy kept."""
     lines = Path(__file__).read_text(encoding="utf-8").splitlines(keepends=True)
+    if args.mechanism:
+        return _copy_mechanism(args.out, lines)
     parts = _parts(lines)
     unknown = [name for name in args.without if name not in parts]
     if unknown:
@@ -5700,6 +5928,26 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")
     print(f"check it: python3 {shlex.quote(str(args.out))} --help")
     return EXIT_OK
+
+
+def _copy_mechanism(out: Path, lines: Sequence[str]) -> int:
+    """Part I alone: the lines to its end marker, __all__ cut to the names they define, and
+    a last line that runs mechanism_main when the copy is run as a script."""
+    end = next(n for n, line in enumerate(lines) if line.rstrip().endswith(_PART_ONE_END))
+    text = "".join(lines[1 : end + 1])
+    names = [name for name in __all__ if re.search(rf"^(class|def) {name}\b", text, re.M)]
+    listed = "".join(f'    "{name}",\n' for name in names)
+    text = re.sub(r"(?ms)^__all__ = \[$.*?^\]$", f"__all__ = [\n{listed}]", text, count=1)
+    text += '\n\nif __name__ == "__main__":\n    sys.exit(mechanism_main(sys.argv[1:]))\n'
+    with suppress(OSError):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    _write_new(out, f"# function_calling.py {_stamp(text)}: the mechanism alone (Part I)\n" + text)
+    print(f"wrote {out}: Part I, {end + 3:,} of {len(lines):,} lines")
+    print(f'run it: python3 {shlex.quote(str(out))} "What time is it in Oslo?"')
+    return EXIT_OK
+
+
+_PART_ONE_END = "end of Part I: the mechanism"
 
 
 def _stamp(text: str) -> str:
@@ -7005,7 +7253,7 @@ def _fitting(newest_first: Iterable[SavedTurn], max_bytes: int) -> tuple[SavedTu
 
 
 def _decisions(
-    approvals: Approvals, action_ids: Sequence[str], customer_id: str
+    approvals: JournaledApprovals, action_ids: Sequence[str], customer_id: str
 ) -> list[dict[str, Any]]:
     """What became of those of these actions (of this customer) that are no longer
     waiting: approved (by whom, when, the result), rejected (the reason) or expired. What
@@ -7128,7 +7376,7 @@ class Conversations:
         conversation: Conversation,
         question: str,
         context: ToolContext,
-        approvals: Approvals | None = None,
+        approvals: JournaledApprovals | None = None,
         on_text: Callable[[str], None] | None = None,
         max_history_bytes: int = MAX_HISTORY_BYTES,
     ) -> tuple[TurnResult, Conversation]:
@@ -7155,7 +7403,7 @@ class Conversations:
     def _notice(
         self,
         conversation: Conversation,
-        approvals: Approvals | None,
+        approvals: JournaledApprovals | None,
         audit: AuditLog,
         context: ToolContext,
     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -7333,7 +7581,11 @@ class _SavedTurns(_Turns):
     """The turns of `chat`, or of `ask --conversation ID`, each saved as it ends."""
 
     def __init__(
-        self, store: Conversations, conversation: Conversation, approvals: Approvals, most: int
+        self,
+        store: Conversations,
+        conversation: Conversation,
+        approvals: JournaledApprovals,
+        most: int,
     ) -> None:
         super().__init__()
         self.store, self.conversation = store, conversation
@@ -7659,7 +7911,6 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 from collections.abc import Generator  # noqa: E402
-from contextlib import closing  # noqa: E402
 from fractions import Fraction  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
@@ -10258,8 +10509,8 @@ TOOL_SOURCES.append(_McpFlags())
 # <<< MCP
 # >>> INBOX: the operator's inbox, a web page. Everything from this line to the "<<< INBOX"
 # line adds the `inbox` command: the writes waiting for a person, shown in a browser and
-# approved or rejected through Approvals exactly as `approve` and `reject` do. Nothing above
-# depends on it; to do without it, delete it in one cut (README: "The inbox"):
+# approved or rejected through JournaledApprovals exactly as `approve` and `reject` do.
+# Nothing above depends on it; to do without it, delete it in one cut (README: "The inbox"):
 #     sed '/^# >>> INBOX/,/^# <<< INBOX/d' function_calling.py > cut.py
 #
 # Everything on the page that a model, a tool or a customer wrote is hostile text: escaped
@@ -10333,7 +10584,7 @@ class Inbox:
     """The page and its decisions, for one data directory and one operator. A page is read
     under one lock, and never waits on a decision or another writer: its readings are
     snapshots, and what it would settle waits for the next look if the database is held.
-    Decisions take turns through Approvals, as on the command line, each within the busy
+    Decisions take turns through JournaledApprovals, as on the command line, each within the busy
     timeout."""
 
     def __init__(
@@ -10363,7 +10614,7 @@ class Inbox:
     def decide(self, session: _Session, form: Mapping[str, str]) -> str:
         """Approve (with the arguments as the form has them: edited, or as proposed) or
         reject (with a reason) what the form names. A second decision of one action (two tabs,
-        a double click, a replayed POST) is refused by Approvals itself. Returns where the
+        a double click, a replayed POST) is refused by JournaledApprovals itself. Returns where the
         operator goes back to, on the page and filter they were on: a refusal, to its own card,
         the text they typed still in its box and the reason beside it; a decision, to its note,
         shown where the card was, just above the next."""

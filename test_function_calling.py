@@ -13,7 +13,6 @@ import atexit
 import base64
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import datetime
 import email.utils
@@ -22,6 +21,7 @@ import hashlib
 import html
 import http.client
 import http.server
+import importlib.util
 import io
 import itertools
 import json
@@ -119,45 +119,76 @@ def setUpModule() -> None:
 # Part I's pieces alone: the urllib Client, the loop's default seams, the plain AuditLog.
 
 
-class Note(Tool):
-    """The rules' test tool: says back a word, and counts its runs."""
+def rule_tools(mod: Any) -> tuple[Any, Any]:
+    """The rules' two tools, built on `mod`'s Tool, so that the errors they raise are the
+    ones that module's dispatch knows: Note says a word back; Pin writes, once approved."""
 
-    name = "note"
-    description = "Say back one word. word: 1 to 20 ASCII letters."
-    parameters: ClassVar[dict[str, Any]] = {
-        "type": "object",
-        "properties": {"word": {"type": "string", "description": "1 to 20 ASCII letters"}},
-        "required": ["word"],
-        "additionalProperties": False,
-    }
+    class Note(mod.Tool):  # type: ignore[misc]
+        """The rules' test tool: says back a word, and counts its runs."""
 
-    def __init__(self) -> None:
-        self.runs = 0
+        name = "note"
+        description = "Say back one word. word: 1 to 20 ASCII letters."
+        parameters: ClassVar[dict[str, Any]] = {
+            "type": "object",
+            "properties": {"word": {"type": "string", "description": "1 to 20 ASCII letters"}},
+            "required": ["word"],
+            "additionalProperties": False,
+        }
 
-    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
-        word = fc.require_pattern(args, "word", re.compile("[A-Za-z]{1,20}"), "a word")
-        self.runs += 1
-        return {"said": word}
+        def __init__(self) -> None:
+            self.runs = 0
+
+        def execute(self, args: dict[str, Any], context: Any) -> dict[str, Any]:
+            word = mod.require_pattern(args, "word", re.compile("[A-Za-z]{1,20}"), "a word")
+            self.runs += 1
+            return {"said": word}
+
+    class Pin(mod.Tool):  # type: ignore[misc]
+        """The rules' writing tool: pins a word to a board, once a person approves."""
+
+        name = "pin"
+        description = (
+            "Pin one word to the board; a person approves it first. word: 1 to 20 letters."
+        )
+        parameters: ClassVar[dict[str, Any]] = Note.parameters
+        writes = True
+
+        def execute(self, args: dict[str, Any], context: Any) -> dict[str, Any]:
+            word = mod.require_pattern(args, "word", re.compile("[A-Za-z]{1,20}"), "a word")
+            return {"pin": word}
+
+        def apply(
+            self, args: dict[str, Any], context: Any, db: sqlite3.Connection
+        ) -> dict[str, Any]:
+            db.execute("CREATE TABLE IF NOT EXISTS board (word TEXT)")
+            db.execute("INSERT INTO board VALUES (?)", (args["word"],))
+            return {"pinned": args["word"]}
+
+    return Note, Pin
 
 
 class MechanismCase(unittest.TestCase):
-    """A turn through Part I's pieces only: Client (urllib), ToolLoop's default seams."""
+    """A turn through Part I's pieces only: Client (urllib), ToolLoop's default seams; `mod`
+    is the whole file, or (OnTheMechanismCopy) what `copy --mechanism` writes."""
+
+    mod: ClassVar[Any] = fc
 
     def setUp(self) -> None:
         scratch = tempfile.TemporaryDirectory()
         self.addCleanup(scratch.cleanup)
         self.audit_path = Path(scratch.name) / "audit.log"
-        self.audit = AuditLog(self.audit_path)
-        self.tool = Note()
+        self.audit = self.mod.AuditLog(self.audit_path)
+        self.Note, self.Pin = rule_tools(self.mod)
+        self.tool = self.Note()
 
     def turn(
         self, script: Sequence[fc.ScriptItem], **loop: Any
     ) -> tuple[TurnResult, list[RecordedRequest]]:
         with ScriptedChatServer(script) as server:
-            settings = Settings(base_url=server.base_url, api_key=FAKE_KEY)
-            with fc.Client(settings) as client:
-                tool_loop = ToolLoop(client, [self.tool], self.audit, **loop)
-                result = tool_loop.run("Say hello.", ToolContext(customer_id="c-1"))
+            settings = self.mod.Settings(base_url=server.base_url, api_key=FAKE_KEY)
+            with self.mod.Client(settings) as client:
+                tool_loop = self.mod.ToolLoop(client, [self.tool], self.audit, **loop)
+                result = tool_loop.run("Say hello.", self.mod.ToolContext(customer_id="c-1"))
             return result, server.requests
 
     def outcomes(self) -> list[str]:
@@ -231,7 +262,9 @@ class EveryCallIsAuditedInAChain(MechanismCase):
     def test_each_call_and_the_turn_is_a_chained_line_that_verifies_across_reopening(self) -> None:
         ask = tool_call_reply([("note", '{"word":"hi"}'), ("nope", "{}")])
         self.turn([ask, text_reply("hi")])
-        self.audit = AuditLog(self.audit_path)  # reopened: the chain goes on from its last line
+        self.audit = self.mod.AuditLog(
+            self.audit_path
+        )  # reopened: the chain goes on from its last line
         self.turn([tool_call_reply([("note", '{"word":"yo"}')]), text_reply("yo")])
         self.assertEqual(self.outcomes(), ["ok", "rejected:unknown_tool", "ok"])
         lines = self.audit_path.read_bytes().splitlines()
@@ -245,6 +278,45 @@ class EveryCallIsAuditedInAChain(MechanismCase):
         )
         self.assertEqual((self.tool.runs, self.outcomes()), (0, ["rejected:invalid_arguments"]))
         self.assertEqual(result.stop_reason, "answered")
+
+
+class AWriteWaitsAndIsAppliedOnce(MechanismCase):
+    def test_the_model_files_a_write_a_person_approves_it_once_and_it_is_applied_once(
+        self,
+    ) -> None:
+        data = self.audit_path.with_name("data.db")
+        approvals = self.mod.Approvals(data, self.audit)
+        self.tool = self.Pin()
+        ask = tool_call_reply([("pin", '{"word":"hello"}')])
+        result, requests = self.turn([ask, text_reply("asked")], approvals=approvals)
+        told = json.loads(requests[1].json()["messages"][-1]["content"])
+        self.assertEqual((result.stop_reason, told["status"]), ("answered", "requires_approval"))
+        with closing(sqlite3.connect(data)) as db:  # nothing is applied while it waits
+            self.assertIsNone(
+                db.execute("SELECT name FROM sqlite_master WHERE name='board'").fetchone()
+            )
+        (action,) = approvals.pending()
+        tools = self.mod.tool_table([self.tool])
+        self.assertEqual(approvals.approve(action.action_id, tools, "ann"), {"pinned": "hello"})
+        with self.assertRaisesRegex(self.mod.ApprovalError, "already approved; nothing was run"):
+            approvals.approve(action.action_id, tools, "ann")
+        with closing(sqlite3.connect(data)) as db:
+            self.assertEqual(db.execute("SELECT word FROM board").fetchall(), [("hello",)])
+        self.assertEqual(approvals.pending(), [])
+        lines = [json.loads(line) for line in self.audit_path.read_text().splitlines()]
+        decisions = [r["outcome"] for r in lines if r["event"] == "approval_decision"]
+        self.assertEqual(decisions, ["approved", "refused"])
+
+    def test_an_approval_is_bound_to_the_arguments_proposed(self) -> None:
+        data = self.audit_path.with_name("data.db")
+        approvals = self.mod.Approvals(data, self.audit)
+        told = approvals.propose(
+            self.Pin(), {"word": "hello"}, self.mod.ToolContext("c-1"), {"pin": "hello"}
+        )
+        with closing(sqlite3.connect(data)) as db, db:  # changed behind the person's back
+            db.execute('UPDATE pending_actions SET arguments_json = \'{"word":"evil"}\'')
+        with self.assertRaisesRegex(self.mod.ApprovalError, "changed since it was proposed"):
+            approvals.approve(told["approvalId"], self.mod.tool_table([self.Pin()]), "ann")
 
 
 class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
@@ -267,9 +339,78 @@ class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
             return text_reply("late")
 
         with ScriptedChatServer([slow]) as server:
-            settings = Settings(base_url=server.base_url, api_key=FAKE_KEY, timeout=0.2)
-            with self.assertRaisesRegex(fc.ApiError, "timed out"):
-                fc.Client(settings).complete(['{"role":"user","content":"hi"}'])
+            settings = self.mod.Settings(base_url=server.base_url, api_key=FAKE_KEY, timeout=0.2)
+            with self.assertRaisesRegex(self.mod.ApiError, "timed out"):
+                self.mod.Client(settings).complete(['{"role":"user","content":"hi"}'])
+
+
+@functools.lru_cache(maxsize=1)
+def mechanism_copy() -> Any:
+    """What `copy OUT --mechanism` writes, imported as a module of its own (once a run)."""
+    folder = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, folder, True)
+    out = folder / "mechanism.py"
+    copied = subprocess.run(
+        [sys.executable, str(MODULE), "copy", str(out), "--mechanism"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert copied.returncode == 0, copied.stderr
+    spec = importlib.util.spec_from_file_location("function_calling_mechanism", out)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+class OnTheMechanismCopy(unittest.TestCase):
+    """The same rule, on Part I alone: the file `copy --mechanism` writes."""
+
+    mod: ClassVar[Any]
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls.mod = mechanism_copy()
+
+
+class AValidCallsResultReachesTheNextRequestOnTheCopy(
+    OnTheMechanismCopy, AValidCallsResultReachesTheNextRequest
+):
+    """AValidCallsResultReachesTheNextRequest, on Part I alone."""
+
+
+class TheEchoIsByteForByteOnTheCopy(OnTheMechanismCopy, TheEchoIsByteForByte):
+    """TheEchoIsByteForByte, on Part I alone."""
+
+
+class UnknownToolsAndBadArgumentsAreDataOnTheCopy(
+    OnTheMechanismCopy, UnknownToolsAndBadArgumentsAreData
+):
+    """UnknownToolsAndBadArgumentsAreData, on Part I alone."""
+
+
+class TheRoundCapAndTheTripwireStopTheTurnOnTheCopy(
+    OnTheMechanismCopy, TheRoundCapAndTheTripwireStopTheTurn
+):
+    """TheRoundCapAndTheTripwireStopTheTurn, on Part I alone."""
+
+
+class EveryCallIsAuditedInAChainOnTheCopy(OnTheMechanismCopy, EveryCallIsAuditedInAChain):
+    """EveryCallIsAuditedInAChain, on Part I alone."""
+
+
+class AWriteWaitsAndIsAppliedOnceOnTheCopy(OnTheMechanismCopy, AWriteWaitsAndIsAppliedOnce):
+    """AWriteWaitsAndIsAppliedOnce, on Part I alone."""
+
+
+class TheClientSendsOnePostAndShowsNoKeyOnTheCopy(
+    OnTheMechanismCopy, TheClientSendsOnePostAndShowsNoKey
+):
+    """TheClientSendsOnePostAndShowsNoKey, on Part I alone."""
 
 
 class LoopTestCase(unittest.TestCase):
@@ -283,7 +424,7 @@ class LoopTestCase(unittest.TestCase):
         self.database = Database(self.db_path)
         self.audit_path = self.data_dir / "audit.log"
         self.audit = AuditLog(self.audit_path, writer=fc.AuditFile)
-        self.approvals = Approvals(self.database, self.audit)
+        self.approvals = fc.JournaledApprovals(self.database, self.audit)
         self.tools: list[Tool] = fc.shop_tools(self.database)
         self.sleeps: list[float] = []  # the waits a client was asked to make between retries
 
@@ -4403,7 +4544,7 @@ class OnPostgres(LoopTestCase):
         self.connect = self.server.fresh_schema()
         self.database = fc.PostgresDatabase(self.connect, self.data_dir)
         self.addCleanup(self.database.close)
-        self.approvals = Approvals(self.database, self.audit)
+        self.approvals = fc.JournaledApprovals(self.database, self.audit)
         self.tools = fc.shop_tools(self.database)
 
 
@@ -4428,7 +4569,7 @@ class ApprovalTest(ApprovalCase):
 
     def test_pending_lists_actions_in_filing_order_even_within_one_second(self) -> None:
         clock = lambda: 1_800_000_000.0  # noqa: E731 -- every action filed in the same second
-        approvals = Approvals(self.database, self.audit, clock=clock)
+        approvals = fc.JournaledApprovals(self.database, self.audit, clock=clock)
         filed = [
             approvals.propose(self.tools[2], {"orderId": f"ORD-{n}"}, ToolContext("c"), {})
             for n in range(1000, 1030)
@@ -4448,12 +4589,12 @@ class ApprovalTest(ApprovalCase):
             self.assertRegex(action_id, r"^appr-[0-9a-f]{20}$")  # 80 random bits, no leading "-"
 
     def test_a_pending_action_expires_after_a_day_by_default(self) -> None:
-        approvals = Approvals(self.database, self.audit, clock=lambda: 1_800_000_000.0)
+        approvals = fc.JournaledApprovals(self.database, self.audit, clock=lambda: 1_800_000_000.0)
         told = approvals.propose(
             self.tools[2], {"orderId": "ORD-1003"}, ToolContext(DEMO_CUSTOMER), {}
         )
         self.assertEqual(told["expiresAt"], "2027-01-16T08:00:00Z")  # 1_800_086_400 in UTC
-        later = Approvals(self.database, self.audit, clock=lambda: 1_800_086_400.0)
+        later = fc.JournaledApprovals(self.database, self.audit, clock=lambda: 1_800_086_400.0)
         self.assertEqual(later.pending(), [])
         with self.assertRaisesRegex(fc.ApprovalError, "expired"):
             later.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
@@ -5484,18 +5625,18 @@ class CopiedDataDirectoryTest(OnPostgres, ApprovalCase):
         self.addCleanup(twin.close)
         self.assertEqual(twin.host, self.database.host)
         with self.assertRaisesRegex(ConfigError, f"host {twin.host} is running already"):
-            Approvals(twin, AuditLog(copy / "audit.log", writer=fc.AuditFile))
+            fc.JournaledApprovals(twin, AuditLog(copy / "audit.log", writer=fc.AuditFile))
         with self.database.reading() as db:  # the host's own row, left alone
             rows = db.execute("SELECT intent_id FROM in_flight").fetchall()
         self.assertEqual([tuple(row) for row in rows], [(intent,)])
         same = fc.PostgresDatabase(self.connect, self.data_dir)  # another process of the host
         self.addCleanup(same.close)
-        Approvals(same, self.audit)  # is no copy
+        fc.JournaledApprovals(same, self.audit)  # is no copy
         self.database.close()
         same.close()  # the host stopped: its directory restored elsewhere may carry on
         restored = fc.PostgresDatabase(self.connect, copy)
         self.addCleanup(restored.close)
-        Approvals(restored, AuditLog(copy / "audit.log", writer=fc.AuditFile))
+        fc.JournaledApprovals(restored, AuditLog(copy / "audit.log", writer=fc.AuditFile))
 
 
 class CrashTest(ApprovalCase):
@@ -5527,7 +5668,7 @@ class CrashTest(ApprovalCase):
         """After the next run has settled things: one story, told by both."""
         if not self.audit_path.read_bytes().endswith(b"\n"):  # a person repairs a cut line
             self.audit_path.write_bytes(self.audit_path.read_bytes().rsplit(b"\n", 1)[0] + b"\n")
-        approvals = Approvals(self.database, self.audit)
+        approvals = fc.JournaledApprovals(self.database, self.audit)
         with redirect_stderr(io.StringIO()):
             approvals.pending()  # lists only what is settled
             with suppress(fc.ApprovalError):
@@ -5542,7 +5683,7 @@ class CrashTest(ApprovalCase):
             if path.is_file():
                 path.unlink()
         self.database = Database(self.db_path)
-        self.approvals = Approvals(self.database, self.audit)
+        self.approvals = fc.JournaledApprovals(self.database, self.audit)
         self.tools = fc.shop_tools(self.database)
         self.action_id = self.propose()["approvalId"]
 
@@ -5587,7 +5728,9 @@ class CrashTest(ApprovalCase):
                     ask = ["ask", "refund ORD-1003", "--data-dir", str(self.data_dir)]
                     self.in_a_child("kill", point, *ask, env={"OPENAI_BASE_URL": server.base_url})
                 with redirect_stderr(io.StringIO()):
-                    listed = Approvals(self.database, self.audit).pending()  # settles first
+                    listed = fc.JournaledApprovals(
+                        self.database, self.audit
+                    ).pending()  # settles first
                 self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
                 filed = [
                     r["approval_id"]
@@ -5981,7 +6124,9 @@ class AnyWriterTest(LoopTestCase):
         with self.assertRaisesRegex(fc.ApprovalError, "changed since it was proposed"):
             self.approvals.approve(rechecked, tools, "alice")
         expiring = self.propose_note(tool, "second")
-        later = Approvals(self.database, self.audit, clock=lambda: time.time() + fc.APPROVAL_TTL_S)
+        later = fc.JournaledApprovals(
+            self.database, self.audit, clock=lambda: time.time() + fc.APPROVAL_TTL_S
+        )
         with self.assertRaisesRegex(fc.ApprovalError, "expired"):
             later.approve(expiring, tools, "alice")
         self.assertEqual(self.notes(), [])
@@ -6125,7 +6270,7 @@ class DatabaseTest(LoopTestCase):
             )
             db.commit()
         database = Database(old / SHOP_FILE)
-        approvals = Approvals(database, self.audit)
+        approvals = fc.JournaledApprovals(database, self.audit)
         fc.shop_tools(database)
         self.assertEqual([a.action_id for a in approvals.pending()], ["appr-0"])
         with closing(sqlite3.connect(old / SHOP_FILE)) as db:
@@ -6657,6 +6802,36 @@ def cut_example(text: str) -> str:
     cut, count = EXAMPLE_CUT.subn("", text)
     assert count == 1, "one EXAMPLE part, between its two markers"
     return cut
+
+
+def forward_names(source: str, end: int) -> set[str]:
+    """The names the module's first `end` lines use that only later statements define (or
+    import): what keeps those lines from running alone."""
+    tree = ast.parse(source)
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        parts = ast.walk(node) if isinstance(node, ast.If) else [node]  # If: the platform's
+        for name in (name for part in parts for name in forward_names_defined(part)):
+            defined.setdefault(name, node.lineno)
+    return {
+        used.id
+        for node in tree.body
+        if node.lineno <= end
+        for used in ast.walk(node)
+        if isinstance(used, ast.Name) and defined.get(used.id, 0) > end
+    }
+
+
+def forward_names_defined(node: ast.AST) -> list[str]:
+    """What one statement binds at the top: a def, a class, an assignment's names."""
+    if isinstance(node, ast.FunctionDef | ast.ClassDef):
+        return [node.name]
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return [alias.asname or alias.name.split(".")[0] for alias in node.names]
+    return []
 
 
 def top_level_names(code: str) -> set[str]:
@@ -7217,7 +7392,7 @@ class CopyTest(unittest.TestCase):
 
 
 class ShapeTest(unittest.TestCase):
-    """The file reads as a reference: Part I, the mechanism, first and whole (at most 1,950
+    """The file reads as a reference: Part I, the mechanism, first and whole (at most 2,050
     lines while its pieces move in; issue 46 asks 1,000); the hardening and the operating
     after it."""
 
@@ -7259,8 +7434,8 @@ class ShapeTest(unittest.TestCase):
         expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
         self.assertEqual(top, expected | {".ci", ".gitignore"})
 
-    def test_part_one_is_at_most_1950_lines_and_the_docstring_says_how_long_it_is(self) -> None:
-        self.assertLessEqual(self.part_one_end, 1950)
+    def test_part_one_is_at_most_2050_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 2050)
         doc = " ".join((fc.__doc__ or "").split())
         said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
         assert said is not None, "the docstring's first reading names Part I's lines"
@@ -7312,57 +7487,61 @@ class ShapeTest(unittest.TestCase):
                     if name not in ("http", "https"):
                         self.assertTrue(self.has(later, name), f"{name} is not defined in Part II")
 
-    def test_every_name_part_one_uses_from_later_parts_is_in_its_contracts(self) -> None:
-        first_banner = next(
-            n for n in range(self.part_one, self.part_one_end) if self.lines[n].startswith("# --")
-        )
-        contracts = "\n".join(self.lines[self.part_one : first_banner])
-        part_one = [node for node in self.tree.body if node.lineno <= self.part_one_end]
-        defined = set(self.defined_in(1, self.part_one_end)) | {
-            alias.asname or alias.name.split(".")[0]
-            for node in part_one
-            for statement in ast.walk(node)
-            if isinstance(statement, ast.Import | ast.ImportFrom)
-            for alias in statement.names
-        }
-        later = set(self.defined_in(self.part_two, len(self.lines))) | {"sqlite3", "concurrent"}
-        used = {
-            node.id
-            for statement in part_one
-            for node in ast.walk(statement)
-            if isinstance(node, ast.Name) and node.id not in defined and node.id in later
-        }
-        self.assertIn("Database", used, "Part I leans on Part II: the check sees it")
-        for name in sorted(used):
-            with self.subTest(name=name):
-                self.assertRegex(contracts, rf"\b{re.escape(name)}\b", "not in the contracts")
+    def test_part_one_uses_no_name_defined_after_its_end(self) -> None:
+        source = MODULE.read_text()
+        self.assertEqual(forward_names(source, self.part_one_end), set())
+        # the check sees one: Part I's loop made to build a Part II runner
+        planted = source.replace("self.runner = runner or InOrder()", "self.runner = Workers()")
+        self.assertEqual(forward_names(planted, self.part_one_end), {"Workers"})
 
-    def test_part_one_runs_its_own_tool_and_turn_as_written(self) -> None:
-        banner = next(
-            n for n, line in enumerate(self.lines) if line.endswith(" a tool and a turn, together")
-        )
-        self.assertLess(banner, self.part_one_end, "the tool and the turn are in Part I")
-        code: list[str] = []
-        for line in self.lines[banner + 1 : self.part_one_end]:
-            if line.startswith("#     ") or (code and line == "#"):
-                code.append(line[6:])
-        self.assertIn("class GetWeather(Tool):", code)
-        namespace = dict(vars(fc))
-        printed = io.StringIO()
+    def test_part_one_runs_its_own_tool_and_turn_alone_as_the_mechanisms_copy(self) -> None:
+        tools = [
+            node.name
+            for node in self.tree.body
+            if node.lineno <= self.part_one_end
+            and isinstance(node, ast.ClassDef)
+            and any(isinstance(base, ast.Name) and base.id == "Tool" for base in node.bases)
+        ]
+        self.assertEqual(tools, ["CurrentTime"], "Part I holds a tool of its own, in code")
         with tempfile.TemporaryDirectory() as scratch:
-            cwd = os.getcwd()
-            os.chdir(scratch)
-            try:
-                with contextlib.redirect_stdout(printed):
-                    source = "from __future__ import annotations\n" + "\n".join(code)
-                    exec(compile(source, "Part I", "exec"), namespace)
-            finally:
-                os.chdir(cwd)
+            out = Path(scratch) / "mechanism.py"
+            copied = subprocess.run(
+                [sys.executable, str(MODULE), "copy", str(out), "--mechanism"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            self.assertEqual(copied.returncode, 0, copied.stderr)
+            copy = out.read_text().splitlines()
+            self.assertEqual(copy[-5], self.lines[self.part_one_end - 1], "Part I, to its end")
+            self.assertNotIn(self.lines[self.part_two - 1], copy, "and nothing after it")
+            ask = tool_call_reply([("current_time", '{"zone":"Europe/Oslo"}')])
+            with ScriptedChatServer([ask, text_reply("Evening in Oslo.")]) as model:
+                env = {
+                    "PATH": os.environ.get("PATH", ""),
+                    "OPENAI_BASE_URL": model.base_url,
+                    "OPENAI_API_KEY": FAKE_KEY,
+                    "FUNCTION_CALLING_DATA": scratch,
+                    "NO_PROXY": "127.0.0.1",
+                }
+                # -I -S: no site-packages, no environment's paths: the standard library only
+                ran = subprocess.run(
+                    [sys.executable, "-I", "-S", str(out), "What time is it in Oslo?"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    env=env,
+                    check=False,
+                )
+            self.assertEqual(
+                (ran.returncode, ran.stdout, ran.stderr), (0, "Evening in Oslo.\n", "")
+            )
+            told = json.loads(model.requests[1].json()["messages"][-1]["content"])
+            self.assertEqual(told["zone"], "Europe/Oslo")
+            self.assertRegex(told["time"], r"^2[0-9]{3}-[0-9]{2}-[0-9]{2}T[0-9:]{8}[+-][0-9:]{5}$")
             audit = (Path(scratch) / "audit.log").read_text().splitlines()
-        self.assertEqual(printed.getvalue(), "answered Yes, rain.\n")
-        call = next(json.loads(line) for line in audit if '"tool_call"' in line)
-        self.assertEqual((call["tool"], call["outcome"]), ("getWeather", "ok"))
-        self.assertEqual(len(namespace["model"].requests), 2, "the model was asked twice")
+            self.assertEqual(fc.verify_audit(Path(scratch) / "audit.log").records, len(audit))
 
     def has(self, defined: dict[str, ast.stmt], dotted: str) -> bool:
         """Is `name` (or `Class.member`) defined by these statements?"""
@@ -8074,7 +8253,9 @@ class ConversationTest(ApprovalCase):
     def test_a_rejection_tells_its_reason_and_an_expiry_says_nothing_was_done(self) -> None:
         conversations = fc.Conversations(self.database)
         clock = [time.time()]
-        approvals = Approvals(self.database, self.audit, ttl_seconds=60, clock=lambda: clock[0])
+        approvals = fc.JournaledApprovals(
+            self.database, self.audit, ttl_seconds=60, clock=lambda: clock[0]
+        )
         saved = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
         script = [
             tool_call_reply([("requestShippingRefund", '{"orderId": "ORD-1003"}')]),
@@ -11789,7 +11970,7 @@ class Benchmarks(LoopTestCase):
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
         with ScriptedChatServer(script) as recorder:  # the two requests' bytes, for the floor
             client = ChatClient(Settings(base_url=recorder.base_url, model="bench"))
-            approvals = Approvals(self.database, audit)
+            approvals = fc.JournaledApprovals(self.database, audit)
             fc.hardened_loop(
                 client,
                 tools,
@@ -11828,7 +12009,7 @@ class Benchmarks(LoopTestCase):
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
         runs = 200
         audit = AuditLog(self.data_dir / "budget.log", fsync=False, writer=fc.AuditFile)
-        approvals = Approvals(self.database, audit)
+        approvals = fc.JournaledApprovals(self.database, audit)
         for label, budget in (
             ("a turn's limits", fc.Budget(total_tokens=10**8, output_tokens=10**7)),
             (
@@ -12110,7 +12291,9 @@ class Benchmarks(LoopTestCase):
             name: AuditLog(self.data_dir / f"{name}.log", fsync=False, writer=fc.AuditFile)
             for name in databases
         }
-        approvals = {name: Approvals(databases[name], audits[name]) for name in databases}
+        approvals = {
+            name: fc.JournaledApprovals(databases[name], audits[name]) for name in databases
+        }
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
         runs = 101
         with ServerInAChild(script, runs + 1) as one, ServerInAChild(script, runs + 1) as other:
@@ -12297,7 +12480,7 @@ class Benchmarks(LoopTestCase):
         for where, kept in ((queue, rows), (fifty, rows[-50:])):
             where.mkdir()
             database = Database(where / "orders.db")
-            Approvals(database, AuditLog(where / "audit.log", writer=fc.AuditFile))
+            fc.JournaledApprovals(database, AuditLog(where / "audit.log", writer=fc.AuditFile))
             with database.write_transaction() as db:
                 db.executemany(
                     "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
