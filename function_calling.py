@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #61da8cae: the whole file, every part kept
+# function_calling.py 2026-12-04 #437e5709: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,14 +26,14 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,045 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,038 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,880 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,920 lines),
 makes each of its promises hold against real servers and faults: the transport · the stream ·
 the workers · budgets · server quirks · start-up checks · the audit chain · the approvals'
 journal · the database · the seams, filled. Part III, operating
-it (about 1,400 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,420 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -638,9 +638,9 @@ class LineFile:
         self.path, self.fsync = path, fsync
         self._lock = threading.Lock()
         self._seq, self._prev = 0, GENESIS
-        if path.exists() and path.stat().st_size:  # read once, as the log is opened
-            last = path.read_bytes().splitlines()[-1]
-            self._seq, self._prev = json.loads(last)["seq"], hashlib.sha256(last).hexdigest()
+        text = path.read_bytes() if path.exists() else b""  # read once, as the log is opened
+        if text:
+            self._seq, self._prev = _chain_end(text)
 
     def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
         """One line, on disk when this returns (`sync` aside: every line is synced)."""
@@ -667,8 +667,9 @@ class AuditLog:
     Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
     The file is written whatever logging is set to do: logging.disable() cannot drop a line.
     The records never reach the root logger: they may hold exception text meant for operators.
-    fsync=False trades durability for speed (`make bench`); head_file gets the chain's head
-    after each append, out of the log writer's reach; a host, if given, is named in each line.
+    fsync=False trades durability for speed (`make bench`); head_file (AuditFile's) gets the
+    chain's head after each append, out of the log writer's reach; a host, if given, is named
+    in each line.
     """
 
     def __init__(
@@ -708,6 +709,18 @@ class AuditLog:
             raise _audit_error(exc) from None
         if self._logger.hasHandlers():  # yours, if any: a copy, once the line is written
             self._logger.info(event, extra={"audit": record})
+
+
+def _chain_end(text: bytes) -> tuple[int, str]:
+    """The seq and hash of a log's last line, or AuditError if it is not a whole record."""
+    last = text.splitlines()[-1]
+    try:
+        seq = json.loads(last)["seq"] if text.endswith(b"\n") else None
+    except (ValueError, KeyError, TypeError):
+        seq = None
+    if not isinstance(seq, int):
+        raise AuditError("the audit log's last line is not a record, so nothing more is appended")
+    return seq, hashlib.sha256(last).hexdigest()
 
 
 def _audit_error(exc: OSError) -> AuditError:
@@ -829,7 +842,10 @@ class Client:
             raise ApiError(f"the model API could not be reached ({why})") from None
         if len(data) > limit:
             raise ApiError(f"the model API sent a reply over {limit} bytes")
-        reply = parse_reply(data)
+        try:
+            reply = parse_reply(data)
+        except ApiError as exc:  # its text may quote the body, which may say the key back
+            raise ApiError(_redacted(str(exc), self.settings.api_key), exc.status) from None
         if on_text is not None and reply.content:
             on_text(reply.content)
         return reply
@@ -1181,6 +1197,7 @@ def _is_tool_error(outcome: str) -> bool:
 # ------------------------------------------------------------------- calls that do not run
 # Every call the model asked for gets its tool message and its audit line, whether it ran or
 # not (a guard, the per-reply cap): a history with an unanswered call cannot be sent again.
+# The runner answers them (InOrder.skip), as it runs the others.
 
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
@@ -1199,37 +1216,6 @@ def skip_call(
     """A call that will not run still gets its tool message and its audit line."""
     _audit_call(audit, call, context, round_number, f"skipped:{reason}", time.monotonic(), {})
     return ToolResult(call, _not_run_content(reason), f"skipped:{reason}")
-
-
-def skip_calls(
-    calls: Sequence[ToolCall],
-    reason: str,
-    named: int,
-    context: ToolContext,
-    audit: AuditLog,
-    round_number: int,
-) -> Iterator[ToolResult]:
-    """Answer every call that will not run: the first `named` with an audit line each, the
-    rest with one line together (how many, and a digest of their ids).
-
-    subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
-    valid), but only as many are audited one by one as could have run."""
-    for call in calls[:named]:
-        yield skip_call(call, reason, context, audit, round_number)
-    counted = [call.id for call in calls[named:]]
-    if counted:
-        audit.record_in_batch(
-            "tool_calls_skipped",
-            turn_id=context.turn_id,
-            round=round_number,
-            customer_id=context.customer_id,
-            reason=reason,
-            count=len(counted),
-            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
-        )
-        # shared, and short: 100,000 of them go in every later request (the first say why)
-        content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
-        yield from (ToolResult(call, content, outcome) for call in calls[named:])
 
 
 def _not_run_content(reason: str) -> str:
@@ -1264,6 +1250,15 @@ class InOrder:
     def run(self, calls: Sequence[ToolCall], dispatcher: Dispatcher) -> Iterator[ToolResult]:
         for call in calls:
             yield dispatcher(call)
+
+    def skip(
+        self, calls: Sequence[ToolCall], reason: str, dispatcher: Dispatcher, can_run: int
+    ) -> Iterator[ToolResult]:
+        """Answer calls that may not run, each with its audit line. It does not survive a
+        reply of 100,000 calls (Workers audits `can_run` one by one, and the rest together)."""
+        context, audit, number = dispatcher.context, dispatcher.audit, dispatcher.round_number
+        for call in calls:
+            yield skip_call(call, reason, context, audit, number)
 
 
 class Quirks:
@@ -1432,7 +1427,8 @@ class ToolLoop:
         history_origin: tuple[str, str] | None = None,
     ) -> TurnResult:
         """One turn. Never raises for the model's or the network's faults: see stop_reason.
-        With `on_text`, replies are streamed and their text handed over as it arrives. A
+        With `on_text`, each reply's text is handed over as it arrives: whole from Part I's
+        Client, piece by piece from ChatClient, which streams. A
         `history` whose `history_origin` (TurnResult.origin) is another server or model than
         this loop's goes as the quirks say (ServerQuirks: in portable form)."""
         if history and history_origin and history_origin != self._origin:
@@ -1544,10 +1540,8 @@ class ToolLoop:
             self.tools, context, self.audit, turn.rounds, self.approvals, turn.deadline
         )
         yield from self.runner.run(runnable, dispatcher)
-        reason = guard or "too_many_calls"
-        not_run = calls[len(runnable) :]
-        named = self.max_calls_per_reply
-        yield from skip_calls(not_run, reason, named, context, self.audit, turn.rounds)
+        not_run, can_run = calls[len(runnable) :], self.max_calls_per_reply
+        yield from self.runner.skip(not_run, guard or "too_many_calls", dispatcher, can_run)
 
     def _answers_directly(self, results: Sequence[ToolResult]) -> bool:
         """Return-direct only when every call is return-direct and succeeded; a rejected call
@@ -1763,8 +1757,10 @@ _ACTION_FIELDS = (
 class Approvals:
     """The human side of every write (a tool with `writes = True`), kept in the SQLite file
     the tools' data is in. The model can only file a request; a person lists, approves or
-    rejects it; approving re-checks everything and applies the change once, in one
-    transaction with the action's status. A filing's audit line is written inside its
+    rejects it. Approving checks that the action is open and unexpired and its arguments are
+    exactly those filed (their hash), runs the tool's validate, then its apply (which checks
+    its own rules again: Tool.apply), in one transaction with the action's status, so it is
+    applied once. A filing's audit line is written inside its
     transaction (no line, no action); a decision's, as soon as it commits. It does not
     survive a crash between a step's commit and its line (the log and the database then
     disagree), hosts sharing a database, or a person's edit (Part II's JournaledApprovals)."""
@@ -1948,9 +1944,6 @@ def _bound_arguments(action: PendingAction) -> dict[str, Any]:
     if not hmac.compare_digest(binding, action.binding_sha256):
         raise ApprovalError(f"{action.action_id}: the request changed since it was proposed")
     return args
-
-
-_DECIDED = {"approve": "approved", "reject": "rejected"}
 
 
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
@@ -2890,6 +2883,37 @@ def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
 # audited all the same.
 
 
+def skip_calls(
+    calls: Sequence[ToolCall],
+    reason: str,
+    named: int,
+    context: ToolContext,
+    audit: AuditLog,
+    round_number: int,
+) -> Iterator[ToolResult]:
+    """Answer every call that will not run: the first `named` with an audit line each, the
+    rest with one line together (how many, and a digest of their ids).
+
+    subtle: one reply may carry 100,000 calls; each is answered (the transcript must stay
+    valid), but only as many are audited one by one as could have run."""
+    for call in calls[:named]:
+        yield skip_call(call, reason, context, audit, round_number)
+    counted = [call.id for call in calls[named:]]
+    if counted:
+        audit.record_in_batch(
+            "tool_calls_skipped",
+            turn_id=context.turn_id,
+            round=round_number,
+            customer_id=context.customer_id,
+            reason=reason,
+            count=len(counted),
+            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
+        )
+        # shared, and short: 100,000 of them go in every later request (the first say why)
+        content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
+        yield from (ToolResult(call, content, outcome) for call in calls[named:])
+
+
 def timed_out_call(
     call: ToolCall, timeout: float, context: ToolContext, audit: AuditLog, round_number: int
 ) -> ToolResult:
@@ -3010,6 +3034,12 @@ class Workers(InOrder):
                 future.cancel()  # a call still queued never starts
                 context, audit = dispatcher.context, dispatcher.audit
                 yield timed_out_call(call, self.timeout, context, audit, dispatcher.round_number)
+
+    def skip(
+        self, calls: Sequence[ToolCall], reason: str, dispatcher: Dispatcher, can_run: int
+    ) -> Iterator[ToolResult]:
+        context, audit, number = dispatcher.context, dispatcher.audit, dispatcher.round_number
+        yield from skip_calls(calls, reason, can_run, context, audit, number)
 
 
 # ----------------------------------------------------------------------------------- budgets
@@ -4461,6 +4491,7 @@ def _events_naming(path: Path, intent_ids: set[str]) -> dict[str, set[str]]:
     return found
 
 
+_DECIDED = {"approve": "approved", "reject": "rejected"}
 _ACTION_COLUMNS = _ACTION_FIELDS + ", filed_by"  # and the host that filed it
 
 
@@ -5181,7 +5212,7 @@ def _discard_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a flag a line
+def _build_parser(app: App) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="LLM tool calling by hand: the model proposes, this code disposes.",
     )
@@ -5195,6 +5226,33 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
     )
     for kind in DATABASE_KINDS:
         kind.add_arguments(data)
+    talk = _talk_flags(app)
+    sources = argparse.ArgumentParser(add_help=False)
+    for source in TOOL_SOURCES:
+        source.add_arguments(sources)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    ask = commands.add_parser(
+        "ask", parents=[talk, data, sources], help="ask one question, print the answer"
+    )
+    ask.add_argument("question")
+    ask.set_defaults(command=_cmd_ask)
+    chat = commands.add_parser(
+        "chat", parents=[talk, data, sources], help="talk, one line per turn, until EOF or /quit"
+    )
+    chat.set_defaults(command=_cmd_chat)
+    if app.demo:
+        demo = commands.add_parser("demo", parents=[data], help="scripted turns, offline")
+    else:  # kept, to say why there is none, but not offered by --help (no help= given)
+        demo = commands.add_parser("demo", parents=[data])
+    demo.set_defaults(command=_cmd_demo)
+    _add_human_commands(commands, data, sources)
+    _add_log_commands(commands, data)
+    _add_section_commands(commands, {"data": data, "sources": sources})
+    return parser
+
+
+def _talk_flags(app: App) -> argparse.ArgumentParser:
+    """The flags of `ask` and `chat`: the model, who asks, the limits, the waits."""
     talk = argparse.ArgumentParser(add_help=False)
     talk.add_argument("--model", help="the model to ask (default: $OPENAI_MODEL, else $MODEL)")
     talk.add_argument(
@@ -5237,6 +5295,12 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         ("--output-price", "the price of a million output tokens (none)"),
     ):
         talk.add_argument(flag, type=_amount, help=what)
+    _add_wire_flags(talk)
+    return talk
+
+
+def _add_wire_flags(talk: argparse.ArgumentParser) -> None:
+    """The flags of the requests' waits and retries, and of streaming."""
     talk.add_argument(
         "--timeout",
         type=_seconds(3600),
@@ -5271,30 +5335,17 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         help=f"characters in one question ({MAX_QUESTION_CHARS})",
     )
     talk.add_argument("--stream", action="store_true", help="print the answer as it is written")
-    sources = argparse.ArgumentParser(add_help=False)
-    for source in TOOL_SOURCES:
-        source.add_arguments(sources)
+
+
+def _add_human_commands(
+    commands: Any, data: argparse.ArgumentParser, sources: argparse.ArgumentParser
+) -> None:
+    """`pending`, `approve` and `reject`: a person's side of a write."""
     human = argparse.ArgumentParser(add_help=False)
     human.add_argument("action_id", metavar="ID", help="the approval id, as `pending` lists it")
     human.add_argument(
         "--operator", type=_printable_id, default=_os_user(), help="who decides (OS user)"
     )
-
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    ask = commands.add_parser(
-        "ask", parents=[talk, data, sources], help="ask one question, print the answer"
-    )
-    ask.add_argument("question")
-    ask.set_defaults(command=_cmd_ask)
-    chat = commands.add_parser(
-        "chat", parents=[talk, data, sources], help="talk, one line per turn, until EOF or /quit"
-    )
-    chat.set_defaults(command=_cmd_chat)
-    if app.demo:
-        demo = commands.add_parser("demo", parents=[data], help="scripted turns, offline")
-    else:  # kept, to say why there is none, but not offered by --help (no help= given)
-        demo = commands.add_parser("demo", parents=[data])
-    demo.set_defaults(command=_cmd_demo)
     pending = commands.add_parser("pending", parents=[data], help="list writes waiting for a human")
     pending.add_argument("--json", action="store_true", help="one JSON object a line")
     pending.set_defaults(command=_cmd_pending)
@@ -5317,6 +5368,10 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         help="why, for the conversation that asked (500 characters)",
     )
     reject.set_defaults(command=_cmd_reject)
+
+
+def _add_log_commands(commands: Any, data: argparse.ArgumentParser) -> None:
+    """`verify-audit`, `stats` and `copy`."""
     log = argparse.ArgumentParser(add_help=False)
     log.add_argument("path", nargs="?", type=Path, help="the audit log (default: the data dir's)")
     verify = commands.add_parser("verify-audit", parents=[log, data], help="check the hash chain")
@@ -5341,8 +5396,6 @@ def _build_parser(app: App) -> argparse.ArgumentParser:  # noqa: PLR0915 -- a fl
         help="the parts to leave out, comma-separated, as their `# >>> NAME` lines name them",
     )
     copy.set_defaults(command=_cmd_copy)
-    _add_section_commands(commands, {"data": data, "sources": sources})
-    return parser
 
 
 # Commands a section further down adds: each is given the subcommands to add its own to, and

@@ -272,6 +272,15 @@ class EveryCallIsAuditedInAChain(MechanismCase):
         check = fc.verify_audit(self.audit_path)
         self.assertEqual((check.records, check.broken_line), (5, None))
 
+    def test_a_log_whose_last_line_is_cut_is_refused_with_one_clear_error(self) -> None:
+        self.turn([tool_call_reply([("note", '{"word":"hi"}')]), text_reply("hi")])
+        whole = self.audit_path.read_bytes()
+        for cut in (b'{"seq":9,"prev":"ab', b'{"seq":9}'):  # a crash mid-line, or before its end
+            with self.subTest(cut=cut):
+                self.audit_path.write_bytes(whole + cut)
+                with self.assertRaisesRegex(self.mod.AuditError, "last line is not a record"):
+                    self.mod.AuditLog(self.audit_path)
+
     def test_the_key_said_back_in_arguments_is_given_to_no_tool(self) -> None:
         result, _ = self.turn(
             [tool_call_reply([("note", json.dumps({"word": FAKE_KEY}))]), text_reply("no")]
@@ -332,6 +341,18 @@ class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
         self.assertEqual(result.stop_reason, "api_error")
         self.assertNotIn(FAKE_KEY[:12], result.error or "")
         self.assertIn("[redacted]", result.error or "")
+
+    def test_a_reply_that_says_the_key_back_with_200_never_gets_it_shown(self) -> None:
+        said = [
+            f"proxy said: Authorization: Bearer {FAKE_KEY}".encode(),
+            json.dumps({"error": {"message": f"key {FAKE_KEY} is over its quota"}}).encode(),
+        ]
+        for body in said:
+            with self.subTest(body=body[:20]):
+                result, _ = self.turn([body])
+                self.assertEqual(result.stop_reason, "api_error")
+                self.assertNotIn(FAKE_KEY[:12], result.error or "")
+                self.assertIn("[redacted]", result.error or "")
 
     def test_a_server_that_does_not_answer_in_time_is_an_error_by_the_timeout(self) -> None:
         def slow(request: RecordedRequest) -> bytes:
