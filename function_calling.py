@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #437e5709: the whole file, every part kept
+# function_calling.py 2026-12-04 #b3dbea12: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,038 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,046 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,920 lines),
@@ -1447,10 +1447,11 @@ class ToolLoop:
             self._finish(turn, context, "interrupted", error="interrupted")
             raise
 
-    def _round(  # noqa: PLR0911 -- one return per way a round ends
+    def _round(
         self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
     ) -> TurnResult | None:
-        """One round; the TurnResult if it ends the turn (a function, so a reply is let go)."""
+        """One round: ask, then answer every call the reply asks for; the TurnResult if it
+        ends the turn (a function, so a reply is let go)."""
         turn.rounds += 1
         # a tool_choice that forces a call applies to the first round only: forced in every
         # round, the model could never answer, and the turn would end at the round cap
@@ -1458,7 +1459,7 @@ class ToolLoop:
         over = turn.spending.before_request(turn.messages, self._tools_json)
         if over:  # never sent: as estimated, it would pass a limit
             return self._finish(turn, context, "budget", turn.spending.answer_for(over), over)
-        try:  # ChatClient.complete: one reply, whole, by the deadline, or ApiError
+        try:  # the client: one reply, whole, by the deadline, or ApiError
             reply = self.client.complete(
                 turn.messages,
                 self._tools_json,
@@ -1478,6 +1479,14 @@ class ToolLoop:
             return self._finish(turn, context, *self._ending(reply, turn.spending))
         # a plan the model did not finish writing is not a plan: none of it runs
         guard = "incomplete" if reply.finish_reason == "length" else self._guard(turn)
+        ending = self._answer_calls(turn, context, reply, guard)
+        return self._finish(turn, context, *ending) if ending else None
+
+    def _answer_calls(  # noqa: PLR0911 -- one return per way the calls end a turn
+        self, turn: _Turn, context: ToolContext, reply: Reply, guard: str | None
+    ) -> tuple[str, str | None, str | None] | None:
+        """Answer every call of the reply, run or (after a guard) not, each audited before
+        any result can go back; how the turn ends, if it does."""
         mark = len(turn.messages)  # where this reply's results start
         try:  # no result goes back before the batch's lines are on disk (AuditLog.batch)
             with self.audit.batch():
@@ -1486,19 +1495,18 @@ class ToolLoop:
             del turn.messages[mark:]
             turn.open_calls = collections.deque(reply.tool_calls)
             turn.close_open_calls("audit_failed")
-            return self._finish(turn, context, "audit_failed", error=str(exc))
-        if guard:  # cut short: the text that came and a note; a guard: its fallback (and why)
-            answer = reply.content if guard == "incomplete" else self.fallbacks.get(guard)
-            note = _CUT_CALLS if guard == "incomplete" else turn.over
-            if guard == "budget":
-                answer = turn.spending.answer_for(turn.over)
-            return self._finish(turn, context, guard, answer, note)
+            return "audit_failed", None, str(exc)
+        if guard == "incomplete":  # cut short: the text that came, and a note
+            return guard, reply.content, _CUT_CALLS
+        if guard == "budget":  # a guard: its fallback, and why
+            return guard, turn.spending.answer_for(turn.over), turn.over
+        if guard:
+            return guard, self.fallbacks[guard], None
         if turn.failed_tool:
             error = f"the tool {turn.failed_tool} failed; details are in the audit log"
-            return self._finish(turn, context, "tool_failed", error=error)
+            return "tool_failed", None, error
         if len(results) == len(reply.tool_calls) and self._answers_directly(results):
-            answer = "\n".join(result.content for result in results)
-            return self._finish(turn, context, "returned_direct", answer=answer)
+            return "returned_direct", "\n".join(result.content for result in results), None
         return None
 
     def _ending(self, reply: Reply, spending: Spending) -> tuple[str, str | None, str | None]:

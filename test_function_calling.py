@@ -7512,6 +7512,18 @@ class ShapeTest(unittest.TestCase):
                     if name not in ("http", "https"):
                         self.assertTrue(self.has(later, name), f"{name} is not defined in Part II")
 
+    def test_no_function_in_the_core_is_over_60_lines_and_a_round_fits_in_40(self) -> None:
+        sizes = {
+            f"{node.name} (line {node.lineno})": node.end_lineno - node.lineno + 1
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.lineno <= self.part_three_end
+            and node.end_lineno is not None
+        }
+        self.assertEqual({name: n for name, n in sizes.items() if n > 60}, {})
+        (round_size,) = [n for name, n in sizes.items() if name.startswith("_round ")]
+        self.assertLessEqual(round_size, 40)
+
     def test_part_one_uses_no_name_defined_after_its_end(self) -> None:
         source = MODULE.read_text()
         self.assertEqual(forward_names(source, self.part_one_end), set())
