@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #b3dbea12: the whole file, every part kept
+# function_calling.py 2026-12-04 #76dd9d59: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -29,11 +29,11 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 2,046 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,920 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,470 lines),
 makes each of its promises hold against real servers and faults: the transport · the stream ·
-the workers · budgets · server quirks · start-up checks · the audit chain · the approvals'
-journal · the database · the seams, filled. Part III, operating
-it (about 1,420 lines): the audit log's figures · the CLI · the scripted server.
+the workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
+database · the seams, filled. Part III, operating
+it (about 1,390 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -116,10 +116,10 @@ else:
 # fmt: off
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
-    "AuditError", "AuditFile", "AuditLog", "Budget", "ChatClient", "Client", "ConfigError",
-    "CurrentTime", "Database", "Dispatcher", "InOrder", "JournaledApprovals", "Limits",
+    "AuditError", "AuditFile", "AuditLog", "ChatClient", "Client", "ConfigError",
+    "CurrentTime", "Database", "Dispatcher", "InOrder", "JournaledApprovals",
     "LineFile", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
-    "ScriptedReply", "ServerQuirks", "Settings", "Tally", "Tool", "ToolContext", "ToolError",
+    "ScriptedReply", "ServerQuirks", "Settings", "Tool", "ToolContext", "ToolError",
     "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Unlimited", "Workers",
     "audit_disagreements", "audit_stats", "canonical_json", "check_argument_names",
     "checked_tools", "delta_chunk", "hardened_loop", "main", "parse_arguments",
@@ -2055,6 +2055,11 @@ def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
 # error here: following it would send the Authorization header to the host it names).
 
 
+def _size(text: str) -> int:
+    """A message's bytes: its length, when it is ASCII (as our own JSON always is)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+
+
 # subtle: a socket timeout bounds each socket operation, not the request: a server that sends
 # its status line, a header, a "100 Continue", a chunk-size line or a trailer one byte at a
 # time, each within the timeout, would never trip it. So every read from the socket goes
@@ -3048,455 +3053,6 @@ class Workers(InOrder):
     ) -> Iterator[ToolResult]:
         context, audit, number = dispatcher.context, dispatcher.audit, dispatcher.round_number
         yield from skip_calls(calls, reason, can_run, context, audit, number)
-
-
-# ----------------------------------------------------------------------------------- budgets
-# What may be spent: in one turn, in a customer's UTC day, in a conversation (the last two kept
-# in a SpendKeeper, for every process). A request that would pass a limit is not sent; a reply whose
-# usage passes one runs none of its calls. There is no tokenizer here: a request's input is
-# estimated from its bytes (BYTES_PER_TOKEN) until the server counts it, and a server that
-# reports no usage is counted by the estimate.
-
-BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
-MAX_BYTES_PER_TOKEN = 6.0  # what a server's counts may teach the estimate, at most
-OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
-BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
-DAILY_BUDGET_ANSWER = (
-    "Sorry, today's spending limit has been reached. It starts again at 00:00 UTC."
-)
-CONVERSATION_BUDGET_ANSWER = (
-    "Sorry, this conversation has reached its spending limit. Please start a new one."
-)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What may be spent in one scope (a turn, a customer's UTC day, a conversation); None:
-    no limit. A cost limit is at the Budget's prices."""
-
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    total_tokens: int | None = None
-    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
-    cost: float | None = None  # in the prices' currency
-    # made once, as they are checked every round: those set (the place of each one's figure,
-    # its kind, its value), and whether there are any
-    set_limits: tuple[tuple[int, str, float], ...] = field(init=False, repr=False, compare=False)
-    any: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _check_limits(self)
-        kinds = ("input-token", "output-token", "total-token", "tool-call", "cost")
-        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
-        named = enumerate(zip(kinds, (*limits, self.cost), strict=True))
-        set_limits = tuple((n, kind, v) for n, (kind, v) in named if v is not None)
-        object.__setattr__(self, "set_limits", set_limits)
-        object.__setattr__(self, "any", bool(set_limits))
-
-    def figures(self, spent: Tally, cost: float) -> list[tuple[str, float, float]]:
-        """Each limit that is set (its kind, its value) and the figure of `spent` (and what it
-        costs) it bounds."""
-        figures = (spent.input, spent.output, spent.input + spent.output, spent.calls, cost)
-        return [(kind, limit, figures[n]) for n, kind, limit in self.set_limits]
-
-    def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
-        """The first limit `spent` (and what it costs) passes, and the figure that passes it."""
-        for kind, limit, figure in self.figures(spent, cost):
-            if figure > limit:
-                return f"{kind} limit ({_said(limit)})", _said(figure)
-        return None
-
-    def near(self, spent: Tally, cost: float, fraction: float) -> list[tuple[str, str]]:
-        """Each limit spent to `fraction` of itself, and how far ("at 82%: 41,000")."""
-        return [
-            (f"{kind} limit ({_said(limit)})", f"at {figure / limit:.0%}: {_said(figure)}")
-            for kind, limit, figure in self.figures(spent, cost)
-            if limit and figure >= fraction * limit  # a limit of 0 (cost) has no share to say
-        ]
-
-    def output_room(
-        self, would: Tally, cost: float, output_price: float | None
-    ) -> tuple[int, str, float] | None:
-        """The output tokens these limits leave after `would` (which costs `cost`), with the
-        kind and value of the limit that leaves fewest; None when none bounds a reply. (Written
-        out, not from `figures`: it runs before every request.)"""
-        rooms: list[tuple[int, str, float]] = []
-        if self.output_tokens is not None:
-            rooms.append((self.output_tokens - would.output, "output-token", self.output_tokens))
-        if self.total_tokens is not None:
-            total = self.total_tokens
-            rooms.append((total - would.input - would.output, "total-token", total))
-        if self.cost is not None and output_price:
-            rooms.append((math.floor((self.cost - cost) * 1e6 / output_price), "cost", self.cost))
-        return min(rooms, default=None)
-
-
-def _said(figure: float) -> str:
-    """A figure as a message says it: tokens as 12,345, money to six digits."""
-    return f"{figure:,}" if isinstance(figure, int) else f"{figure:.6g}"
-
-
-def _check_limits(owner: Limits | Budget) -> None:
-    """Refuse, when a limit is made, a value that is none, in the words of the CLI's flags:
-    NaN or inf would turn a limit off, and a string would fail in the middle of a turn."""
-    for name in ("input_tokens", "output_tokens", "total_tokens", "tool_calls"):
-        value = getattr(owner, name)
-        if value is not None:
-            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-            if not (_is_number(value) and whole and 1 <= value < 10**9):
-                raise ConfigError(
-                    f"{name}: expected a whole number from 1 to 999999999; got {value!r}"
-                )
-            object.__setattr__(owner, name, int(value))  # 5.0 is 5
-    for name in ("cost", "input_price", "output_price"):
-        value = getattr(owner, name, None)
-        if value is not None and not (_is_number(value) and 0 <= value < 1e12):
-            raise ConfigError(f"{name}: expected a number of 0 or more; got {value!r}")
-    fraction = getattr(owner, "warn_at", None)
-    if fraction is not None and not (_is_number(fraction) and 0 < fraction < 1):
-        raise ConfigError(f"warn_at: expected a fraction above 0 and below 1; got {fraction!r}")
-
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float, not a bool (math.isfinite would overflow on 10**400)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class Tally:
-    """Tokens read and written, and calls run."""
-
-    input: int = 0
-    output: int = 0
-    calls: int = 0
-
-    def __add__(self, other: Tally) -> Tally:
-        return Tally(self.input + other.input, self.output + other.output, self.calls + other.calls)
-
-    def __sub__(self, other: Tally) -> Tally:
-        return Tally(self.input - other.input, self.output - other.output, self.calls - other.calls)
-
-
-@dataclass(frozen=True)
-class Budget(Unlimited):
-    """What one turn may spend (these fields), and, kept by a SpendKeeper, what a customer may in a
-    UTC day and a conversation in all its turns; None: no limit (the default)."""
-
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    total_tokens: int | None = None
-    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
-    cost: float | None = None  # in the prices' currency
-    # money, optional: no price is built in; a cost limit needs both prices
-    input_price: float | None = None  # per million input tokens
-    output_price: float | None = None  # per million output tokens
-    daily: Limits = Limits()  # per customer and UTC day, in every process (the ledger)
-    conversation: Limits = Limits()  # per conversation, in all its turns (the ledger)
-    ledger: SpendKeeper | None = field(default=None, compare=False)
-    # what the user reads when a limit stops a turn, by the kind of limit that stopped it
-    answer: str = BUDGET_ANSWER
-    daily_answer: str = DAILY_BUDGET_ANSWER
-    conversation_answer: str = CONVERSATION_BUDGET_ANSWER
-    warn_at: float | None = None  # a limit spent to this fraction is said, once a turn (0.8)
-    turn: Limits = field(init=False, repr=False, compare=False)  # the five above, made once
-    # input bytes a token, by "BASE_URL MODEL", as its turns' counts taught (the estimate)
-    learned: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _check_limits(self)
-        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
-        object.__setattr__(self, "turn", Limits(*limits, self.cost))
-        prices = (self.input_price, self.output_price)
-        costs = (self.cost, self.daily.cost, self.conversation.cost)
-        if any(cost is not None for cost in costs) and None in prices:
-            raise ConfigError("a cost limit needs the price of input and of output tokens")
-
-    def checked(self) -> Budget:
-        """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
-        limit needs a ledger to keep it in."""
-        if (self.daily.any or self.conversation.any) and self.ledger is None:
-            raise ConfigError("a daily or a conversation limit needs a ledger to keep it in")
-        return self
-
-    def for_turn(
-        self, context: ToolContext, audit: AuditLog, origin: str, deadline: float
-    ) -> Spending:
-        spend = Spend(origin=origin, ratio=self.learned.get(origin))
-        return Metered(self, spend, context, audit, deadline)
-
-    def cost_of(self, spent: Tally) -> float:
-        """What tokens cost at the prices (0 without them)."""
-        input_price, output_price = self.input_price or 0.0, self.output_price or 0.0
-        return (spent.input * input_price + spent.output * output_price) / 1_000_000
-
-    def before_request(
-        self, messages: Sequence[str], tools_json: str, spend: Spend, context: ToolContext
-    ) -> str | None:
-        """Why the next request may not be sent, if it would pass a limit (its estimate is kept
-        for a reply that reports no usage, and charged to the ledger's scopes)."""
-        if self.ledger is None and not self.turn.any:  # nothing to keep: nothing to count
-            return None
-        if self.ledger and spend.ratio is None:  # what another process learned of this server
-            spend.ratio = self.ledger.ratio(spend.origin)
-        counted, size = spend.measured  # a turn's messages only grow: measure the new ones
-        size += sum(_size(message) + 1 for message in messages[counted:])
-        spend.measured = (len(messages), size)
-        size += len(tools_json)
-        spend.sent, spend.estimate = size, spend.input_of(size)
-        would = spend.spent + Tally(input=spend.estimate)
-        over = self.turn.passed(would, self.cost_of(would))
-        if over:
-            return f"the turn's {over[0]} would be passed by the next request ({over[1]} with it)"
-        # what the reply may write: what every limit leaves, asked for on the wire; and, with a
-        # ledger, at most the reserve it charges, so that a crash leaves no less counted
-        ledger = self.ledger if self.daily.any or self.conversation.any else None
-        scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
-        room = self.turn.output_room(would, self.cost_of(would), self.output_price)
-        rooms = [(*room, "turn's")] if room else []
-        rooms += [(OUTPUT_RESERVE, "", 0, "")] if ledger else []
-        for held, limits, scope in ledger.figures(scopes) if ledger else []:
-            after = held + Tally(input=spend.estimate)  # with this request's input
-            room = limits.output_room(after, self.cost_of(after), self.output_price)
-            rooms += [(*room, scope)] if room else []
-        bound, kind, limit, scope = min(rooms, default=(None, "", 0, ""))
-        if bound is not None and bound < 1:
-            said = f"the {scope} {kind} limit ({_said(limit)})"
-            return f"{said} would be passed by the next request and its answer; it was not sent"
-        spend.bound = bound
-        if ledger is None:  # no limit it keeps: the turn's spend is kept once, as it ends
-            return None
-        charge = Tally(input=spend.estimate, output=bound or 0)
-        refused = ledger.charge(scopes, charge, self.cost_of)
-        if refused:
-            return f"{refused}; the request was not sent"
-        spend.ledger, spend.charged = ledger, (scopes, charge)
-        return None
-
-    def after_turn(self, spend: Spend, context: ToolContext) -> None:
-        """A turn no ledger limit charged as it went is kept in the ledger all the same, in one
-        transaction as it ends, so that a limit set later counts what was spent before it."""
-        if self.ledger and not spend.scopes and spend.spent != Tally():
-            scopes = self.ledger.scopes(context, Limits(), Limits())
-            self.ledger.add(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
-
-    def warn(self, spend: Spend, context: ToolContext, audit: AuditLog) -> None:
-        """Say, once a turn, as a warning and an audit line, each limit spent to warn_at."""
-        if self.warn_at is None:
-            return
-        figures = [(spend.spent, self.turn, "turn's")]
-        if self.ledger and (self.daily.any or self.conversation.any):
-            scopes = self.ledger.scopes(context, self.daily, self.conversation)
-            figures += self.ledger.figures(scopes)
-        for held, limits, scope in figures:
-            for limit, how_far in limits.near(held, self.cost_of(held), self.warn_at):
-                if f"{scope} {limit}" in spend.warned:
-                    continue
-                spend.warned.add(f"{scope} {limit}")
-                said = f"the {scope} {limit} is {how_far}"
-                _log.warning("near a limit: %s", said)
-                audit.record(
-                    "budget_warning",
-                    turn_id=context.turn_id,
-                    customer_id=context.customer_id,
-                    limit=said,
-                )
-
-    def passed_by(self, spend: Spend, cut: bool) -> str | None:
-        """The limit a reply took the turn, or a ledger's scope, past (said on that turn, with
-        the answer); or, for a reply `cut` at the bound the limits set, that it was."""
-        over = self.turn.passed(spend.spent, self.cost_of(spend.spent))
-        if over:
-            return f"the turn's {over[0]} was passed: {over[1]}"
-        for held, limits, name in self.ledger.figures(spend.scopes) if self.ledger else []:
-            over = limits.passed(held, self.cost_of(held))
-            if over:
-                return f"the {name} {over[0]} was passed: {over[1]}"
-        if cut and spend.bound is not None and spend.written >= spend.bound:
-            return f"the answer was cut at the {spend.bound:,} output tokens the limits left"
-        return None
-
-    def answer_for(self, reason: str | None) -> str:
-        """What the user reads for the limit `reason` names: a daily limit says when it starts
-        again, a conversation's to start another; a turn's to ask for less."""
-        if (reason or "").startswith("the daily"):
-            return self.daily_answer
-        if (reason or "").startswith("the conversation's"):
-            return self.conversation_answer
-        return self.answer
-
-    def after_reply(self, spend: Spend, calls: int) -> str | None:
-        """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
-        the calls would."""
-        would = spend.spent + Tally(calls=calls)
-        over = self.turn.passed(would, self.cost_of(would))
-        if over:
-            return f"the turn's {over[0]} was passed: {over[1]}"
-        if self.ledger and spend.scopes:  # a ledger that keeps limits: calls charged ahead
-            charge = Tally(calls=calls)
-            refused = self.ledger.charge(spend.scopes, charge, self.cost_of)
-            if refused:
-                return f"{refused}; none of the calls ran"
-        spend.spent += Tally(calls=calls)
-        return None
-
-
-def _size(text: str) -> int:
-    """A message's bytes: its length, when it is ASCII (as our own JSON always is)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
-
-
-@dataclass
-class Spend:
-    """What a turn has spent so far: the server's counts, or the estimates where it gave none."""
-
-    spent: Tally = field(default_factory=Tally)
-    sent: int = 0  # the bytes of the request just sent
-    measured: tuple[int, int] = (0, 0)  # of its messages, how many were measured, their bytes
-    estimate: int = 0  # its input tokens, as estimated
-    counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
-    bound: int | None = None  # the output tokens the request just sent asked for at most
-    written: int = 0  # the output tokens of the last reply
-    estimated: int = 0  # of the tokens spent, those no server counted
-    warned: set[str] = field(default_factory=set)  # the limits said to be near, this turn
-    origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
-    ratio: float | None = None  # input bytes a token: the lowest a server's count showed
-    ledger: SpendKeeper | None = None
-    charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
-    scopes: Sequence[Scope] = ()  # the ledger's, for this turn
-
-    def input_of(self, size: int) -> int:
-        """A request's input tokens, estimated: the server's count of the last one and the bytes
-        added since, or all its bytes while there is no count."""
-        ratio = self.ratio or BYTES_PER_TOKEN
-        if self.counted is None:
-            return math.ceil(size / ratio)
-        before, tokens = self.counted
-        return tokens + math.ceil(max(size - before, 0) / ratio)
-
-    def add(self, reply: Reply) -> None:
-        """A reply's tokens: the server's counts, else estimates; and the ledger's charge for
-        its request replaced by them (the second of the request's two transactions)."""
-        prompt = _token_count(reply.usage.get("prompt_tokens"))
-        completion = _token_count(reply.usage.get("completion_tokens"))
-        read = self.estimate if prompt is None else prompt
-        written = completion
-        if written is None:  # no count: the reply's own bytes, at the estimate's rate
-            written = math.ceil(
-                len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN
-            )
-        self.spent += Tally(read, written)
-        self.written = written
-        guessed = (read if prompt is None else 0) + (written if completion is None else 0)
-        self.estimated += guessed
-        if prompt:  # the lowest ratio seen, so the estimate errs high (at most 6: a lie's cap)
-            self.counted = (self.sent, prompt)
-            self.ratio = min(self.ratio or MAX_BYTES_PER_TOKEN, self.sent / prompt)
-        if self.ledger and self.charged:
-            self.scopes, held = self.charged
-            change = Tally(read - held.input, written - held.output)
-            guessed -= held.input + held.output  # the charge was all estimate; now, this part
-            self.ledger.add(self.scopes, change, guessed, (self.origin, self.ratio))
-            self.charged = None
-
-
-class Metered(Spending):
-    """One turn's spending under a Budget (in place of Part I's Spending): counted, a limit
-    near said, and a request or a reply's calls refused before they would pass one. The
-    ledger's waits for the database end by the turn's deadline."""
-
-    def __init__(
-        self, budget: Budget, spend: Spend, context: ToolContext, audit: AuditLog, deadline: float
-    ) -> None:
-        self.budget, self.spend, self.context, self.audit = budget, spend, context, audit
-        self.deadline = deadline
-
-    @property
-    def bound(self) -> int | None:  # type: ignore[override]  # Spending's is a plain None
-        return self.spend.bound
-
-    def before_request(self, messages: Sequence[str], tools_json: str) -> str | None:
-        with _waits_until(self.deadline):
-            return self.budget.before_request(messages, tools_json, self.spend, self.context)
-
-    def after_reply(self, reply: Reply) -> None:
-        with _waits_until(self.deadline):
-            self.spend.add(reply)
-            self.budget.warn(self.spend, self.context, self.audit)
-
-    def before_calls(self, calls: int) -> str | None:
-        with _waits_until(self.deadline):
-            return self.budget.after_reply(self.spend, calls)
-
-    def passed_by(self, cut: bool) -> str | None:
-        with _waits_until(self.deadline):
-            return self.budget.passed_by(self.spend, cut)
-
-    def answer_for(self, reason: str | None) -> str:
-        return self.budget.answer_for(reason)
-
-    def after_turn(self) -> None:
-        if self.spend.ratio is not None:  # for the next turn's first estimate
-            self.budget.learned[self.spend.origin] = self.spend.ratio
-        with _waits_until(self.deadline):
-            self.budget.after_turn(self.spend, self.context)
-
-
-# A ledger's scope: its key in the table, its limits, and how a message names it.
-Scope: TypeAlias = tuple[str, Limits, str]
-
-
-class SpendKeeper:
-    """What a Budget keeps its daily and conversation limits in, across turns and processes
-    (a part further down has one: the ledger). Each scope is charged ahead of what may be
-    spent and corrected by what was counted, so what it holds is never less than was spent."""
-
-    def __init__(self, database: Database) -> None:
-        self.database = database
-
-    def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
-        """The scopes a turn is charged to: its customer's UTC day, and its conversation."""
-        raise NotImplementedError
-
-    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
-        """What each scope holds now, its limits and its name (none, if it cannot be read)."""
-        raise NotImplementedError
-
-    def charge(
-        self, scopes: Sequence[Scope], charge: Tally, cost_of: Callable[[Tally], float]
-    ) -> str | None:
-        """Charge every scope at once, or none if the charge would take one past a limit (or
-        nothing can be written): why not. A charge is all estimate until it is corrected."""
-        raise NotImplementedError
-
-    def add(
-        self,
-        scopes: Sequence[Scope],
-        tally: Tally,
-        estimated: int,
-        learned: tuple[str, float | None],
-    ) -> None:
-        """Add, unchecked, what was spent or, below 0, what a charge overestimated (`estimated`:
-        how much of it no server counted); keep the bytes per token a server's count taught
-        (`learned`: origin, ratio)."""
-        raise NotImplementedError
-
-    def ratio(self, origin: str) -> float | None:
-        """The bytes per token a server's counts taught, if any did."""
-        return None
-
-    @staticmethod
-    def held(
-        database: Database, keys: Sequence[str] | None = None
-    ) -> dict[str, tuple[int, int]] | None:
-        """Each scope's tokens kept in `database` (or those of `keys` only: a page asks for
-        its own, not for every day of every customer), and how many of them no server
-        counted, read only (`stats` writes nothing); None where none are kept."""
-        return None
-
-
-SPEND_KEEPERS: list[type[SpendKeeper]] = []  # a part further down adds its own
 
 
 # ----------------------------------------------------------------------------- server quirks
@@ -5124,7 +4680,7 @@ class App:
     system_prompt: str = SYSTEM_PROMPT
     round_cap_answer: str = ROUND_CAP_ANSWER
     repeated_calls_answer: str = REPEATED_CALLS_ANSWER
-    budget: Budget = Budget()  # what may be spent; the --max-…-tokens flags override it
+    budget: Unlimited = field(default_factory=Unlimited)  # Budget: what may be spent
     customer: str | None = None
     database: str | Callable[[Path], Database] = DATABASE_FILE
     demo: Sequence[DemoTurn] = ()
@@ -5277,32 +4833,8 @@ def _talk_flags(app: App) -> argparse.ArgumentParser:
     talk.add_argument(
         "--max-rounds", type=_whole(1, 1000), default=MAX_ROUNDS, help="model calls per turn (8)"
     )
-    for flag, what in (
-        ("--max-turn-tokens", "input and output tokens"),
-        ("--max-turn-input-tokens", "input tokens"),
-        ("--max-turn-output-tokens", "output tokens"),
-        ("--max-turn-calls", "tool calls that run"),
-    ):
-        talk.add_argument(
-            flag, type=_whole(1, 10**9 - 1), help=f"{what} per turn, at most (no limit)"
-        )
-    for flag, what in (
-        ("--max-daily-tokens", "input and output tokens per customer and UTC day"),
-        ("--max-conversation-tokens", "input and output tokens per conversation"),
-    ):
-        talk.add_argument(flag, type=_whole(1, 10**9 - 1), help=f"{what}, at most (no limit)")
-    talk.add_argument(
-        "--budget-warn",
-        metavar="FRACTION",
-        type=_fraction,
-        help="say when a limit is spent to this fraction of itself, 0.8 say (off)",
-    )
-    for flag, what in (
-        ("--max-turn-cost", "what a turn may cost, in the prices' currency (no limit)"),
-        ("--input-price", "the price of a million input tokens (none)"),
-        ("--output-price", "the price of a million output tokens (none)"),
-    ):
-        talk.add_argument(flag, type=_amount, help=what)
+    for add_flags in TALK_FLAGS:
+        add_flags(talk)
     _add_wire_flags(talk)
     return talk
 
@@ -5404,6 +4936,16 @@ def _add_log_commands(commands: Any, data: argparse.ArgumentParser) -> None:
         help="the parts to leave out, comma-separated, as their `# >>> NAME` lines name them",
     )
     copy.set_defaults(command=_cmd_copy)
+
+
+# What a part further down adds to `ask` and `chat`: its flags (TALK_FLAGS), and ToolLoop
+# options made of them (LOOP_OPTIONS: given the flags and the App, checked before anything is
+# made; what it returns is given the data directory's database and gives the options).
+TALK_FLAGS: list[Callable[[argparse.ArgumentParser], None]] = []
+LOOP_OPTIONS: list[Callable[[argparse.Namespace, App], Callable[[Database], dict[str, Any]]]] = []
+# What a ledger holds, where a part keeps one (`stats` and the inbox show it): each scope's
+# tokens, and how many no server counted; of the scopes named, or (None) of all.
+LEDGERS: list[Callable[[Database, Sequence[str] | None], dict[str, tuple[int, int]] | None]] = []
 
 
 # Commands a section further down adds: each is given the subcommands to add its own to, and
@@ -5592,10 +5134,10 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         retry_timeouts=args.retry_timeouts,
         max_retries=args.retries,
     )
-    budget = _budget(args, app.budget)  # checked, like the settings, before anything is made
+    # a part's options are checked, like the settings, before anything is made
+    later = [options(args, app) for options in LOOP_OPTIONS]
     workspace = _open(args, app, create=True)
-    if SPEND_KEEPERS and budget.ledger is None:  # every turn counted, limited or not
-        budget = replace(budget, ledger=SPEND_KEEPERS[0](workspace.database))
+    chosen = {name: value for made in later for name, value in made(workspace.database).items()}
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
     loop = _tool_loop(
         app,
@@ -5604,31 +5146,9 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         ChatClient(settings),
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
-        budget=budget,
+        **chosen,
     )
     return loop, workspace
-
-
-def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
-    """The App's budget, with what the --max-turn-… flags set instead."""
-    flags = {
-        "input_tokens": args.max_turn_input_tokens,
-        "output_tokens": args.max_turn_output_tokens,
-        "total_tokens": args.max_turn_tokens,
-        "tool_calls": args.max_turn_calls,
-        "cost": args.max_turn_cost,
-        "input_price": args.input_price,
-        "output_price": args.output_price,
-    }
-    flags["warn_at"] = args.budget_warn
-    chosen = {name: limit for name, limit in flags.items() if limit is not None}
-    if args.max_daily_tokens is not None:
-        chosen["daily"] = replace(budget.daily, total_tokens=args.max_daily_tokens)
-    if args.max_conversation_tokens is not None:
-        chosen["conversation"] = replace(
-            budget.conversation, total_tokens=args.max_conversation_tokens
-        )
-    return replace(budget, **chosen)
 
 
 def _cmd_ask(args: argparse.Namespace, app: App) -> int:
@@ -5945,7 +5465,7 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     print("guards fired     " + ", ".join(f"{g} {n}" for g, n in figures["guards"].items()))
     print("stop reasons     " + ", ".join(f"{r} {n}" for r, n in figures["stop_reasons"].items()))
     print(f"tokens           {tokens or 'none reported'}")
-    ledger = SPEND_KEEPERS[0].held(database) if database is not None and SPEND_KEEPERS else None
+    ledger = LEDGERS[0](database, None) if database is not None and LEDGERS else None
     if ledger is not None and database is not None and database.host:
         print("every host       spend, from the ledger they share:")
     for title, spend, scope in (
@@ -5977,10 +5497,9 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
         have = ", ".join(parts) or "none"
         raise ConfigError(f"no part named {', '.join(unknown)} here; this file's parts: {have}")
     cut = {n for name in args.without for n in range(parts[name][0], parts[name][1] + 1)}
-    kept_parts = [name for name in parts if name not in args.without]
     kept = [line for n, line in enumerate(lines) if n not in cut]
     if kept[0].startswith("# function_calling.py "):
-        what = "every part" if kept_parts == list(parts) else ", ".join(kept_parts) or "no part"
+        what = _kept_said([name for name in parts if parts[name][0] not in cut], list(parts))
         kept[0] = f"# function_calling.py {_stamp(''.join(kept[1:]))}: kept {what}\n"
     with suppress(OSError):  # vendor/ need not exist yet; a failure is _write_new's to say
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -5989,6 +5508,14 @@ def _cmd_copy(args: argparse.Namespace, app: App) -> int:
     print(f"wrote {args.out}: {len(kept):,} of {len(lines):,} lines{left_out}")
     print(f"check it: python3 {shlex.quote(str(args.out))} --help")
     return EXIT_OK
+
+
+def _kept_said(kept: Sequence[str], parts: Sequence[str]) -> str:
+    """Which parts a copy kept, in few words (a part inside a cut one goes with it)."""
+    gone = [name for name in parts if name not in kept]
+    if not gone or not kept:
+        return "no part" if gone else "every part"
+    return f"every part but {', '.join(gone)}" if len(gone) <= len(kept) else ", ".join(kept)
 
 
 def _copy_mechanism(out: Path, lines: Sequence[str]) -> int:
@@ -6058,7 +5585,7 @@ def _parts(lines: Sequence[str]) -> dict[str, tuple[int, int]]:
             opened.setdefault(marker.group(2), number)
         elif marker and marker.group(2) in opened:
             parts[marker.group(2).lower()] = (opened.pop(marker.group(2)), number)
-    return parts
+    return dict(sorted(parts.items(), key=lambda part: part[1]))  # in the file's order
 
 
 def _part_names(text: str) -> tuple[str, ...]:
@@ -7755,6 +7282,531 @@ def _cmd_conversations(args: argparse.Namespace, app: App) -> int:
 COMMANDS.append(_add_conversation_commands)
 TURN_KEEPERS.append(_saved_turns)
 # <<< CONVERSATIONS
+# >>> BUDGETS: what may be spent. Everything from this line to the "<<< BUDGETS" line limits
+# what a turn, a customer's UTC day and a conversation may spend (Budget, in ToolLoop's budget
+# seam in place of Part I's Unlimited), with the flags that set the limits and, inside it, the
+# ledger. Nothing above depends on it; without it, no turn is limited or counted.
+#     sed '/^# >>> BUDGETS/,/^# <<< BUDGETS/d' function_calling.py > cut.py
+
+__all__ += ["Budget", "Limits", "Tally"]  # extended here, so that the cut takes them with it
+__doc__ += """
+Budgets ("# >>> BUDGETS" to "# <<< BUDGETS"): what a turn, a customer's UTC day and a
+conversation may spend, in tokens, tool calls and money (Budget; --max-turn-tokens and the
+other limits' flags); a request that would pass a limit is not sent.
+"""
+
+# What may be spent: in one turn, in a customer's UTC day, in a conversation (the last two kept
+# in a SpendKeeper, for every process). A request that would pass a limit is not sent; a reply whose
+# usage passes one runs none of its calls. There is no tokenizer here: a request's input is
+# estimated from its bytes (BYTES_PER_TOKEN) until the server counts it, and a server that
+# reports no usage is counted by the estimate.
+
+BYTES_PER_TOKEN = 2  # the estimate: high on purpose (English and JSON run 3.5 to 4.5 a token)
+MAX_BYTES_PER_TOKEN = 6.0  # what a server's counts may teach the estimate, at most
+OUTPUT_RESERVE = 4096  # output tokens a ledger charges a request before its reply counts them
+BUDGET_ANSWER = "Sorry, this reached the spending limit set for it. Please ask for less at once."
+DAILY_BUDGET_ANSWER = (
+    "Sorry, today's spending limit has been reached. It starts again at 00:00 UTC."
+)
+CONVERSATION_BUDGET_ANSWER = (
+    "Sorry, this conversation has reached its spending limit. Please start a new one."
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What may be spent in one scope (a turn, a customer's UTC day, a conversation); None:
+    no limit. A cost limit is at the Budget's prices."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
+    cost: float | None = None  # in the prices' currency
+    # made once, as they are checked every round: those set (the place of each one's figure,
+    # its kind, its value), and whether there are any
+    set_limits: tuple[tuple[int, str, float], ...] = field(init=False, repr=False, compare=False)
+    any: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_limits(self)
+        kinds = ("input-token", "output-token", "total-token", "tool-call", "cost")
+        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
+        named = enumerate(zip(kinds, (*limits, self.cost), strict=True))
+        set_limits = tuple((n, kind, v) for n, (kind, v) in named if v is not None)
+        object.__setattr__(self, "set_limits", set_limits)
+        object.__setattr__(self, "any", bool(set_limits))
+
+    def figures(self, spent: Tally, cost: float) -> list[tuple[str, float, float]]:
+        """Each limit that is set (its kind, its value) and the figure of `spent` (and what it
+        costs) it bounds."""
+        figures = (spent.input, spent.output, spent.input + spent.output, spent.calls, cost)
+        return [(kind, limit, figures[n]) for n, kind, limit in self.set_limits]
+
+    def passed(self, spent: Tally, cost: float) -> tuple[str, str] | None:
+        """The first limit `spent` (and what it costs) passes, and the figure that passes it."""
+        for kind, limit, figure in self.figures(spent, cost):
+            if figure > limit:
+                return f"{kind} limit ({_said(limit)})", _said(figure)
+        return None
+
+    def near(self, spent: Tally, cost: float, fraction: float) -> list[tuple[str, str]]:
+        """Each limit spent to `fraction` of itself, and how far ("at 82%: 41,000")."""
+        return [
+            (f"{kind} limit ({_said(limit)})", f"at {figure / limit:.0%}: {_said(figure)}")
+            for kind, limit, figure in self.figures(spent, cost)
+            if limit and figure >= fraction * limit  # a limit of 0 (cost) has no share to say
+        ]
+
+    def output_room(
+        self, would: Tally, cost: float, output_price: float | None
+    ) -> tuple[int, str, float] | None:
+        """The output tokens these limits leave after `would` (which costs `cost`), with the
+        kind and value of the limit that leaves fewest; None when none bounds a reply. (Written
+        out, not from `figures`: it runs before every request.)"""
+        rooms: list[tuple[int, str, float]] = []
+        if self.output_tokens is not None:
+            rooms.append((self.output_tokens - would.output, "output-token", self.output_tokens))
+        if self.total_tokens is not None:
+            total = self.total_tokens
+            rooms.append((total - would.input - would.output, "total-token", total))
+        if self.cost is not None and output_price:
+            rooms.append((math.floor((self.cost - cost) * 1e6 / output_price), "cost", self.cost))
+        return min(rooms, default=None)
+
+
+def _said(figure: float) -> str:
+    """A figure as a message says it: tokens as 12,345, money to six digits."""
+    return f"{figure:,}" if isinstance(figure, int) else f"{figure:.6g}"
+
+
+def _check_limits(owner: Limits | Budget) -> None:
+    """Refuse, when a limit is made, a value that is none, in the words of the CLI's flags:
+    NaN or inf would turn a limit off, and a string would fail in the middle of a turn."""
+    for name in ("input_tokens", "output_tokens", "total_tokens", "tool_calls"):
+        value = getattr(owner, name)
+        if value is not None:
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if not (_is_number(value) and whole and 1 <= value < 10**9):
+                raise ConfigError(
+                    f"{name}: expected a whole number from 1 to 999999999; got {value!r}"
+                )
+            object.__setattr__(owner, name, int(value))  # 5.0 is 5
+    for name in ("cost", "input_price", "output_price"):
+        value = getattr(owner, name, None)
+        if value is not None and not (_is_number(value) and 0 <= value < 1e12):
+            raise ConfigError(f"{name}: expected a number of 0 or more; got {value!r}")
+    fraction = getattr(owner, "warn_at", None)
+    if fraction is not None and not (_is_number(fraction) and 0 < fraction < 1):
+        raise ConfigError(f"warn_at: expected a fraction above 0 and below 1; got {fraction!r}")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float, not a bool (math.isfinite would overflow on 10**400)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Tokens read and written, and calls run."""
+
+    input: int = 0
+    output: int = 0
+    calls: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.input + other.input, self.output + other.output, self.calls + other.calls)
+
+    def __sub__(self, other: Tally) -> Tally:
+        return Tally(self.input - other.input, self.output - other.output, self.calls - other.calls)
+
+
+@dataclass(frozen=True)
+class Budget(Unlimited):
+    """What one turn may spend (these fields), and, kept by a SpendKeeper, what a customer may in a
+    UTC day and a conversation in all its turns; None: no limit (the default)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+    tool_calls: int | None = None  # calls that run (past the per-reply cap, none do)
+    cost: float | None = None  # in the prices' currency
+    # money, optional: no price is built in; a cost limit needs both prices
+    input_price: float | None = None  # per million input tokens
+    output_price: float | None = None  # per million output tokens
+    daily: Limits = Limits()  # per customer and UTC day, in every process (the ledger)
+    conversation: Limits = Limits()  # per conversation, in all its turns (the ledger)
+    ledger: SpendKeeper | None = field(default=None, compare=False)
+    # what the user reads when a limit stops a turn, by the kind of limit that stopped it
+    answer: str = BUDGET_ANSWER
+    daily_answer: str = DAILY_BUDGET_ANSWER
+    conversation_answer: str = CONVERSATION_BUDGET_ANSWER
+    warn_at: float | None = None  # a limit spent to this fraction is said, once a turn (0.8)
+    turn: Limits = field(init=False, repr=False, compare=False)  # the five above, made once
+    # input bytes a token, by "BASE_URL MODEL", as its turns' counts taught (the estimate)
+    learned: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_limits(self)
+        limits = (self.input_tokens, self.output_tokens, self.total_tokens, self.tool_calls)
+        object.__setattr__(self, "turn", Limits(*limits, self.cost))
+        prices = (self.input_price, self.output_price)
+        costs = (self.cost, self.daily.cost, self.conversation.cost)
+        if any(cost is not None for cost in costs) and None in prices:
+            raise ConfigError("a cost limit needs the price of input and of output tokens")
+
+    def checked(self) -> Budget:
+        """This budget, if it can be kept (a ToolLoop asks once): a daily or a conversation
+        limit needs a ledger to keep it in."""
+        if (self.daily.any or self.conversation.any) and self.ledger is None:
+            raise ConfigError("a daily or a conversation limit needs a ledger to keep it in")
+        return self
+
+    def for_turn(
+        self, context: ToolContext, audit: AuditLog, origin: str, deadline: float
+    ) -> Spending:
+        spend = Spend(origin=origin, ratio=self.learned.get(origin))
+        return Metered(self, spend, context, audit, deadline)
+
+    def cost_of(self, spent: Tally) -> float:
+        """What tokens cost at the prices (0 without them)."""
+        input_price, output_price = self.input_price or 0.0, self.output_price or 0.0
+        return (spent.input * input_price + spent.output * output_price) / 1_000_000
+
+    def before_request(
+        self, messages: Sequence[str], tools_json: str, spend: Spend, context: ToolContext
+    ) -> str | None:
+        """Why the next request may not be sent, if it would pass a limit (its estimate is kept
+        for a reply that reports no usage, and charged to the ledger's scopes)."""
+        if self.ledger is None and not self.turn.any:  # nothing to keep: nothing to count
+            return None
+        if self.ledger and spend.ratio is None:  # what another process learned of this server
+            spend.ratio = self.ledger.ratio(spend.origin)
+        counted, size = spend.measured  # a turn's messages only grow: measure the new ones
+        size += sum(_size(message) + 1 for message in messages[counted:])
+        spend.measured = (len(messages), size)
+        size += len(tools_json)
+        spend.sent, spend.estimate = size, spend.input_of(size)
+        would = spend.spent + Tally(input=spend.estimate)
+        over = self.turn.passed(would, self.cost_of(would))
+        if over:
+            return f"the turn's {over[0]} would be passed by the next request ({over[1]} with it)"
+        # what the reply may write: what every limit leaves, asked for on the wire; and, with a
+        # ledger, at most the reserve it charges, so that a crash leaves no less counted
+        ledger = self.ledger if self.daily.any or self.conversation.any else None
+        scopes = ledger.scopes(context, self.daily, self.conversation) if ledger else []
+        room = self.turn.output_room(would, self.cost_of(would), self.output_price)
+        rooms = [(*room, "turn's")] if room else []
+        rooms += [(OUTPUT_RESERVE, "", 0, "")] if ledger else []
+        for held, limits, scope in ledger.figures(scopes) if ledger else []:
+            after = held + Tally(input=spend.estimate)  # with this request's input
+            room = limits.output_room(after, self.cost_of(after), self.output_price)
+            rooms += [(*room, scope)] if room else []
+        bound, kind, limit, scope = min(rooms, default=(None, "", 0, ""))
+        if bound is not None and bound < 1:
+            said = f"the {scope} {kind} limit ({_said(limit)})"
+            return f"{said} would be passed by the next request and its answer; it was not sent"
+        spend.bound = bound
+        if ledger is None:  # no limit it keeps: the turn's spend is kept once, as it ends
+            return None
+        charge = Tally(input=spend.estimate, output=bound or 0)
+        refused = ledger.charge(scopes, charge, self.cost_of)
+        if refused:
+            return f"{refused}; the request was not sent"
+        spend.ledger, spend.charged = ledger, (scopes, charge)
+        return None
+
+    def after_turn(self, spend: Spend, context: ToolContext) -> None:
+        """A turn no ledger limit charged as it went is kept in the ledger all the same, in one
+        transaction as it ends, so that a limit set later counts what was spent before it."""
+        if self.ledger and not spend.scopes and spend.spent != Tally():
+            scopes = self.ledger.scopes(context, Limits(), Limits())
+            self.ledger.add(scopes, spend.spent, spend.estimated, (spend.origin, spend.ratio))
+
+    def warn(self, spend: Spend, context: ToolContext, audit: AuditLog) -> None:
+        """Say, once a turn, as a warning and an audit line, each limit spent to warn_at."""
+        if self.warn_at is None:
+            return
+        figures = [(spend.spent, self.turn, "turn's")]
+        if self.ledger and (self.daily.any or self.conversation.any):
+            scopes = self.ledger.scopes(context, self.daily, self.conversation)
+            figures += self.ledger.figures(scopes)
+        for held, limits, scope in figures:
+            for limit, how_far in limits.near(held, self.cost_of(held), self.warn_at):
+                if f"{scope} {limit}" in spend.warned:
+                    continue
+                spend.warned.add(f"{scope} {limit}")
+                said = f"the {scope} {limit} is {how_far}"
+                _log.warning("near a limit: %s", said)
+                audit.record(
+                    "budget_warning",
+                    turn_id=context.turn_id,
+                    customer_id=context.customer_id,
+                    limit=said,
+                )
+
+    def passed_by(self, spend: Spend, cut: bool) -> str | None:
+        """The limit a reply took the turn, or a ledger's scope, past (said on that turn, with
+        the answer); or, for a reply `cut` at the bound the limits set, that it was."""
+        over = self.turn.passed(spend.spent, self.cost_of(spend.spent))
+        if over:
+            return f"the turn's {over[0]} was passed: {over[1]}"
+        for held, limits, name in self.ledger.figures(spend.scopes) if self.ledger else []:
+            over = limits.passed(held, self.cost_of(held))
+            if over:
+                return f"the {name} {over[0]} was passed: {over[1]}"
+        if cut and spend.bound is not None and spend.written >= spend.bound:
+            return f"the answer was cut at the {spend.bound:,} output tokens the limits left"
+        return None
+
+    def answer_for(self, reason: str | None) -> str:
+        """What the user reads for the limit `reason` names: a daily limit says when it starts
+        again, a conversation's to start another; a turn's to ask for less."""
+        if (reason or "").startswith("the daily"):
+            return self.daily_answer
+        if (reason or "").startswith("the conversation's"):
+            return self.conversation_answer
+        return self.answer
+
+    def after_reply(self, spend: Spend, calls: int) -> str | None:
+        """Why none of a reply's `calls` (those that can run) may: a limit the reply passed, or
+        the calls would."""
+        would = spend.spent + Tally(calls=calls)
+        over = self.turn.passed(would, self.cost_of(would))
+        if over:
+            return f"the turn's {over[0]} was passed: {over[1]}"
+        if self.ledger and spend.scopes:  # a ledger that keeps limits: calls charged ahead
+            charge = Tally(calls=calls)
+            refused = self.ledger.charge(spend.scopes, charge, self.cost_of)
+            if refused:
+                return f"{refused}; none of the calls ran"
+        spend.spent += Tally(calls=calls)
+        return None
+
+
+@dataclass
+class Spend:
+    """What a turn has spent so far: the server's counts, or the estimates where it gave none."""
+
+    spent: Tally = field(default_factory=Tally)
+    sent: int = 0  # the bytes of the request just sent
+    measured: tuple[int, int] = (0, 0)  # of its messages, how many were measured, their bytes
+    estimate: int = 0  # its input tokens, as estimated
+    counted: tuple[int, int] | None = None  # (bytes, tokens) of the last request counted
+    bound: int | None = None  # the output tokens the request just sent asked for at most
+    written: int = 0  # the output tokens of the last reply
+    estimated: int = 0  # of the tokens spent, those no server counted
+    warned: set[str] = field(default_factory=set)  # the limits said to be near, this turn
+    origin: str = ""  # "BASE_URL MODEL": what `ratio` is learned of
+    ratio: float | None = None  # input bytes a token: the lowest a server's count showed
+    ledger: SpendKeeper | None = None
+    charged: tuple[Sequence[Scope], Tally] | None = None  # what the ledger holds for a request
+    scopes: Sequence[Scope] = ()  # the ledger's, for this turn
+
+    def input_of(self, size: int) -> int:
+        """A request's input tokens, estimated: the server's count of the last one and the bytes
+        added since, or all its bytes while there is no count."""
+        ratio = self.ratio or BYTES_PER_TOKEN
+        if self.counted is None:
+            return math.ceil(size / ratio)
+        before, tokens = self.counted
+        return tokens + math.ceil(max(size - before, 0) / ratio)
+
+    def add(self, reply: Reply) -> None:
+        """A reply's tokens: the server's counts, else estimates; and the ledger's charge for
+        its request replaced by them (the second of the request's two transactions)."""
+        prompt = _token_count(reply.usage.get("prompt_tokens"))
+        completion = _token_count(reply.usage.get("completion_tokens"))
+        read = self.estimate if prompt is None else prompt
+        written = completion
+        if written is None:  # no count: the reply's own bytes, at the estimate's rate
+            written = math.ceil(
+                len(reply.message_json.encode("utf-8", "replace")) / BYTES_PER_TOKEN
+            )
+        self.spent += Tally(read, written)
+        self.written = written
+        guessed = (read if prompt is None else 0) + (written if completion is None else 0)
+        self.estimated += guessed
+        if prompt:  # the lowest ratio seen, so the estimate errs high (at most 6: a lie's cap)
+            self.counted = (self.sent, prompt)
+            self.ratio = min(self.ratio or MAX_BYTES_PER_TOKEN, self.sent / prompt)
+        if self.ledger and self.charged:
+            self.scopes, held = self.charged
+            change = Tally(read - held.input, written - held.output)
+            guessed -= held.input + held.output  # the charge was all estimate; now, this part
+            self.ledger.add(self.scopes, change, guessed, (self.origin, self.ratio))
+            self.charged = None
+
+
+class Metered(Spending):
+    """One turn's spending under a Budget (in place of Part I's Spending): counted, a limit
+    near said, and a request or a reply's calls refused before they would pass one. The
+    ledger's waits for the database end by the turn's deadline."""
+
+    def __init__(
+        self, budget: Budget, spend: Spend, context: ToolContext, audit: AuditLog, deadline: float
+    ) -> None:
+        self.budget, self.spend, self.context, self.audit = budget, spend, context, audit
+        self.deadline = deadline
+
+    @property
+    def bound(self) -> int | None:  # type: ignore[override]  # Spending's is a plain None
+        return self.spend.bound
+
+    def before_request(self, messages: Sequence[str], tools_json: str) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.before_request(messages, tools_json, self.spend, self.context)
+
+    def after_reply(self, reply: Reply) -> None:
+        with _waits_until(self.deadline):
+            self.spend.add(reply)
+            self.budget.warn(self.spend, self.context, self.audit)
+
+    def before_calls(self, calls: int) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.after_reply(self.spend, calls)
+
+    def passed_by(self, cut: bool) -> str | None:
+        with _waits_until(self.deadline):
+            return self.budget.passed_by(self.spend, cut)
+
+    def answer_for(self, reason: str | None) -> str:
+        return self.budget.answer_for(reason)
+
+    def after_turn(self) -> None:
+        if self.spend.ratio is not None:  # for the next turn's first estimate
+            self.budget.learned[self.spend.origin] = self.spend.ratio
+        with _waits_until(self.deadline):
+            self.budget.after_turn(self.spend, self.context)
+
+
+# A ledger's scope: its key in the table, its limits, and how a message names it.
+Scope: TypeAlias = tuple[str, Limits, str]
+
+
+class SpendKeeper:
+    """What a Budget keeps its daily and conversation limits in, across turns and processes
+    (a part further down has one: the ledger). Each scope is charged ahead of what may be
+    spent and corrected by what was counted, so what it holds is never less than was spent."""
+
+    def __init__(self, database: Database) -> None:
+        self.database = database
+
+    def scopes(self, context: ToolContext, daily: Limits, per_conversation: Limits) -> list[Scope]:
+        """The scopes a turn is charged to: its customer's UTC day, and its conversation."""
+        raise NotImplementedError
+
+    def figures(self, scopes: Sequence[Scope]) -> list[tuple[Tally, Limits, str]]:
+        """What each scope holds now, its limits and its name (none, if it cannot be read)."""
+        raise NotImplementedError
+
+    def charge(
+        self, scopes: Sequence[Scope], charge: Tally, cost_of: Callable[[Tally], float]
+    ) -> str | None:
+        """Charge every scope at once, or none if the charge would take one past a limit (or
+        nothing can be written): why not. A charge is all estimate until it is corrected."""
+        raise NotImplementedError
+
+    def add(
+        self,
+        scopes: Sequence[Scope],
+        tally: Tally,
+        estimated: int,
+        learned: tuple[str, float | None],
+    ) -> None:
+        """Add, unchecked, what was spent or, below 0, what a charge overestimated (`estimated`:
+        how much of it no server counted); keep the bytes per token a server's count taught
+        (`learned`: origin, ratio)."""
+        raise NotImplementedError
+
+    def ratio(self, origin: str) -> float | None:
+        """The bytes per token a server's counts taught, if any did."""
+        return None
+
+    @staticmethod
+    def held(
+        database: Database, keys: Sequence[str] | None = None
+    ) -> dict[str, tuple[int, int]] | None:
+        """Each scope's tokens kept in `database` (or those of `keys` only: a page asks for
+        its own, not for every day of every customer), and how many of them no server
+        counted, read only (`stats` writes nothing); None where none are kept."""
+        return None
+
+
+SPEND_KEEPERS: list[type[SpendKeeper]] = []  # a part further down adds its own
+
+
+def _add_budget_flags(talk: argparse.ArgumentParser) -> None:
+    """The limits' flags of `ask` and `chat`."""
+    for flag, what in (
+        ("--max-turn-tokens", "input and output tokens"),
+        ("--max-turn-input-tokens", "input tokens"),
+        ("--max-turn-output-tokens", "output tokens"),
+        ("--max-turn-calls", "tool calls that run"),
+    ):
+        talk.add_argument(
+            flag, type=_whole(1, 10**9 - 1), help=f"{what} per turn, at most (no limit)"
+        )
+    for flag, what in (
+        ("--max-daily-tokens", "input and output tokens per customer and UTC day"),
+        ("--max-conversation-tokens", "input and output tokens per conversation"),
+    ):
+        talk.add_argument(flag, type=_whole(1, 10**9 - 1), help=f"{what}, at most (no limit)")
+    talk.add_argument(
+        "--budget-warn",
+        metavar="FRACTION",
+        type=_fraction,
+        help="say when a limit is spent to this fraction of itself, 0.8 say (off)",
+    )
+    for flag, what in (
+        ("--max-turn-cost", "what a turn may cost, in the prices' currency (no limit)"),
+        ("--input-price", "the price of a million input tokens (none)"),
+        ("--output-price", "the price of a million output tokens (none)"),
+    ):
+        talk.add_argument(flag, type=_amount, help=what)
+
+
+def _budget(args: argparse.Namespace, budget: Budget) -> Budget:
+    """The App's budget, with what the --max-turn-… flags set instead."""
+    flags = {
+        "input_tokens": args.max_turn_input_tokens,
+        "output_tokens": args.max_turn_output_tokens,
+        "total_tokens": args.max_turn_tokens,
+        "tool_calls": args.max_turn_calls,
+        "cost": args.max_turn_cost,
+        "input_price": args.input_price,
+        "output_price": args.output_price,
+    }
+    flags["warn_at"] = args.budget_warn
+    chosen = {name: limit for name, limit in flags.items() if limit is not None}
+    if args.max_daily_tokens is not None:
+        chosen["daily"] = replace(budget.daily, total_tokens=args.max_daily_tokens)
+    if args.max_conversation_tokens is not None:
+        chosen["conversation"] = replace(
+            budget.conversation, total_tokens=args.max_conversation_tokens
+        )
+    return replace(budget, **chosen)
+
+
+def _budget_options(args: argparse.Namespace, app: App) -> Callable[[Database], dict[str, Any]]:
+    """The App's budget with the flags' limits, checked now; then, given the database, the
+    loop's budget, kept in the ledger where a part keeps one (every turn, limited or not)."""
+    budget = _budget(args, app.budget if isinstance(app.budget, Budget) else Budget())
+
+    def on(database: Database) -> dict[str, Any]:
+        if SPEND_KEEPERS and budget.ledger is None:
+            return {"budget": replace(budget, ledger=SPEND_KEEPERS[0](database))}
+        return {"budget": budget}
+
+    return on
+
+
+TALK_FLAGS.append(_add_budget_flags)
+LOOP_OPTIONS.append(_budget_options)
+
+
 # >>> LEDGER: spending across turns. Everything from this line to the "<<< LEDGER" line keeps
 # what each customer spends in a UTC day and each conversation in all its turns, in the data
 # directory's database, for every process that shares it: what daily and conversation limits
@@ -7942,7 +7994,9 @@ class Ledger(SpendKeeper):
 
 
 SPEND_KEEPERS.append(Ledger)
+LEDGERS.append(Ledger.held)
 # <<< LEDGER
+# <<< BUDGETS
 # >>> MCP: tools from Model Context Protocol servers. Everything from this line to the
 # "<<< MCP" line lets `ask`, `chat` and `approve` take tools from MCP servers (child processes
 # spoken to over stdio, or remote ones over Streamable HTTP) under this file's policy: every
@@ -10726,9 +10780,9 @@ class Inbox:
                 _settle_if_free(self.workspace.approvals)
             count, waiting, mark, changed = self._waiting(view)
             led_to = self._what_led_to([a.action_id for a in waiting])
-            keeper = SPEND_KEEPERS[0] if SPEND_KEEPERS else SpendKeeper
             keys = sorted({f"customer {action.customer_id} {day}" for action in waiting})
-            spent = keeper.held(self.workspace.database, keys) or {}  # this page's, not all
+            ledger = LEDGERS[0](self.workspace.database, keys) if LEDGERS else None
+            spent = ledger or {}  # this page's, not all
             decided = self._decided_rows()
             log = self._log_state()
         parts = [_PAGE_HEAD, f"<header><h1>Inbox</h1><p>Deciding as <b>{_text(self.operator)}"]
