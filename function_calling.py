@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #76dd9d59: the whole file, every part kept
+# function_calling.py 2026-12-04 #882bdb25: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -29,9 +29,9 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 2,046 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,470 lines),
-makes each of its promises hold against real servers and faults: the transport · the stream ·
-the workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
+makes each of its promises hold against real servers and faults: the transport · the
+workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
 it (about 1,390 lines): the audit log's figures · the CLI · the scripted server.
 
@@ -2209,6 +2209,67 @@ class _RetryableError(ApiError):
 _log = logging.getLogger("function_calling")
 
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
+    """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
+    endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
+    such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
+    `retry:`; a blank line ends an event. As the WHATWG rules say: one byte-order mark at the
+    start is skipped, and bytes that are not UTF-8 become U+FFFD (the event's JSON then names
+    what it can; nothing raises a UnicodeDecodeError). An event, the line still arriving
+    included, of more than `max_event` characters (so bytes) is refused as it grows: a line
+    that never ends must not be read to the stream's end. Each chunk is split on its own and
+    a line's pieces joined once, when it ends, so the cost is linear in the bytes."""
+    # a character may span two chunks; errors="replace" is the spec's own decoding
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    started = after_cr = False
+    line: list[str] = []  # the line not yet ended, in the pieces it came in
+    line_size = data_size = 0
+    data: list[str] = []
+    for chunk in chunks:
+        text = decoder.decode(chunk)
+        if not text:
+            continue  # part of one character: what follows a CR is not known yet
+        if not started:
+            text, started = text.removeprefix("\ufeff"), True
+        if after_cr and text.startswith("\n"):  # a CRLF split between two chunks
+            text = text[1:]
+        after_cr = text.endswith("\r")
+        *ended, rest = _LINE_END.split(text)
+        for piece in ended:
+            whole = "".join((*line, piece)) if line else piece
+            line, line_size = [], 0
+            if whole:
+                data_size += _take_field(whole, data)
+            elif data:
+                yield "\n".join(data)
+                data, data_size = [], 0
+        if rest:
+            line.append(rest)
+            line_size += len(rest)
+        if data_size + line_size > max_event:
+            raise ApiError(f"the stream carried an event of more than {max_event} bytes")
+    _take_field("".join(line), data)
+    if data:  # the spec drops an event without its blank line; a server closing after it means it
+        yield "\n".join(data)
+
+
+def _take_field(line: str, data: list[str]) -> int:
+    """A `data:` line's value added to `data`; returns its length (0 for any other line)."""
+    name, _, value = line.partition(":")
+    if name != "data":
+        return 0
+    data.append(value[1:] if value.startswith(" ") else value)
+    return len(data[-1])
+
+
+# What reads a streamed reply, where a part further down does (the stream): its chunks as
+# they come, what to hand each piece of text to, and how many bytes its message may hold.
+STREAM_READERS: list[Callable[[Iterable[bytes], Callable[[str], None], int], Reply]] = []
+
+
 class ChatClient(Client):
     """Sends chat-completions requests over one kept-alive connection; every failure becomes
     one ApiError.
@@ -2261,15 +2322,16 @@ class ChatClient(Client):
         """One reply, whole, by `deadline` (a time.monotonic() value), or ApiError.
 
         It POSTs the conversation, retrying what may be retried, and parses the reply; an
-        ApiError's text never holds the key. With `on_text`, the reply is streamed and each
-        piece of its text is handed to on_text as it arrives. `max_output` bounds the tokens
+        ApiError's text never holds the key. With `on_text`, the reply is streamed, where a
+        part reads streams (STREAM_READERS), and each piece of its text is handed to on_text
+        as it arrives; else its text is handed over whole. `max_output` bounds the tokens
         the reply may write, in the field Settings.output_field names."""
         field = str(self.settings.output_field)
         body = _request_body(
             self.settings.model,
             messages,
             tools_json,
-            on_text is not None,
+            on_text is not None and bool(STREAM_READERS),  # a part further down reads streams
             tool_choice,
             parallel_tool_calls,
             None if max_output is None else (field, max_output),
@@ -2421,14 +2483,14 @@ class ChatClient(Client):
         turn_deadline: float,
     ) -> Reply:
         content_type = response.headers.get("Content-Type") or ""
-        if on_text and content_type.startswith("text/event-stream"):
+        if on_text and STREAM_READERS and content_type.startswith("text/event-stream"):
             reader = getattr(response.fp, "raw", None)
             if isinstance(reader, _DeadlineReader):  # headers in: now bytes keep it alive
                 reader.stretch(self.settings.stream_idle, turn_deadline)
             # subtle: the framing of 30,000 events is ten times the answer they carry, so the
             # cap is on what the stream assembles, with a larger one on the bytes on the wire
             wire = _chunks(response, self.settings.max_stream_bytes)
-            return read_stream(wire, on_text, self.settings.max_response_bytes)
+            return STREAM_READERS[0](wire, on_text, self.settings.max_response_bytes)
         reply = parse_reply(b"".join(_chunks(response, self.settings.max_response_bytes)))
         if on_text and reply.content:  # a server that ignored "stream": the text, at once
             on_text(reply.content)
@@ -2582,312 +2644,6 @@ def _transport_reason(exc: BaseException) -> str:  # noqa: PLR0911 -- one return
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return type(exc).__name__
-
-
-# -------------------------------------------------------------------------------- the stream
-# With "stream": true the reply arrives as server-sent events, each `data:` a chunk whose
-# choices[0].delta carries a piece of the message. There is no message text to echo, so the
-# message is rebuilt from the deltas: every field they carried is kept (role, content,
-# tool_calls, refusal, reasoning fields, signatures, vendor extras), pieces of text joined,
-# objects merged, list items joined by their "index". That is the faithful equivalent of the
-# byte-exact echo: the same fields and values, in a spelling of our own, since the server
-# never wrote the whole message down.
-
-# Fields whose string values arrive in pieces; any other string field sent again unchanged
-# (role, type, a "channel" tag) is a repeat, and sent again changed is a further piece.
-_TEXT_PIECES = frozenset(
-    {"content", "refusal", "reasoning_content", "reasoning", "arguments", "text"}
-)
-
-
-def read_stream(
-    chunks: Iterable[bytes], on_text: Callable[[str], None], limit: int = MAX_RESPONSE_BYTES
-) -> Reply:
-    """Assemble a streamed reply, handing each piece of text to on_text as it arrives; the
-    message it assembles may hold at most `limit` bytes (the events' framing does not count)."""
-    message = _StreamedMessage(limit)
-    for data in _sse_data(chunks, limit):  # an event is no larger than a whole reply may be
-        if data == "[DONE]":
-            break
-        try:
-            chunk = json.loads(data, object_pairs_hook=message.object_of)
-        except (ValueError, RecursionError):
-            raise ApiError(
-                f"the stream carried an event that is not JSON: {_cut(data, 120)}"
-            ) from None
-        try:
-            text = message.add(chunk)
-        except RecursionError:  # subtle: merging deltas recurses as deep as their fields nest
-            raise ApiError("the stream carried fields nested too deep to assemble") from None
-        if text:
-            on_text(text)
-    try:
-        return message.reply()
-    except RecursionError:
-        raise ApiError("the stream carried fields nested too deep to assemble") from None
-
-
-def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
-    """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
-    endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
-    such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
-    `retry:`; a blank line ends an event. As the WHATWG rules say: one byte-order mark at the
-    start is skipped, and bytes that are not UTF-8 become U+FFFD (the event's JSON then names
-    what it can; nothing raises a UnicodeDecodeError). An event, the line still arriving
-    included, of more than `max_event` characters (so bytes) is refused as it grows: a line
-    that never ends must not be read to the stream's end. Each chunk is split on its own and
-    a line's pieces joined once, when it ends, so the cost is linear in the bytes."""
-    # a character may span two chunks; errors="replace" is the spec's own decoding
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    started = after_cr = False
-    line: list[str] = []  # the line not yet ended, in the pieces it came in
-    line_size = data_size = 0
-    data: list[str] = []
-    for chunk in chunks:
-        text = decoder.decode(chunk)
-        if not text:
-            continue  # part of one character: what follows a CR is not known yet
-        if not started:
-            text, started = text.removeprefix("\ufeff"), True
-        if after_cr and text.startswith("\n"):  # a CRLF split between two chunks
-            text = text[1:]
-        after_cr = text.endswith("\r")
-        *ended, rest = _LINE_END.split(text)
-        for piece in ended:
-            whole = "".join((*line, piece)) if line else piece
-            line, line_size = [], 0
-            if whole:
-                data_size += _take_field(whole, data)
-            elif data:
-                yield "\n".join(data)
-                data, data_size = [], 0
-        if rest:
-            line.append(rest)
-            line_size += len(rest)
-        if data_size + line_size > max_event:
-            raise ApiError(f"the stream carried an event of more than {max_event} bytes")
-    _take_field("".join(line), data)
-    if data:  # the spec drops an event without its blank line; a server closing after it means it
-        yield "\n".join(data)
-
-
-_LINE_END = re.compile(r"\r\n|\r|\n")
-
-
-def _take_field(line: str, data: list[str]) -> int:
-    """A `data:` line's value added to `data`; returns its length (0 for any other line)."""
-    name, _, value = line.partition(":")
-    if name != "data":
-        return 0
-    data.append(value[1:] if value.startswith(" ") else value)
-    return len(data[-1])
-
-
-class _StreamedMessage:
-    """The assistant message a stream's deltas describe, with its finish_reason and usage."""
-
-    def __init__(self, limit: int = MAX_RESPONSE_BYTES) -> None:
-        self.fields: dict[str, Any] = {}
-        self.calls: list[dict[str, Any]] = []
-        # found in one step, not by a walk through the calls: 40,000 calls must cost 4 times
-        # what 10,000 do (the latest call at an index; the first with an id)
-        self.at_index: dict[Any, dict[str, Any]] = {}
-        self.with_id: dict[Any, dict[str, Any]] = {}
-        self.finish_reason: Any = None
-        self.usage: dict[str, Any] = {}
-        self.limit, self.size = limit, 0  # what the deltas carry, not the events' framing
-        self.keys: dict[str, str] = {}
-
-    def object_of(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        """An event's object, its keys shared with every other event's: 100,000 calls must
-        not keep 100,000 strings "arguments" (json.loads shares keys within one text only)."""
-        return {self.keys.setdefault(key, key): value for key, value in pairs}
-
-    def add(self, chunk: Any) -> str | None:
-        """Take one chunk; returns its piece of text, if it carried one."""
-        if not isinstance(chunk, dict):
-            raise ApiError("the stream carried an event that is not an object")
-        if chunk.get("error"):
-            raise ApiError(
-                f"the model API reported an error mid-stream: {_error_text(chunk['error'])}"
-            )
-        if isinstance(chunk.get("usage"), dict):  # often a last chunk whose choices are []
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices") or []  # [] in a first chunk of filter results, too
-        if not isinstance(choices, list):
-            raise ApiError("the stream carried choices that is not a list")
-        choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
-        if choice is None:
-            return None
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") or {}
-        if not isinstance(delta, dict):
-            raise ApiError("the stream carried a delta that is not an object")
-        self.size += len(_compact(delta))
-        if self.size > self.limit:
-            raise ApiError(f"the streamed reply grew past {self.limit} bytes; refusing to read on")
-        for key, value in delta.items():
-            if key == "tool_calls":
-                self._add_calls(value or [])
-            else:
-                self.fields[key] = _merged(key, self.fields.get(key), value)
-        text = delta.get("content")
-        return text if isinstance(text, str) else None
-
-    def _add_calls(self, pieces: Any) -> None:
-        if not isinstance(pieces, list):
-            raise ApiError("the stream carried tool_calls that is not a list")
-        for position, piece in enumerate(pieces):
-            if not isinstance(piece, dict):
-                raise ApiError("the stream carried a tool call that is not an object")
-            call = self._call_for(piece, position, len(pieces))
-            for key, value in piece.items():
-                if key == "id":  # repeated on every delta by some servers: the first one holds
-                    call[key] = value if not call.get(key) else call[key]
-                    self.with_id.setdefault(_hashable(call[key]), call)
-                elif key != "index":
-                    call[key] = _merged(key, call.get(key), value)
-
-    def _call_for(self, piece: dict[str, Any], position: int, count: int) -> dict[str, Any]:
-        """Which call a delta piece belongs to: by index; else by id; else by position."""
-        index, piece_id = piece.get("index"), piece.get("id")
-        new_id = isinstance(piece_id, str) and bool(piece_id)
-        if isinstance(index, int) and not isinstance(index, bool):  # it may start at 1
-            call = self.at_index.get(index)
-            # subtle: some servers give every parallel call index 0; a new id is a new call
-            if call is None or (new_id and call.get("id") and call["id"] != piece_id):
-                return self._open({"#index": index})
-            return call
-        if new_id:
-            return self._find_or_open("id", piece_id)
-        target = None
-        if self.calls:
-            target = self.calls[position] if 1 < count <= len(self.calls) else self.calls[-1]
-        function = piece.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if target is None or (name and _is_complete_call(target, name)):
-            return self._open({})  # a whole new call, sent without index or id
-        return target
-
-    def _find_or_open(self, key: str, value: Any) -> dict[str, Any]:
-        found = self.with_id.get(_hashable(value))
-        return found if found is not None else self._open({key: value})
-
-    def _open(self, call: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(call)
-        if "#index" in call:
-            self.at_index[call["#index"]] = call
-        if "id" in call:
-            self.with_id.setdefault(_hashable(call["id"]), call)
-        return call
-
-    def reply(self) -> Reply:
-        """The assembled message as a Reply, read from its JSON text as a whole reply is."""
-        message_json = _compact({"role": "assistant", **_settled(self.fields)})
-        if self.calls:  # written one by one, each let go once written: not all held twice
-            calls, self.calls, self.at_index, self.with_id = self.calls[::-1], [], {}, {}
-            written = []
-            while calls:
-                written.append(_compact(_finished_call(_settled(calls.pop()))))
-            tool_calls = ",".join(written)
-            message_json = "".join((message_json[:-1], ',"tool_calls":[', tool_calls, "]}"))
-        return _reply_from(message_json, self.finish_reason, self.usage)
-
-
-def _hashable(value: Any) -> Any:
-    """A value a dict can be keyed by (a call's id is the server's: it may be any JSON)."""
-    return value if isinstance(value, str | int | float | bool | None) else canonical_json(value)
-
-
-class _Pieces(list[str]):
-    """The pieces of one text field, joined once when the message is done (joining as they
-    come would copy the text so far on every delta: quadratic in a long answer)."""
-
-
-def _merged(key: str, old: Any, new: Any) -> Any:
-    """One delta's value joined to what earlier deltas carried for the same key."""
-    if old is None:
-        return new
-    if new is None:
-        return old
-    if isinstance(old, _Pieces | str) and isinstance(new, str):
-        return _joined_text(key, old, new)
-    if isinstance(old, dict) and isinstance(new, dict):
-        joined = dict(old)
-        for inner_key, value in new.items():
-            joined[inner_key] = _merged(inner_key, joined.get(inner_key), value)
-        return joined
-    if isinstance(old, list) and isinstance(new, list):
-        return _merged_list(old, new)
-    return new
-
-
-def _joined_text(key: str, old: str | _Pieces, new: str) -> Any:
-    """Text sent again: one more piece, or (for a field that does not come in pieces) a
-    repeat to keep once."""
-    if isinstance(old, _Pieces):
-        old.append(new)
-        return old
-    if key not in _TEXT_PIECES and (key == "name" or old == new):
-        return old or new  # a call's name comes whole, and a tag sent again is a repeat
-    return _Pieces([old, new])
-
-
-def _settled(value: Any) -> Any:
-    """A stream's assembled value with its text pieces joined."""
-    if isinstance(value, _Pieces):
-        return "".join(value)
-    if isinstance(value, dict):
-        return {key: _settled(inner) for key, inner in value.items()}
-    if isinstance(value, list):
-        return [_settled(inner) for inner in value]
-    return value
-
-
-def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
-    """List items with an "index" join the item of the same index; others are appended."""
-    joined = list(old)
-    for item in new:
-        position = _same_index(joined, item)
-        if position is None:
-            joined.append(item)
-        else:
-            joined[position] = _merged("", joined[position], item)
-    return joined
-
-
-def _same_index(items: Sequence[Any], item: Any) -> int | None:
-    """Where the item with the same "index" as `item` sits, if it has one and it is there."""
-    if not isinstance(item, dict) or "index" not in item:
-        return None
-    for position, other in enumerate(items):
-        if isinstance(other, dict) and other.get("index") == item["index"]:
-            return position
-    return None
-
-
-def _is_complete_call(call: dict[str, Any], name: str) -> bool:
-    """Does a named piece without index or id start a new call after `call`?"""
-    function = call.get("function")
-    if not isinstance(function, dict) or not function.get("name"):
-        return False
-    if function.get("name") != name:
-        return True
-    # the same name again: a new call only if this one's arguments are already whole
-    arguments = _settled(function.get("arguments")) or ""
-    if not isinstance(arguments, str):
-        return True  # an object, sent whole
-    try:
-        json.loads(arguments)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A call as the message will carry it: id first, type defaulting to "function"."""
-    finished = {key: value for key, value in call.items() if key != "#index"}
-    return {"id": finished.pop("id", None), "type": finished.pop("type", "function"), **finished}
 
 
 # ------------------------------------------------------------------------------- the workers
@@ -5906,6 +5662,268 @@ def _completion(message: dict[str, Any], finish_reason: str) -> bytes:
     return json.dumps(body).encode("utf-8")
 
 
+# >>> STREAM: replies as they are written. Everything from this line to the "<<< STREAM" line
+# reads a reply streamed as server-sent events (ChatClient, with `on_text`: `ask --stream`,
+# `chat`), handing each piece of text over as it arrives. Nothing above depends on it; without
+# it, a reply is asked for whole and its text handed over at once.
+#     sed '/^# >>> STREAM/,/^# <<< STREAM/d' function_calling.py > cut.py
+
+__doc__ += """
+The stream ("# >>> STREAM" to "# <<< STREAM"): a reply streamed as server-sent events, its
+text printed as it is written (ask --stream, chat), its message rebuilt from the deltas.
+"""
+
+# With "stream": true the reply arrives as server-sent events, each `data:` a chunk whose
+# choices[0].delta carries a piece of the message. There is no message text to echo, so the
+# message is rebuilt from the deltas: every field they carried is kept (role, content,
+# tool_calls, refusal, reasoning fields, signatures, vendor extras), pieces of text joined,
+# objects merged, list items joined by their "index". That is the faithful equivalent of the
+# byte-exact echo: the same fields and values, in a spelling of our own, since the server
+# never wrote the whole message down.
+
+# Fields whose string values arrive in pieces; any other string field sent again unchanged
+# (role, type, a "channel" tag) is a repeat, and sent again changed is a further piece.
+_TEXT_PIECES = frozenset(
+    {"content", "refusal", "reasoning_content", "reasoning", "arguments", "text"}
+)
+
+
+def read_stream(
+    chunks: Iterable[bytes], on_text: Callable[[str], None], limit: int = MAX_RESPONSE_BYTES
+) -> Reply:
+    """Assemble a streamed reply, handing each piece of text to on_text as it arrives; the
+    message it assembles may hold at most `limit` bytes (the events' framing does not count)."""
+    message = _StreamedMessage(limit)
+    for data in _sse_data(chunks, limit):  # an event is no larger than a whole reply may be
+        if data == "[DONE]":
+            break
+        try:
+            chunk = json.loads(data, object_pairs_hook=message.object_of)
+        except (ValueError, RecursionError):
+            raise ApiError(
+                f"the stream carried an event that is not JSON: {_cut(data, 120)}"
+            ) from None
+        try:
+            text = message.add(chunk)
+        except RecursionError:  # subtle: merging deltas recurses as deep as their fields nest
+            raise ApiError("the stream carried fields nested too deep to assemble") from None
+        if text:
+            on_text(text)
+    try:
+        return message.reply()
+    except RecursionError:
+        raise ApiError("the stream carried fields nested too deep to assemble") from None
+
+
+class _StreamedMessage:
+    """The assistant message a stream's deltas describe, with its finish_reason and usage."""
+
+    def __init__(self, limit: int = MAX_RESPONSE_BYTES) -> None:
+        self.fields: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+        # found in one step, not by a walk through the calls: 40,000 calls must cost 4 times
+        # what 10,000 do (the latest call at an index; the first with an id)
+        self.at_index: dict[Any, dict[str, Any]] = {}
+        self.with_id: dict[Any, dict[str, Any]] = {}
+        self.finish_reason: Any = None
+        self.usage: dict[str, Any] = {}
+        self.limit, self.size = limit, 0  # what the deltas carry, not the events' framing
+        self.keys: dict[str, str] = {}
+
+    def object_of(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        """An event's object, its keys shared with every other event's: 100,000 calls must
+        not keep 100,000 strings "arguments" (json.loads shares keys within one text only)."""
+        return {self.keys.setdefault(key, key): value for key, value in pairs}
+
+    def add(self, chunk: Any) -> str | None:
+        """Take one chunk; returns its piece of text, if it carried one."""
+        if not isinstance(chunk, dict):
+            raise ApiError("the stream carried an event that is not an object")
+        if chunk.get("error"):
+            raise ApiError(
+                f"the model API reported an error mid-stream: {_error_text(chunk['error'])}"
+            )
+        if isinstance(chunk.get("usage"), dict):  # often a last chunk whose choices are []
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []  # [] in a first chunk of filter results, too
+        if not isinstance(choices, list):
+            raise ApiError("the stream carried choices that is not a list")
+        choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+        if choice is None:
+            return None
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ApiError("the stream carried a delta that is not an object")
+        self.size += len(_compact(delta))
+        if self.size > self.limit:
+            raise ApiError(f"the streamed reply grew past {self.limit} bytes; refusing to read on")
+        for key, value in delta.items():
+            if key == "tool_calls":
+                self._add_calls(value or [])
+            else:
+                self.fields[key] = _merged(key, self.fields.get(key), value)
+        text = delta.get("content")
+        return text if isinstance(text, str) else None
+
+    def _add_calls(self, pieces: Any) -> None:
+        if not isinstance(pieces, list):
+            raise ApiError("the stream carried tool_calls that is not a list")
+        for position, piece in enumerate(pieces):
+            if not isinstance(piece, dict):
+                raise ApiError("the stream carried a tool call that is not an object")
+            call = self._call_for(piece, position, len(pieces))
+            for key, value in piece.items():
+                if key == "id":  # repeated on every delta by some servers: the first one holds
+                    call[key] = value if not call.get(key) else call[key]
+                    self.with_id.setdefault(_hashable(call[key]), call)
+                elif key != "index":
+                    call[key] = _merged(key, call.get(key), value)
+
+    def _call_for(self, piece: dict[str, Any], position: int, count: int) -> dict[str, Any]:
+        """Which call a delta piece belongs to: by index; else by id; else by position."""
+        index, piece_id = piece.get("index"), piece.get("id")
+        new_id = isinstance(piece_id, str) and bool(piece_id)
+        if isinstance(index, int) and not isinstance(index, bool):  # it may start at 1
+            call = self.at_index.get(index)
+            # subtle: some servers give every parallel call index 0; a new id is a new call
+            if call is None or (new_id and call.get("id") and call["id"] != piece_id):
+                return self._open({"#index": index})
+            return call
+        if new_id:
+            return self._find_or_open("id", piece_id)
+        target = None
+        if self.calls:
+            target = self.calls[position] if 1 < count <= len(self.calls) else self.calls[-1]
+        function = piece.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if target is None or (name and _is_complete_call(target, name)):
+            return self._open({})  # a whole new call, sent without index or id
+        return target
+
+    def _find_or_open(self, key: str, value: Any) -> dict[str, Any]:
+        found = self.with_id.get(_hashable(value))
+        return found if found is not None else self._open({key: value})
+
+    def _open(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(call)
+        if "#index" in call:
+            self.at_index[call["#index"]] = call
+        if "id" in call:
+            self.with_id.setdefault(_hashable(call["id"]), call)
+        return call
+
+    def reply(self) -> Reply:
+        """The assembled message as a Reply, read from its JSON text as a whole reply is."""
+        message_json = _compact({"role": "assistant", **_settled(self.fields)})
+        if self.calls:  # written one by one, each let go once written: not all held twice
+            calls, self.calls, self.at_index, self.with_id = self.calls[::-1], [], {}, {}
+            written = []
+            while calls:
+                written.append(_compact(_finished_call(_settled(calls.pop()))))
+            tool_calls = ",".join(written)
+            message_json = "".join((message_json[:-1], ',"tool_calls":[', tool_calls, "]}"))
+        return _reply_from(message_json, self.finish_reason, self.usage)
+
+
+def _hashable(value: Any) -> Any:
+    """A value a dict can be keyed by (a call's id is the server's: it may be any JSON)."""
+    return value if isinstance(value, str | int | float | bool | None) else canonical_json(value)
+
+
+class _Pieces(list[str]):
+    """The pieces of one text field, joined once when the message is done (joining as they
+    come would copy the text so far on every delta: quadratic in a long answer)."""
+
+
+def _merged(key: str, old: Any, new: Any) -> Any:
+    """One delta's value joined to what earlier deltas carried for the same key."""
+    if old is None:
+        return new
+    if new is None:
+        return old
+    if isinstance(old, _Pieces | str) and isinstance(new, str):
+        return _joined_text(key, old, new)
+    if isinstance(old, dict) and isinstance(new, dict):
+        joined = dict(old)
+        for inner_key, value in new.items():
+            joined[inner_key] = _merged(inner_key, joined.get(inner_key), value)
+        return joined
+    if isinstance(old, list) and isinstance(new, list):
+        return _merged_list(old, new)
+    return new
+
+
+def _joined_text(key: str, old: str | _Pieces, new: str) -> Any:
+    """Text sent again: one more piece, or (for a field that does not come in pieces) a
+    repeat to keep once."""
+    if isinstance(old, _Pieces):
+        old.append(new)
+        return old
+    if key not in _TEXT_PIECES and (key == "name" or old == new):
+        return old or new  # a call's name comes whole, and a tag sent again is a repeat
+    return _Pieces([old, new])
+
+
+def _settled(value: Any) -> Any:
+    """A stream's assembled value with its text pieces joined."""
+    if isinstance(value, _Pieces):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {key: _settled(inner) for key, inner in value.items()}
+    if isinstance(value, list):
+        return [_settled(inner) for inner in value]
+    return value
+
+
+def _merged_list(old: list[Any], new: list[Any]) -> list[Any]:
+    """List items with an "index" join the item of the same index; others are appended."""
+    joined = list(old)
+    for item in new:
+        position = _same_index(joined, item)
+        if position is None:
+            joined.append(item)
+        else:
+            joined[position] = _merged("", joined[position], item)
+    return joined
+
+
+def _same_index(items: Sequence[Any], item: Any) -> int | None:
+    """Where the item with the same "index" as `item` sits, if it has one and it is there."""
+    if not isinstance(item, dict) or "index" not in item:
+        return None
+    for position, other in enumerate(items):
+        if isinstance(other, dict) and other.get("index") == item["index"]:
+            return position
+    return None
+
+
+def _is_complete_call(call: dict[str, Any], name: str) -> bool:
+    """Does a named piece without index or id start a new call after `call`?"""
+    function = call.get("function")
+    if not isinstance(function, dict) or not function.get("name"):
+        return False
+    if function.get("name") != name:
+        return True
+    # the same name again: a new call only if this one's arguments are already whole
+    arguments = _settled(function.get("arguments")) or ""
+    if not isinstance(arguments, str):
+        return True  # an object, sent whole
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _finished_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as the message will carry it: id first, type defaulting to "function"."""
+    finished = {key: value for key, value in call.items() if key != "#index"}
+    return {"id": finished.pop("id", None), "type": finished.pop("type", "function"), **finished}
+
+
+STREAM_READERS.append(read_stream)
+# <<< STREAM
 # >>> POSTGRES: the shared state on a PostgreSQL server. Everything from this line to the
 # "<<< POSTGRES" line lets several hosts keep their approvals, budgets, conversations and inbox
 # in one PostgreSQL database; nothing above depends on it, and without it the file knows SQLite

@@ -7244,7 +7244,7 @@ SAFETY_TABLE = re.compile(
 HARDENING_MODULES = {"socket", "ssl", "select", "codecs", "fcntl", "argparse"}
 HARDENING_PIECES = {
     "ChatClient",  # the transport
-    "read_stream",  # the stream
+    "read_stream",  # the stream (a part)
     "AuditFile",  # the audit chain
     "verify_audit",
     "_settle",  # crash recovery
@@ -7283,7 +7283,7 @@ class CopyTest(unittest.TestCase):
     is), a --help and a docstring that name only what is there, and a demo where the example
     stayed."""
 
-    PARTS = ("postgres", "conversations", "budgets", "ledger", "mcp", "inbox", "example")
+    PARTS = ("stream", "postgres", "conversations", "budgets", "ledger", "mcp", "inbox", "example")
     INSIDE: ClassVar[dict[str, str]] = {"ledger": "budgets"}  # a part inside another goes too
 
     def run_python(
@@ -7360,6 +7360,7 @@ class CopyTest(unittest.TestCase):
         self.assertEqual(version, fc.__version__)
         self.assertEqual(sources, 0 if "mcp" in without else 1)
         for part, word, name in (
+            ("stream", "server-sent", None),
             ("conversations", "resume", "Conversations"),
             ("budgets", "max-turn-tokens", "Budget"),
             ("ledger", "max-daily-tokens", "Ledger"),
@@ -7419,7 +7420,8 @@ class CopyTest(unittest.TestCase):
             )
             self.assertEqual(odd.returncode, 2)
             self.assertIn(
-                "no part named shop here; this file's parts: postgres, conversations, budgets, ledger, mcp,",
+                "no part named shop here; this file's parts: stream, postgres, conversations,"
+                " budgets, ledger, mcp,",
                 odd.stderr,
             )
             self.assertFalse((folder / "new.py").exists())
@@ -7617,8 +7619,8 @@ class ShapeTest(unittest.TestCase):
         self.assertEqual(
             touched & HARDENING_MODULES, set(), "Part I reaches for hardening's modules"
         )
-        for piece in HARDENING_PIECES:
-            self.assertIn(piece, self.defined_in(self.part_two, self.part_three_end), piece)
+        for piece in HARDENING_PIECES:  # after Part I: in Part II, III or a part
+            self.assertIn(piece, self.defined_in(self.part_two, len(self.lines)), piece)
 
 
 def tls_server_context(folder: Path) -> tuple[ssl.SSLContext, Path] | None:
