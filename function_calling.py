@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #882bdb25: the whole file, every part kept
+# function_calling.py 2026-12-04 #b8311585: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,046 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,056 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
@@ -90,7 +90,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import zoneinfo
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import (
     AbstractContextManager,
@@ -101,7 +100,7 @@ from contextlib import (
     suppress,
 )
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from email.message import Message
 from pathlib import Path
 from queue import Empty, SimpleQueue
@@ -117,7 +116,7 @@ else:
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditFile", "AuditLog", "ChatClient", "Client", "ConfigError",
-    "CurrentTime", "Database", "Dispatcher", "InOrder", "JournaledApprovals",
+    "Database", "DaysBetween", "Dispatcher", "InOrder", "JournaledApprovals",
     "LineFile", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
     "ScriptedReply", "ServerQuirks", "Settings", "Tool", "ToolContext", "ToolError",
     "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Unlimited", "Workers",
@@ -1981,34 +1980,45 @@ def _iso(timestamp: float) -> str:
 # Part I alone with a last line that calls mechanism_main: `python3 OUT "QUESTION"`.
 
 
-class CurrentTime(Tool):
-    """Part I's own tool: the time now in one IANA time zone, from this machine's clock."""
+class DaysBetween(Tool):
+    """Part I's own tool: the days from one date to another (a sum models often get wrong)."""
 
-    name = "current_time"
+    name = "days_between"
     description = (
-        "The current date and time in one time zone. zone: an IANA time zone name, e.g."
-        " Europe/Oslo, America/New_York or UTC. Returns the zone and the local time, ISO 8601."
+        "The number of days from one date to another, by the Gregorian calendar. start, end:"
+        " dates as YYYY-MM-DD, e.g. 2026-12-04. Returns the days (negative if end comes first)"
+        " and the weekday of each date."
     )
     parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
-        "properties": {"zone": {"type": "string", "description": "e.g. Europe/Oslo"}},
-        "required": ["zone"],
+        "properties": {
+            "start": {"type": "string", "description": "a date, YYYY-MM-DD"},
+            "end": {"type": "string", "description": "a date, YYYY-MM-DD"},
+        },
+        "required": ["start", "end"],
         "additionalProperties": False,
     }
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
-        # ASCII classes, matched whole: no "..", no absolute path reaches the zone database
-        zone = require_pattern(args, "zone", _ZONE_NAME, "an IANA time zone, e.g. Europe/Oslo")
-        try:
-            now = datetime.now(zoneinfo.ZoneInfo(zone))
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            raise ArgumentError(
-                f"zone: expected a time zone this machine knows; got {zone}"
-            ) from None
-        return {"zone": zone, "time": now.isoformat(timespec="seconds")}
+        start, end = _date(args, "start"), _date(args, "end")
+        return {
+            "days": (end - start).days,
+            "start_weekday": start.strftime("%A"),
+            "end_weekday": end.strftime("%A"),
+        }
 
 
-_ZONE_NAME = re.compile("[A-Za-z][A-Za-z0-9_+-]{0,30}(/[A-Za-z0-9_+-]{1,30}){0,2}")
+def _date(args: Mapping[str, Any], name: str) -> date:
+    """A calendar date: the format first (ASCII digits, matched whole), then the calendar's own
+    rules (no February 30)."""
+    text = require_pattern(args, name, _DATE, "a date, YYYY-MM-DD")
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise ArgumentError(f"{name}: expected a date the calendar has; got {text}") from None
+
+
+_DATE = re.compile("[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 def ask(question: str, environ: Mapping[str, str]) -> TurnResult:
@@ -2017,7 +2027,7 @@ def ask(question: str, environ: Mapping[str, str]) -> TurnResult:
     settings = Settings.from_env(environ)
     audit = AuditLog(Path(environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR) / "audit.log")
     with Client(settings) as client:
-        loop = ToolLoop(client, [CurrentTime()], audit)
+        loop = ToolLoop(client, [DaysBetween()], audit)
         return loop.run(question, ToolContext(customer_id="local"))
 
 
@@ -5287,7 +5297,7 @@ def _copy_mechanism(out: Path, lines: Sequence[str]) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     _write_new(out, f"# function_calling.py {_stamp(text)}: the mechanism alone (Part I)\n" + text)
     print(f"wrote {out}: Part I, {end + 3:,} of {len(lines):,} lines")
-    print(f'run it: python3 {shlex.quote(str(out))} "What time is it in Oslo?"')
+    print(f'run it: python3 {shlex.quote(str(out))} "How many days until 2027-01-01?"')
     return EXIT_OK
 
 
