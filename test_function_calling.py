@@ -169,7 +169,8 @@ def rule_tools(mod: Any) -> tuple[Any, Any]:
 
 class MechanismCase(unittest.TestCase):
     """A turn through Part I's pieces only: Client (urllib), ToolLoop's default seams; `mod`
-    is the whole file, or (OnTheMechanismCopy) what `copy --mechanism` writes."""
+    is the whole file, or (OnTheMechanismCopy) what `copy --mechanism` writes. The pieces are
+    made here, so that OnPartTwosPieces can put Part II's in their place."""
 
     mod: ClassVar[Any] = fc
 
@@ -177,17 +178,29 @@ class MechanismCase(unittest.TestCase):
         scratch = tempfile.TemporaryDirectory()
         self.addCleanup(scratch.cleanup)
         self.audit_path = Path(scratch.name) / "audit.log"
-        self.audit = self.mod.AuditLog(self.audit_path)
+        self.audit = self.audit_log(self.audit_path)
         self.Note, self.Pin = rule_tools(self.mod)
         self.tool = self.Note()
+
+    def audit_log(self, path: Path) -> Any:
+        return self.mod.AuditLog(path)
+
+    def client(self, settings: Any) -> Any:
+        return self.mod.Client(settings)
+
+    def loop(self, client: Any, tools: list[Any], audit: Any, **options: Any) -> Any:
+        return self.mod.ToolLoop(client, tools, audit, **options)
+
+    def approvals(self, path: Path, audit: Any) -> Any:
+        return self.mod.Approvals(path, audit)
 
     def turn(
         self, script: Sequence[fc.ScriptItem], **loop: Any
     ) -> tuple[TurnResult, list[RecordedRequest]]:
         with ScriptedChatServer(script) as server:
             settings = self.mod.Settings(base_url=server.base_url, api_key=FAKE_KEY)
-            with self.mod.Client(settings) as client:
-                tool_loop = self.mod.ToolLoop(client, [self.tool], self.audit, **loop)
+            with self.client(settings) as client:
+                tool_loop = self.loop(client, [self.tool], self.audit, **loop)
                 result = tool_loop.run("Say hello.", self.mod.ToolContext(customer_id="c-1"))
             return result, server.requests
 
@@ -262,9 +275,7 @@ class EveryCallIsAuditedInAChain(MechanismCase):
     def test_each_call_and_the_turn_is_a_chained_line_that_verifies_across_reopening(self) -> None:
         ask = tool_call_reply([("note", '{"word":"hi"}'), ("nope", "{}")])
         self.turn([ask, text_reply("hi")])
-        self.audit = self.mod.AuditLog(
-            self.audit_path
-        )  # reopened: the chain goes on from its last line
+        self.audit = self.audit_log(self.audit_path)  # reopened: the chain goes on from its end
         self.turn([tool_call_reply([("note", '{"word":"yo"}')]), text_reply("yo")])
         self.assertEqual(self.outcomes(), ["ok", "rejected:unknown_tool", "ok"])
         lines = self.audit_path.read_bytes().splitlines()
@@ -278,8 +289,8 @@ class EveryCallIsAuditedInAChain(MechanismCase):
         for cut in (b'{"seq":9,"prev":"ab', b'{"seq":9}'):  # a crash mid-line, or before its end
             with self.subTest(cut=cut):
                 self.audit_path.write_bytes(whole + cut)
-                with self.assertRaisesRegex(self.mod.AuditError, "last line is not a record"):
-                    self.mod.AuditLog(self.audit_path)
+                with self.assertRaisesRegex(self.mod.AuditError, "nothing more is appended"):
+                    self.audit_log(self.audit_path).record("probe")  # refused: open, or append
 
     def test_the_key_said_back_in_arguments_is_given_to_no_tool(self) -> None:
         result, _ = self.turn(
@@ -294,7 +305,7 @@ class AWriteWaitsAndIsAppliedOnce(MechanismCase):
         self,
     ) -> None:
         data = self.audit_path.with_name("data.db")
-        approvals = self.mod.Approvals(data, self.audit)
+        approvals = self.approvals(data, self.audit)
         self.tool = self.Pin()
         ask = tool_call_reply([("pin", '{"word":"hello"}')])
         result, requests = self.turn([ask, text_reply("asked")], approvals=approvals)
@@ -318,7 +329,7 @@ class AWriteWaitsAndIsAppliedOnce(MechanismCase):
 
     def test_an_approval_is_bound_to_the_arguments_proposed(self) -> None:
         data = self.audit_path.with_name("data.db")
-        approvals = self.mod.Approvals(data, self.audit)
+        approvals = self.approvals(data, self.audit)
         told = approvals.propose(
             self.Pin(), {"word": "hello"}, self.mod.ToolContext("c-1"), {"pin": "hello"}
         )
@@ -362,7 +373,24 @@ class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
         with ScriptedChatServer([slow]) as server:
             settings = self.mod.Settings(base_url=server.base_url, api_key=FAKE_KEY, timeout=0.2)
             with self.assertRaisesRegex(self.mod.ApiError, "timed out"):
-                self.mod.Client(settings).complete(['{"role":"user","content":"hi"}'])
+                self.client(settings).complete(['{"role":"user","content":"hi"}'])
+
+
+class OnPartTwosPieces(MechanismCase):
+    """The same rule, through Part II's pieces in every seam: ChatClient, hardened_loop
+    (Workers, ServerQuirks, checked_tools), AuditFile and JournaledApprovals."""
+
+    def audit_log(self, path: Path) -> Any:
+        return fc.AuditLog(path, writer=fc.AuditFile)
+
+    def client(self, settings: Any) -> Any:
+        return fc.ChatClient(settings, sleep=lambda _: None)
+
+    def loop(self, client: Any, tools: list[Any], audit: Any, **options: Any) -> Any:
+        return fc.hardened_loop(client, tools, audit, **options)
+
+    def approvals(self, path: Path, audit: Any) -> Any:
+        return fc.JournaledApprovals(Database(path), audit)
 
 
 @functools.lru_cache(maxsize=1)
@@ -432,6 +460,42 @@ class TheClientSendsOnePostAndShowsNoKeyOnTheCopy(
     OnTheMechanismCopy, TheClientSendsOnePostAndShowsNoKey
 ):
     """TheClientSendsOnePostAndShowsNoKey, on Part I alone."""
+
+
+class AValidCallsResultReachesTheNextRequestOnPartTwo(
+    OnPartTwosPieces, AValidCallsResultReachesTheNextRequest
+):
+    """AValidCallsResultReachesTheNextRequest, through Part II's pieces."""
+
+
+class TheEchoIsByteForByteOnPartTwo(OnPartTwosPieces, TheEchoIsByteForByte):
+    """TheEchoIsByteForByte, through Part II's pieces."""
+
+
+class UnknownToolsAndBadArgumentsAreDataOnPartTwo(
+    OnPartTwosPieces, UnknownToolsAndBadArgumentsAreData
+):
+    """UnknownToolsAndBadArgumentsAreData, through Part II's pieces."""
+
+
+class TheRoundCapAndTheTripwireStopTheTurnOnPartTwo(
+    OnPartTwosPieces, TheRoundCapAndTheTripwireStopTheTurn
+):
+    """TheRoundCapAndTheTripwireStopTheTurn, through Part II's pieces."""
+
+
+class EveryCallIsAuditedInAChainOnPartTwo(OnPartTwosPieces, EveryCallIsAuditedInAChain):
+    """EveryCallIsAuditedInAChain, through Part II's pieces."""
+
+
+class AWriteWaitsAndIsAppliedOnceOnPartTwo(OnPartTwosPieces, AWriteWaitsAndIsAppliedOnce):
+    """AWriteWaitsAndIsAppliedOnce, through Part II's pieces."""
+
+
+class TheClientSendsOnePostAndShowsNoKeyOnPartTwo(
+    OnPartTwosPieces, TheClientSendsOnePostAndShowsNoKey
+):
+    """TheClientSendsOnePostAndShowsNoKey, through Part II's pieces."""
 
 
 class LoopTestCase(unittest.TestCase):
