@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #b8311585: the whole file, every part kept
+# function_calling.py 2026-12-04 #8bec17f1: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -1234,7 +1234,7 @@ class Dispatcher:
     audit: AuditLog
     round_number: int
     approvals: Approvals | None
-    deadline: float  # the turn's (time.monotonic)
+    deadline: float  # the turn's (time.monotonic), for a runner that waits (Workers)
 
     def __call__(self, call: ToolCall) -> ToolResult:
         return dispatch(
@@ -1625,7 +1625,7 @@ class _Turn:
     tool_calls: int = 0
     tool_errors: int = 0
     failed_tool: str | None = None
-    refused_calls: int = 0  # replies the server refused with tool_use_failed
+    refused_calls: int = 0  # refused with tool_use_failed (ServerQuirks asks again, twice)
     usage: dict[str, int] = field(default_factory=dict)
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()

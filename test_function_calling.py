@@ -12878,7 +12878,7 @@ tools = fc.shop_tools(database) if stack == "shipped" else [Trivial()]
 client = fc.ChatClient(fc.Settings(base_url=url, model="bench", api_key="sk-bench"))
 if cafile:
     client._tls = ssl.create_default_context(cafile=cafile)
-approvals = fc.Approvals(database, audit)
+approvals = fc.JournaledApprovals(database, audit)
 loop = fc.hardened_loop(client, tools, audit, approvals=approvals)
 for _ in sys.stdin:
     started = time.perf_counter()
