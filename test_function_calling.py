@@ -2484,621 +2484,6 @@ class ConcurrencyTest(LoopTestCase):
         self.assertEqual(outcomes, ["ok", "ok", "timeout"])
 
 
-def without_usage(body: bytes) -> bytes:
-    """A scripted reply as a server that reports no usage sends it."""
-    document = json.loads(body)
-    del document["usage"]
-    return json.dumps(document).encode()
-
-
-class BudgetTest(LoopTestCase):
-    """What a turn may spend, checked before each request and after each reply."""
-
-    def assert_budget_stop(self, result: TurnResult, limit: str) -> None:
-        self.assertEqual((result.stop_reason, result.answer), ("budget", fc.BUDGET_ANSWER))
-        self.assertIn(limit, result.error or "")
-        (turn,) = self.audit_records("turn")
-        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
-        assert_every_call_answered_once_in_order(self, result.messages)
-
-    def test_a_request_that_would_pass_a_limit_is_never_sent(self) -> None:
-        result, requests = self.run_turn(
-            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=50)}
-        )
-        self.assertEqual(requests, [])  # the server never saw it
-        self.assert_budget_stop(result, "the turn's total-token limit (50) would be passed")
-
-    def test_a_reply_whose_usage_passes_a_limit_runs_none_of_its_calls(self) -> None:
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # reports 5 completion tokens
-        result, requests = self.run_turn(
-            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=4)}
-        )
-        self.assertEqual(len(requests), 1)  # no next round
-        self.assert_budget_stop(result, "the turn's output-token limit (4) was passed: 5")
-        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
-        (answered,) = [json.loads(m) for m in result.messages if json.loads(m)["role"] == "tool"]
-        self.assertEqual(json.loads(answered["content"])["error"], "not_run")
-
-    def test_calls_that_would_pass_the_call_limit_do_not_run(self) -> None:
-        lookups = tool_call_reply([("getOrderStatus", LOOKUP)] * 3)
-        result, _ = self.run_turn(
-            [lookups, text_reply("ok")], loop={"budget": fc.Budget(tool_calls=2)}
-        )
-        self.assert_budget_stop(result, "the turn's tool-call limit (2) was passed: 3")
-        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"] * 3)
-
-    def test_a_server_that_reports_no_usage_is_counted_by_the_estimate(self) -> None:
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
-        budget = {"budget": fc.Budget(output_tokens=10)}  # the reply reports 5: it runs
-        result, _ = self.run_turn([lookup, text_reply("ok")], loop=budget)
-        self.assertEqual(result.stop_reason, "answered")
-        self.audit_path.unlink()
-        silent, requests = self.run_turn([without_usage(lookup), text_reply("ok")], loop=budget)
-        self.assertEqual(len(requests), 1)  # its bytes, estimated, pass 10 tokens
-        self.assert_budget_stop(silent, "the turn's output-token limit (10) was passed")
-
-    def test_the_servers_count_replaces_the_estimate(self) -> None:
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
-        _, requests = self.run_turn([lookup, text_reply("ok")])
-        self.audit_path.unlink()
-        # room for the first request as estimated from its bytes, not for both: the second
-        # goes only because the server counted the first as 10 tokens (_completion's usage)
-        limit = len(requests[0].body) // fc.BYTES_PER_TOKEN + 60
-        self.assertGreater(len(requests[1].body) // fc.BYTES_PER_TOKEN, limit)
-        result, sent = self.run_turn(
-            [lookup, text_reply("ok")], loop={"budget": fc.Budget(total_tokens=limit)}
-        )
-        self.assertEqual((result.stop_reason, len(sent)), ("answered", 2))
-        silent, sent = self.run_turn(
-            [without_usage(lookup), text_reply("ok")],
-            loop={"budget": fc.Budget(total_tokens=limit)},
-        )
-        self.assertEqual((silent.stop_reason, len(sent)), ("budget", 1))  # estimated: no room
-
-    def test_a_cost_limit_works_as_a_token_limit_at_the_prices_given(self) -> None:
-        per_token = 1_000_000.0  # a price per million tokens: 1 a token
-        before = fc.Budget(cost=50, input_price=per_token, output_price=0)
-        result, requests = self.run_turn([text_reply("ok")], loop={"budget": before})
-        self.assertEqual(requests, [])
-        self.assert_budget_stop(result, "the turn's cost limit (50) would be passed")
-        self.audit_path.unlink()
-        after = fc.Budget(cost=4, input_price=0, output_price=per_token)  # 5 output tokens
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
-        result, requests = self.run_turn([lookup, text_reply("ok")], loop={"budget": after})
-        self.assertEqual(len(requests), 1)
-        self.assert_budget_stop(result, "the turn's cost limit (4) was passed: 5")
-
-    def test_a_cost_limit_without_prices_is_refused_before_anything_is_sent(self) -> None:
-        with self.assertRaises(fc.ConfigError):
-            fc.Budget(cost=1, input_price=2.5)
-        with self.assertRaises(fc.ConfigError):
-            fc.Budget(input_price=-1)
-        before = sorted(self.data_dir.iterdir())
-        done = self.cli(
-            "ask", "hi", "--max-turn-cost", "1", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
-        )
-        self.assertEqual(done.returncode, 2, done.stderr)
-        self.assertIn("a cost limit needs the price of input and of output tokens", done.stderr)
-        self.assertEqual(
-            sorted(self.data_dir.iterdir()), before
-        )  # refused before anything was made
-
-    def test_the_command_line_stops_at_a_limit_with_an_exit_code_of_its_own(self) -> None:
-        with ScriptedChatServer([text_reply("ok")]) as server:
-            done = self.cli(
-                "ask", "Where is ORD-1001?", "--max-turn-tokens", "5",
-                env={"OPENAI_BASE_URL": server.base_url},
-            )  # fmt: skip
-        self.assertEqual((done.returncode, done.stdout), (4, fc.BUDGET_ANSWER + "\n"))
-        self.assertIn("stopped: the turn's total-token limit (5) would be passed", done.stderr)
-        self.assertEqual(server.requests, [])
-
-
-def bounds(requests: Sequence[RecordedRequest], field: str = "max_tokens") -> list[Any]:
-    """The output bound each request carried in `field` (None: none)."""
-    return [request.json().get(field) for request in requests]
-
-
-def cut_at_length(body: bytes) -> bytes:
-    """A scripted reply whose answer the server cut at its output bound."""
-    document = json.loads(body)
-    document["choices"][0]["finish_reason"] = "length"
-    return json.dumps(document).encode()
-
-
-class OutputBoundTest(LoopTestCase):
-    """When a limit applies to what the model writes, every request asks for at most what the
-    limits leave, in the field the server honours; a server that ignores it is caught on the
-    turn whose reply passed the limit, which ends as the budget's, the answer shown."""
-
-    def test_a_turn_output_limit_bounds_every_request_by_what_is_left(self) -> None:
-        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # its usage: 5 written
-        result, requests = self.run_turn(
-            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=50)}
-        )
-        self.assertEqual(result.stop_reason, "answered")
-        self.assertEqual(bounds(requests), [50, 45])
-        self.assertEqual(bounds(requests, "max_completion_tokens"), [None, None])
-
-    def test_a_total_limit_leaves_the_input_its_estimate(self) -> None:
-        _, requests = self.run_turn(
-            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=9000)}
-        )
-        (bound,) = bounds(requests)
-        estimate = 9000 - bound  # the request's input, estimated from its messages and tools
-        whole = len(requests[0].body) / fc.BYTES_PER_TOKEN  # the body, its envelope too
-        self.assertTrue(whole - 60 <= estimate <= whole, (estimate, whole))
-
-    def test_a_cost_limit_and_a_conversation_limit_bound_the_request_too(self) -> None:
-        priced = fc.Budget(cost=50, input_price=0, output_price=1_000_000)  # 1 a written token
-        _, requests = self.run_turn([text_reply("ok")], loop={"budget": priced})
-        self.assertEqual(bounds(requests), [50])
-        conversations = fc.Conversations(self.database)
-        talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-        limited = fc.Budget(
-            conversation=fc.Limits(output_tokens=300), ledger=fc.Ledger(self.database)
-        )
-        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = fc.hardened_loop(
-                client,
-                self.tools,
-                self.audit,
-                approvals=self.approvals,
-                budget=limited,
-            )
-            for question in ("one", "two"):
-                _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
-        self.assertEqual(bounds(server.requests), [300, 295])  # 5 written in the first turn
-
-    def test_no_bound_is_sent_where_no_limit_applies_to_output(self) -> None:
-        for budget in (None, fc.Budget(tool_calls=3), fc.Budget(input_tokens=10**6)):
-            with self.subTest(budget=budget):
-                self.audit_path.unlink(missing_ok=True)
-                _, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
-                body = requests[0].json()
-                self.assertNotIn("max_tokens", body)
-                self.assertNotIn("max_completion_tokens", body)
-
-    def test_a_daily_limit_bounds_each_request_by_the_reserve_the_ledger_charged(self) -> None:
-        ledger = fc.Ledger(self.database)
-        roomy = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
-        _, requests = self.run_turn([text_reply("ok")], loop={"budget": roomy})
-        self.assertEqual(bounds(requests), [fc.OUTPUT_RESERVE])
-        self.audit_path.unlink()
-        written = ledger.spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"].output
-        tight = fc.Budget(daily=fc.Limits(output_tokens=written + 100), ledger=ledger)
-        _, requests = self.run_turn([text_reply("ok")], loop={"budget": tight})
-        self.assertEqual(bounds(requests), [100])  # what the day's output limit leaves
-
-    def test_openai_is_sent_max_completion_tokens_and_other_servers_max_tokens(self) -> None:
-        for url, field in (
-            ("https://api.openai.com/v1", "max_completion_tokens"),
-            ("https://my-resource.openai.azure.com/openai/v1", "max_completion_tokens"),
-            ("http://localhost:11434/v1", "max_tokens"),
-            ("https://api.groq.com/openai/v1", "max_tokens"),
-        ):
-            self.assertEqual(Settings(base_url=url, api_key=FAKE_KEY).output_field, field, url)
-        with self.assertRaises(fc.ConfigError):
-            Settings(output_field="max_new_tokens", api_key=FAKE_KEY)
-        _, requests = self.run_turn(
-            [text_reply("ok")],
-            client={"output_field": "max_completion_tokens"},
-            loop={"budget": fc.Budget(output_tokens=50)},
-        )
-        self.assertEqual(bounds(requests, "max_completion_tokens"), [50])
-        self.assertEqual(bounds(requests), [None])
-
-    def test_a_server_that_ignores_the_bound_is_caught_on_the_turn_that_passed(self) -> None:
-        long = with_usage(text_reply("A very long answer."), 10, 500)
-        result, requests = self.run_turn([long], loop={"budget": fc.Budget(output_tokens=50)})
-        self.assertEqual(bounds(requests), [50])  # asked for, and not honoured
-        self.assertEqual((result.stop_reason, result.answer), ("budget", "A very long answer."))
-        self.assertIn("the turn's output-token limit (50) was passed: 500", result.error or "")
-        (turn,) = self.audit_records("turn")
-        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
-
-    def test_an_answer_cut_at_the_bound_ends_as_the_budget_not_as_a_failure(self) -> None:
-        cut = cut_at_length(with_usage(text_reply("The first half"), 10, 50))
-        result, _ = self.run_turn([cut], loop={"budget": fc.Budget(output_tokens=50)})
-        self.assertEqual((result.stop_reason, result.answer), ("budget", "The first half"))
-        self.assertIn("cut at the 50 output tokens the limits left", result.error or "")
-
-    def test_a_daily_limit_an_answer_passed_is_said_on_that_turn(self) -> None:
-        budget = fc.Budget(daily=fc.Limits(total_tokens=5000), ledger=fc.Ledger(self.database))
-        huge = with_usage(text_reply("All of it."), 100, 200_000)
-        result, _ = self.run_turn([huge], loop={"budget": budget})
-        self.assertEqual((result.stop_reason, result.answer), ("budget", "All of it."))
-        self.assertIn(
-            f"the daily ({utc_day()}) total-token limit (5,000) was passed", result.error or ""
-        )
-        with ScriptedChatServer([huge]) as server:
-            done = self.cli(
-                "ask", "all of it", "--max-turn-output-tokens", "50",
-                env={"OPENAI_BASE_URL": server.base_url},
-            )  # fmt: skip
-        self.assertEqual((done.returncode, done.stdout), (4, "All of it.\n"))
-        self.assertIn("stopped: the turn's output-token limit (50) was passed", done.stderr)
-
-    def test_the_answer_a_customer_gets_names_what_to_do_for_each_kind_of_limit(self) -> None:
-        result, _ = self.run_turn([text_reply("ok")], loop={"budget": fc.Budget(total_tokens=5)})
-        self.assertEqual(result.answer, fc.BUDGET_ANSWER)
-        self.assertIn("ask for less", fc.BUDGET_ANSWER)
-        ledger = fc.Ledger(self.database)
-        daily = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger)
-        self.audit_path.unlink()
-        result, _ = self.run_turn([text_reply("ok")], loop={"budget": daily})
-        self.assertEqual(result.answer, fc.DAILY_BUDGET_ANSWER)
-        self.assertIn("00:00 UTC", fc.DAILY_BUDGET_ANSWER)
-        mine = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger, daily_answer="Tomorrow.")
-        self.audit_path.unlink()
-        result, _ = self.run_turn([text_reply("ok")], loop={"budget": mine})
-        self.assertEqual(result.answer, "Tomorrow.")
-
-
-class BudgetWarningTest(LoopTestCase):
-    """With warn_at (--budget-warn), a limit spent to that fraction is said once a turn: one
-    warning (stderr, for the command line) and one audit line; off by default."""
-
-    def test_a_limit_at_the_fraction_is_warned_of_once_on_stderr_and_in_the_log(self) -> None:
-        lookup = with_usage(tool_call_reply([("getOrderStatus", LOOKUP)]), 10, 60_000)
-        two = [lookup, text_reply("ok")]
-        budget = fc.Budget(total_tokens=200_000, warn_at=0.25)
-        with self.assertLogs("function_calling", "WARNING") as logged:
-            result, _ = self.run_turn(two, loop={"budget": budget})
-        self.assertEqual(result.stop_reason, "answered")
-        (said,) = [line for line in logged.output if "near a limit" in line]
-        self.assertIn("the turn's total-token limit (200,000) is at 30%: 60,010", said)
-        (line,) = self.audit_records("budget_warning")  # once, though the next reply is near too
-        self.assertEqual(line["limit"], "the turn's total-token limit (200,000) is at 30%: 60,010")
-        self.audit_path.unlink()
-        result, _ = self.run_turn(two, loop={"budget": fc.Budget(total_tokens=200_000)})
-        self.assertEqual(self.audit_records("budget_warning"), [])  # off unless asked for
-
-    def test_a_cost_limit_of_nothing_at_free_prices_is_no_limit_to_warn_of(self) -> None:
-        # free tokens cost 0, which a limit of 0 allows: no share of 0 to say, and no crash
-        budget = fc.Budget(cost=0, input_price=0, output_price=0, warn_at=0.5)
-        reply = with_usage(text_reply("ok"), 10, 10)
-        result, _ = self.run_turn([reply], loop={"budget": budget})
-        self.assertEqual(result.stop_reason, "answered")
-        self.assertEqual(self.audit_records("budget_warning"), [])
-
-    def test_a_daily_limit_is_warned_of_from_the_ledger(self) -> None:
-        ledger = fc.Ledger(self.database)
-        budget = fc.Budget(daily=fc.Limits(total_tokens=10_000), ledger=ledger, warn_at=0.5)
-        heavy = with_usage(text_reply("ok"), 5_000, 100)
-        self.run_turn([heavy], loop={"budget": budget})
-        (line,) = self.audit_records("budget_warning")
-        self.assertIn(
-            f"the daily ({utc_day()}) total-token limit (10,000) is at 51%", line["limit"]
-        )
-
-    def test_the_fraction_is_checked_as_the_flag_is(self) -> None:
-        for bad in (0, 1, 1.5, -0.2, math.nan):
-            with self.subTest(value=bad), self.assertRaises(fc.ConfigError):
-                fc.Budget(warn_at=bad)
-        done = self.cli(
-            "ask", "hi", "--budget-warn", "1.5", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
-        )
-        self.assertEqual(done.returncode, 2)
-        self.assertIn("--budget-warn", done.stderr)
-        with ScriptedChatServer([with_usage(text_reply("ok"), 10, 120_000)]) as server:
-            done = self.cli(
-                "ask", "hi", "--max-turn-tokens", "200000", "--budget-warn", "0.5",
-                env={"OPENAI_BASE_URL": server.base_url},
-            )  # fmt: skip
-        self.assertEqual(done.returncode, 0, done.stderr)
-        said = "near a limit: the turn's total-token limit (200,000) is at 60%: 120,010"
-        self.assertIn(said, done.stderr)
-
-
-def counted_like_a_tokenizer(reply: bytes) -> Callable[[RecordedRequest], bytes]:
-    """A scripted reply whose usage counts the request as a tokenizer would: 4 bytes a token
-    of ASCII (English, JSON), 1.5 bytes a token of anything else (CJK's 3-byte characters)."""
-
-    def answer(request: RecordedRequest) -> bytes:
-        ascii_bytes = sum(1 for byte in request.body if byte < 128)
-        other = len(request.body) - ascii_bytes
-        return with_usage(reply, math.ceil(ascii_bytes / 4 + other / 1.5), 5)
-
-    return answer
-
-
-class EstimateTest(LoopTestCase):
-    """The estimate of a request's input learns its bytes per token from the server's own
-    counts, keeps the lowest ratio seen (so it still errs high), and starts at 2."""
-
-    def first_estimates(self, question: str, budgets: Sequence[fc.Budget]) -> list[tuple[int, int]]:
-        """(estimated, counted) input tokens of each turn's first request, one turn for each
-        budget, each on a loop of its own (as another process's) against one server; the
-        estimate read off the bound a total limit of 4,000 leaves (below the reserve)."""
-        found = []
-        script = [counted_like_a_tokenizer(text_reply("ok")) for _ in budgets]
-        with ScriptedChatServer(script) as server:
-            settings = Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY)
-            loop = None
-            for budget in budgets:
-                if loop is None or budget.ledger is not None:
-                    client = ChatClient(settings)
-                    loop = fc.hardened_loop(
-                        client,
-                        self.tools,
-                        self.audit,
-                        approvals=self.approvals,
-                        budget=budget,
-                    )
-                loop.run(question, ToolContext(DEMO_CUSTOMER))
-                request = server.requests[-1]
-                counted = json.loads(counted_like_a_tokenizer(text_reply(""))(request))
-                estimate = budget.total_tokens - request.json()["max_tokens"]
-                found.append((estimate, counted["usage"]["prompt_tokens"]))
-        return found
-
-    def test_after_one_turn_the_first_estimate_is_within_a_third_of_the_count(self) -> None:
-        turn = fc.Budget(total_tokens=4000)
-        for question in (
-            "Where is my order ORD-1001, and when will it arrive?",
-            "我的订单在哪里呢" * 40,
-        ):
-            with self.subTest(question=question[:20]):
-                (first, counted_first), (second, counted) = self.first_estimates(
-                    question,
-                    [turn, turn],  # one loop: it keeps what it learned
-                )
-                self.assertGreater(first / counted_first, 1.3, "at 2 bytes a token: high")
-                self.assertGreaterEqual(second, counted, "never below the server's count")
-                self.assertLessEqual(second / counted, 1.3)
-
-    def test_the_ledger_keeps_what_was_learned_for_another_process(self) -> None:
-        def budget() -> fc.Budget:  # a ledger of its own on the same database: a loop anew
-            day = fc.Limits(total_tokens=10**8)
-            return fc.Budget(total_tokens=4000, daily=day, ledger=fc.Ledger(Database(self.db_path)))
-
-        (first, counted_first), (second, counted) = self.first_estimates(
-            "Where is ORD-1001?", [budget(), budget()]
-        )
-        self.assertGreater(first / counted_first, 1.3)
-        self.assertTrue(1.0 <= second / counted <= 1.3, (second, counted))
-
-
-class BudgetValuesTest(unittest.TestCase):
-    """A limit given in Python is checked as the command line checks its flags: a value that
-    is no limit (NaN, inf, a string, a bool, a negative) is refused when the budget is built,
-    never taken as "no limit" or as "nothing at all", and never raised from a turn."""
-
-    WHOLE = "expected a whole number from 1 to 999999999"
-    AMOUNT = "expected a number of 0 or more"
-
-    def test_token_and_call_limits_are_whole_numbers(self) -> None:
-        builds: dict[str, Callable[[Any], object]] = {
-            "Limits.total_tokens": lambda v: fc.Limits(total_tokens=v),
-            "Budget.output_tokens": lambda v: fc.Budget(output_tokens=v),
-            "Budget.tool_calls": lambda v: fc.Budget(tool_calls=v),
-        }
-        bad_values: tuple[Any, ...] = (math.nan, math.inf, 1e308, "100", -5, 0, True, 2.5)
-        for bad in (*bad_values, 10**12, 10**400):
-            for name, build in builds.items():
-                with self.subTest(field=name, value=bad), self.assertRaises(fc.ConfigError) as e:
-                    build(bad)
-                field = name.split(".")[1]
-                self.assertIn(f"{field}: {self.WHOLE}; got {bad!r}", str(e.exception))
-        five: Any = 5.0
-        self.assertEqual(fc.Limits(total_tokens=five).total_tokens, 5)  # 5.0 is a whole number
-
-    def test_costs_and_prices_are_numbers_of_0_or_more(self) -> None:
-        amounts: tuple[Any, ...] = (math.nan, math.inf, -1, "1", True, 1e12, 10**400)
-        for bad in amounts:
-            with self.subTest(value=bad):
-                with self.assertRaises(fc.ConfigError) as caught:
-                    fc.Budget(cost=bad, input_price=1, output_price=1)
-                self.assertIn(f"cost: {self.AMOUNT}; got {bad!r}", str(caught.exception))
-                with self.assertRaises(fc.ConfigError) as caught:
-                    fc.Budget(input_price=bad)
-                self.assertIn(f"input_price: {self.AMOUNT}; got {bad!r}", str(caught.exception))
-                with self.assertRaises(fc.ConfigError):
-                    fc.Limits(cost=bad)
-        self.assertEqual(fc.Budget(cost=0, input_price=0, output_price=2.5).cost, 0)
-
-
-def with_usage(body: bytes, prompt: int, completion: int) -> bytes:
-    """A scripted reply reporting the usage given."""
-    document = json.loads(body)
-    document["usage"] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    return json.dumps(document).encode()
-
-
-def tokens_in(ledger: fc.Ledger, key: str) -> int:
-    tally = ledger.spent().get(key, fc.Tally())
-    return tally.input + tally.output
-
-
-def utc_day() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-
-
-class LedgerTest(LoopTestCase):
-    """What a customer spends in a day and a conversation in all its turns, in the database."""
-
-    def test_a_daily_limit_holds_across_turns(self) -> None:
-        budget = fc.Budget(daily=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database))
-        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
-        result, requests = self.run_turn([heavy], loop={"budget": budget})
-        self.assertEqual((result.stop_reason, len(requests)), ("answered", 1))
-        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
-        spent = budget.ledger.spent()  # type: ignore[union-attr]
-        self.assertEqual(spent, {key: fc.Tally(90_000, 10_000, 0)})
-        self.audit_path.unlink()
-        again, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
-        self.assertEqual(requests, [])  # its estimate and output reserve do not fit
-        self.assertEqual(again.stop_reason, "budget")
-        self.assertIn(
-            f"the daily ({utc_day()}) total-token limit (100,500) would be passed",
-            again.error or "",
-        )
-        other, requests = self.run_turn([text_reply("ok")], customer="C-2", loop={"budget": budget})
-        self.assertEqual((other.stop_reason, len(requests)), ("answered", 1))  # per customer
-
-    def test_a_ledger_that_cannot_be_written_lets_nothing_be_sent(self) -> None:
-        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
-        with closing(sqlite3.connect(self.db_path)) as db, db:
-            db.execute("DROP TABLE spending")  # as a broken or foreign database would be
-        with self.assertLogs("function_calling", "WARNING") as logged:
-            result, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
-        self.assertEqual(requests, [])  # fail closed: what cannot be counted is not spent
-        self.assertEqual(result.stop_reason, "budget")
-        self.assertIn("the spending ledger could not be written", result.error or "")
-        self.assertNotIn("no such table", " ".join(logged.output))  # SQLite's name, not its text
-        (turn,) = self.audit_records("turn")
-        self.assertEqual(turn["stop_reason"], "budget")
-
-    def test_a_daily_call_limit_counts_the_calls_that_ran_in_every_turn(self) -> None:
-        budget = fc.Budget(daily=fc.Limits(tool_calls=2), ledger=fc.Ledger(self.database))
-        two = tool_call_reply([("getOrderStatus", LOOKUP)] * 2)
-        result, _ = self.run_turn([two, text_reply("ok")], loop={"budget": budget})
-        self.assertEqual(result.stop_reason, "answered")
-        self.audit_path.unlink()
-        one = tool_call_reply([("getOrderStatus", LOOKUP)])
-        result, requests = self.run_turn([one, text_reply("ok")], loop={"budget": budget})
-        self.assertEqual((result.stop_reason, len(requests)), ("budget", 1))
-        self.assertIn("tool-call limit (2) would be passed", result.error or "")
-        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
-
-    def test_a_conversation_limit_holds_across_its_turns(self) -> None:
-        conversations = fc.Conversations(self.database)
-        budget = fc.Budget(
-            conversation=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database)
-        )
-        first = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-        second = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
-        with ScriptedChatServer([heavy, text_reply("ok")]) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            loop = fc.hardened_loop(
-                client,
-                self.tools,
-                self.audit,
-                approvals=self.approvals,
-                budget=budget,
-            )
-            context = ToolContext(DEMO_CUSTOMER)
-            result, first = conversations.turn(loop, first, "one", context, self.approvals)
-            self.assertEqual(result.stop_reason, "answered")
-            result, first = conversations.turn(loop, first, "two", context, self.approvals)
-            self.assertEqual(result.stop_reason, "budget")  # its own turns spent it
-            result, second = conversations.turn(loop, second, "one", context, self.approvals)
-            self.assertEqual(result.stop_reason, "answered")  # another conversation's is its own
-        self.assertEqual(len(server.requests), 2)
-        lines = self.audit_records("turn")
-        self.assertEqual(
-            [line["conversation_id"] for line in lines],
-            [first.conversation_id, first.conversation_id, second.conversation_id],
-        )
-
-    def test_a_daily_limit_without_a_ledger_is_refused(self) -> None:
-        with self.assertRaisesRegex(fc.ConfigError, "needs a ledger"):
-            fc.hardened_loop(
-                ChatClient(Settings(api_key=FAKE_KEY)),
-                self.tools,
-                self.audit,
-                approvals=self.approvals,
-                budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
-            )
-
-    def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
-        with ScriptedChatServer([text_reply("ok")]) as server:  # the size of one ask's request
-            self.assertEqual(
-                self.cli(
-                    "ask", "Where is ORD-1001?", env={"OPENAI_BASE_URL": server.base_url}
-                ).returncode,
-                0,
-            )
-        one_charge = len(server.requests[0].body) // fc.BYTES_PER_TOKEN + fc.OUTPUT_RESERVE
-        limit = str(one_charge + 1_000)  # room for one request in flight, not for two
-        gate = threading.Event()
-
-        def held(request: RecordedRequest) -> bytes:
-            gate.wait(30)  # the first request is answered only once the second has tried
-            return text_reply("ok")
-
-        base = {
-            "PATH": os.environ.get("PATH", ""),
-            "NO_PROXY": "127.0.0.1",
-            "FUNCTION_CALLING_DATA": str(self.data_dir),
-        }
-        with ScriptedChatServer([held, text_reply("second")]) as server:
-            env = {**base, "OPENAI_BASE_URL": server.base_url}
-            ask = [
-                sys.executable,
-                str(MODULE),
-                "ask",
-                "Where is ORD-1001?",
-                "--max-daily-tokens",
-                limit,
-            ]
-            first = subprocess.Popen(
-                ask, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            for _ in range(3000):
-                if server.requests:
-                    break
-                time.sleep(0.01)
-            second = self.cli(
-                "ask",
-                "And ORD-1002?",
-                "--max-daily-tokens",
-                limit,
-                env={"OPENAI_BASE_URL": server.base_url},
-            )
-            gate.set()
-            out, err = first.communicate(timeout=60)
-        self.assertEqual((first.returncode, out), (0, "ok\n"), err)
-        self.assertEqual(second.returncode, 4, second.stderr)
-        self.assertIn(f"the daily ({utc_day()}) total-token limit", second.stderr)
-        self.assertEqual(len(server.requests), 1)  # the second never sent its request
-
-    def test_a_kill_between_a_reply_and_its_write_leaves_more_charged_than_spent(self) -> None:
-        script = self.data_dir / "crashing_child.py"
-        script.write_text(CRASHING_APPROVER)
-        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
-        outcomes: collections.Counter[str] = collections.Counter()
-        points = [f"commit:{n}:{when}" for n in range(1, 12) for when in ("before", "after")]
-        for point in points:
-            heavy = with_usage(text_reply("ok"), 900, 100)
-            with self.subTest(point=point), ScriptedChatServer([heavy]) as server:
-                before = tokens_in(fc.Ledger(self.database), key)
-                ask = [
-                    "ask",
-                    "hi",
-                    "--max-daily-tokens",
-                    "10000000",
-                    "--data-dir",
-                    str(self.data_dir),
-                ]
-                child = subprocess.run(
-                    [sys.executable, str(script), "kill", point, *ask],
-                    env={
-                        "PATH": os.environ.get("PATH", ""),
-                        "PYTHONPATH": str(HERE),
-                        "OPENAI_BASE_URL": server.base_url,
-                    },
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
-                charged = tokens_in(fc.Ledger(self.database), key) - before
-                # what the server was asked for is in the ledger: counted, or charged higher
-                self.assertGreaterEqual(charged, 1_000 * len(server.requests))
-                if child.returncode == -signal.SIGKILL and server.requests:
-                    outcomes["counted" if charged == 1_000 else "charged"] += 1
-        self.assertGreater(outcomes["charged"], 0)  # killed between the reply and its write
-        self.assertGreater(outcomes["counted"], 0)  # killed after it
-
-
 class ThreadNamingTool(Tool):
     """Says which thread ran it."""
 
@@ -3309,364 +2694,6 @@ def sse(body: bytes) -> ScriptedReply:
 
 
 LOOKUP = '{"orderId":"ORD-1001"}'
-
-
-class StreamTest(LoopTestCase):
-    """`stream: true`: text handed over as it arrives, tool calls assembled from deltas."""
-
-    def stream_turn(
-        self, script: Sequence[fc.ScriptItem], **options: Any
-    ) -> tuple[TurnResult, list[RecordedRequest], list[str]]:
-        pieces: list[str] = []
-        result, requests = self.run_turn(script, on_text=pieces.append, **options)
-        return result, requests, pieces
-
-    def test_text_arrives_in_pieces_and_the_turn_counts_the_usage_chunk(self) -> None:
-        events: list[dict[str, Any] | str] = [
-            {"choices": [], "prompt_filter_results": [{"prompt_index": 0}]},  # Azure's first
-            chunk({"role": "assistant", "content": ""}),
-            chunk({"content": "It "}),
-            chunk({"content": "shipped."}, "stop"),
-            {
-                "choices": [],
-                "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
-            },
-            "[DONE]",
-        ]
-        result, requests, pieces = self.stream_turn([fc.stream_reply(events)])
-        self.assertEqual((result.stop_reason, result.answer), ("answered", "It shipped."))
-        self.assertEqual(pieces, ["It ", "shipped."])
-        self.assertEqual(
-            result.usage, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
-        )
-        body = requests[0].json()
-        self.assertEqual((body["stream"], body["stream_options"]), (True, {"include_usage": True}))
-
-    def test_one_endless_line_is_refused_once_it_outgrows_an_event(self) -> None:
-        taken = []
-
-        def endless() -> Iterator[bytes]:
-            yield b"data: "
-            for n in range(400):  # 1.6 MB with no line end; an event may hold 64 KiB
-                taken.append(n)
-                yield b"x" * 4096
-
-        with self.assertRaisesRegex(fc.ApiError, "an event of more than 65536 bytes"):
-            fc.read_stream(endless(), lambda text: None, limit=65536)
-        self.assertLessEqual(len(taken), 17)  # refused as it grew, not once the line ended
-
-    def test_a_long_line_costs_time_in_proportion_to_its_bytes(self) -> None:
-        # 6 MiB of one event in 4 KiB reads: re-splitting the pending line at every read took
-        # ~40 s of CPU here (quadratic); read in proportion, it takes well under a second
-        text = "x" * (6 << 20)
-        wire = b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode()
-        wire += b"\n\ndata: [DONE]\n\n"
-        pieces = (wire[at : at + 4096] for at in range(0, len(wire), 4096))
-        started = time.process_time()
-        reply = fc.read_stream(pieces, lambda text: None)
-        self.assertEqual(json.loads(reply.message_json)["content"], text)
-        self.assertLess(time.process_time() - started, 15)
-
-    def test_sse_framing_as_the_spec_allows(self) -> None:
-        body = (
-            b": OPENROUTER PROCESSING\r\n\r\n"
-            b"event: message\r\nid: 1\r\nretry: 100\r\n"
-            b'data:{"choices":[{"index":0,"delta":{"content":"A"}}]}\r\n\r\n'  # no space
-            b'data: {"choices":[{"index":0,\n'  # one event over two data lines
-            b'data: "delta":{"content":"B"}}]}\n\n'
-            b'data: {"choices":[{"index":0,"delta":{"content":"C"}}]}\r\r'  # CR alone
-            b'data: {"choices":[{"index":0,"delta":{"content":"\xc3\xa9"}}]}\n\n'
-            b"data: [DONE]\n\n"
-        )
-        pieces: list[str] = []
-        with ScriptedChatServer([sse(body)]) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="m"))
-            reply = client.complete(["{}"], on_text=pieces.append)
-        self.assertEqual((reply.content, pieces), ("ABCé", ["A", "B", "C", "é"]))
-
-    def test_a_character_split_between_two_network_reads_survives(self) -> None:
-        whole = b'data: {"choices":[{"index":0,"delta":{"content":"caf\xc3\xa9"}}]}\n\n'
-        cut = whole.index(b"\xa9")
-        reply = fc.read_stream([whole[:cut], whole[cut:]], lambda text: None)
-        self.assertEqual(reply.content, "café")
-
-    def test_a_stream_that_ends_without_done_still_completes(self) -> None:
-        result, _, _ = self.stream_turn([fc.stream_reply([chunk({"content": "Done."}, "stop")])])
-        self.assertEqual((result.stop_reason, result.answer), ("answered", "Done."))
-
-    def test_an_error_in_the_middle_of_a_stream_is_a_clear_error(self) -> None:
-        events = [chunk({"content": "Your or"}), {"error": {"message": "upstream overloaded"}}]
-        result, _, pieces = self.stream_turn([fc.stream_reply(events)])
-        self.assertEqual(result.stop_reason, "api_error")
-        self.assertIn("mid-stream: upstream overloaded", result.error or "")
-        self.assertEqual(pieces, ["Your or"])
-
-    def test_a_tool_call_in_many_pieces_is_assembled_and_run(self) -> None:
-        pieces = ['{"ord', 'erId"', ': "ORD', "-10", '01"}']
-        events: list[dict[str, Any] | str] = [
-            call_piece(
-                index=0,
-                id="c1",
-                type="function",
-                function={"name": "getOrderStatus", "arguments": ""},
-            ),
-            *(call_piece(index=0, function={"arguments": p}) for p in pieces),
-            chunk({}, "tool_calls"),
-            "[DONE]",
-        ]
-        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        self.assertEqual(tool_results(requests[1])[0]["found"], True)
-        (record,) = self.audit_records()
-        self.assertEqual(record["arguments"], '{"orderId": "ORD-1001"}')
-        assert_every_call_answered_once_in_order(self, result.messages)
-
-    def test_ids_and_names_repeated_on_every_delta_and_an_index_starting_at_1(self) -> None:
-        function = {"name": "getOrderStatus"}
-        events = [
-            call_piece(index=1, id="c1", type="function", function={**function, "arguments": ""}),
-            call_piece(
-                index=1, id="c1", type="function", function={**function, "arguments": LOOKUP}
-            ),
-        ]
-        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        self.assertEqual(call_ids(result.messages[2]), ["c1"])
-        self.assertEqual(
-            json.loads(result.messages[2])["tool_calls"][0]["function"]["arguments"], LOOKUP
-        )
-        self.assertEqual(tool_results(requests[1])[0]["found"], True)
-
-    def test_several_whole_calls_in_one_delta_without_index_are_told_apart_by_id(self) -> None:
-        calls = [
-            {
-                "id": "a",
-                "type": "function",
-                "function": {"name": "getOrderStatus", "arguments": LOOKUP},
-            },
-            {
-                "id": "b",
-                "type": "function",
-                "function": {"name": "listRecentOrders", "arguments": '{"limit":1}'},
-            },
-        ]
-        result, requests, _ = self.stream_turn(
-            [fc.stream_reply([chunk({"tool_calls": calls}, "stop")]), text_reply("ok")]
-        )
-        self.assertEqual(call_ids(result.messages[2]), ["a", "b"])
-        status, listing = tool_results(requests[1])
-        self.assertEqual((status["found"], listing["count"]), (True, 1))
-
-    def test_pieces_without_index_or_id_continue_the_calls_by_position(self) -> None:
-        opened = [
-            {"id": "a", "function": {"name": "getOrderStatus", "arguments": ""}},
-            {"id": "b", "function": {"name": "listRecentOrders", "arguments": ""}},
-        ]
-        continued = [
-            {"function": {"arguments": LOOKUP}},
-            {"function": {"arguments": '{"limit":2}'}},
-        ]
-        events = [chunk({"tool_calls": opened}), chunk({"tool_calls": continued})]
-        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        status, listing = tool_results(requests[1])
-        self.assertEqual((status["found"], listing["count"]), (True, 2))
-
-    def test_a_whole_call_without_index_in_one_delta_like_ollama(self) -> None:
-        whole = {
-            "id": "call_x",
-            "type": "function",
-            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
-        }
-        events = [
-            chunk({"role": "assistant", "content": "", "tool_calls": [whole]}),
-            chunk({"content": ""}, "stop"),
-        ]
-        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "call_x")
-
-    def test_a_no_argument_call_ending_with_empty_arguments_means_an_empty_object(self) -> None:
-        events = [
-            call_piece(index=0, id="c1", function={"name": "dumpEverything", "arguments": ""})
-        ]
-        _, requests, _ = self.stream_turn(
-            [fc.stream_reply(events), text_reply("ok")], tools=[BigTool()]
-        )
-        (record,) = self.audit_records()
-        self.assertEqual((record["arguments"], record["outcome"]), ("{}", "ok"))
-        self.assertIn("blob", tool_messages(requests[1])[0]["content"])
-
-    def test_an_empty_id_is_answered_with_the_same_empty_id(self) -> None:
-        events = [
-            call_piece(index=0, id="", function={"name": "getOrderStatus", "arguments": LOOKUP})
-        ]
-        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "")
-
-    def test_text_reasoning_and_extras_beside_calls_are_kept_in_the_message(self) -> None:
-        events = [
-            chunk({"role": "assistant", "reasoning_content": "The user ", "channel": "analysis"}),
-            chunk({"reasoning_content": "wants a status.", "channel": "analysis"}),
-            chunk(
-                {"reasoning_details": [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}]}
-            ),
-            chunk({"content": "Checking"}),
-            chunk(
-                {
-                    "content": "…",
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": "c1",
-                            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
-                        }
-                    ],
-                }
-            ),
-        ]
-        _, requests, pieces = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
-        self.assertEqual(pieces, ["Checking", "…", "ok"])  # "ok": a plain reply, handed over whole
-        echoed = requests[1].json()["messages"][2]
-        self.assertEqual(echoed["reasoning_content"], "The user wants a status.")
-        self.assertEqual(echoed["channel"], "analysis")
-        self.assertEqual(
-            echoed["reasoning_details"],
-            [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}],
-        )
-        self.assertEqual(echoed["content"], "Checking…")
-        self.assertEqual(echoed["tool_calls"][0]["type"], "function")
-
-    def test_every_guard_holds_while_streaming(self) -> None:
-        def streamed(arguments: str) -> ScriptedReply:
-            return fc.stream_reply(
-                [
-                    call_piece(
-                        index=0,
-                        id="c" + arguments[-4:-2],
-                        function={"name": "getOrderStatus", "arguments": arguments},
-                    )
-                ]
-            )
-
-        lookups = [streamed(f'{{"orderId":"ORD-100{1 + n % 2}"}}') for n in range(10)]
-        result, requests, _ = self.stream_turn(lookups, max_rounds=3)
-        self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 3))
-        self.audit_path.unlink()
-        bad = streamed('{"orderId":"1001"}')
-        result, requests, _ = self.stream_turn([bad, streamed('{"orderId":"1001"}')])
-        self.assertEqual(result.stop_reason, "repeated_calls")
-        self.assertEqual(tool_results(requests[1])[0]["error"], "invalid_arguments")
-        self.assertEqual(
-            [r["outcome"] for r in self.audit_records()],
-            ["rejected:invalid_arguments", "skipped:repeated_calls"],
-        )
-
-    def test_a_retry_happens_only_before_the_first_byte(self) -> None:
-        limited = ScriptedReply(b"{}", 429, (("Retry-After", "0"),))
-        with self.assertLogs("function_calling", logging.WARNING):
-            result, requests, pieces = self.stream_turn(
-                [limited, fc.stream_reply([chunk({"content": "Hi."}, "stop")])],
-                client={"max_retries": 2},
-            )
-        self.assertEqual((result.retries, pieces, len(requests)), (1, ["Hi."], 2))
-
-    def test_a_stream_that_breaks_after_text_is_not_retried(self) -> None:
-        def broken() -> Iterator[bytes]:
-            yield b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
-            yield b'data: {"choices":[{"ind'  # and the server goes away
-
-        result, requests, pieces = self.stream_turn(
-            [sse(b"".join(broken())), fc.stream_reply([chunk({"content": "Hello"})])],
-            client={"max_retries": 2},
-        )
-        self.assertEqual((result.stop_reason, len(requests), pieces), ("api_error", 1, ["Hel"]))
-        self.assertIn("not JSON", result.error or "")
-
-    def test_a_server_that_ignores_stream_still_hands_over_its_text(self) -> None:
-        result, _, pieces = self.stream_turn([text_reply("Whole answer.")])
-        self.assertEqual((result.answer, pieces), ("Whole answer.", ["Whole answer."]))
-
-    def test_the_first_text_reaches_stdout_before_the_stream_ends(self) -> None:
-        seen_first = threading.Event()
-
-        def events() -> Iterator[dict[str, Any] | str]:
-            yield chunk({"role": "assistant", "content": "First"})
-            seen_first.wait(10)  # the rest only once the test has read "First" from stdout
-            for word in (" second", " third."):
-                time.sleep(0.2)
-                yield chunk({"content": word})
-            yield "[DONE]"
-
-        with ScriptedChatServer([fc.stream_reply(events())]) as server:
-            env = {
-                **os.environ,
-                "OPENAI_BASE_URL": server.base_url,
-                "FUNCTION_CALLING_DATA": str(self.data_dir),
-            }
-            env.pop("OPENAI_API_KEY", None)
-            process = subprocess.Popen(
-                [sys.executable, str(MODULE), "ask", "hi", "--stream"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            assert process.stdout is not None
-            first = process.stdout.read(5)
-            seen_first.set()
-            rest, errors = process.communicate(timeout=30)
-        self.assertEqual(first, b"First")
-        self.assertEqual(
-            (first + rest, errors, process.returncode), (b"First second third.\n", b"", 0)
-        )
-
-    def test_a_stall_after_the_first_chunk_ends_at_the_deadline_without_a_traceback(self) -> None:
-        def stall() -> Iterator[dict[str, Any] | str]:
-            yield chunk({"content": "Let me see"})
-            time.sleep(5)
-            yield "[DONE]"
-
-        with ScriptedChatServer([fc.stream_reply(stall())]) as server:
-            done = self.cli(
-                "ask",
-                "hi",
-                "--stream",
-                "--stream-idle",
-                "0.5",
-                env={"OPENAI_BASE_URL": server.base_url},
-            )
-        self.assertEqual(done.returncode, 1)
-        self.assertEqual(done.stdout, "Let me see\n")
-        self.assertEqual(done.stderr.count("\n"), 1)
-        self.assertIn("broke off: timed out (nothing for 0.5 s, --stream-idle", done.stderr)
-
-    def test_a_slow_model_streaming_longer_than_the_request_deadline_is_heard_out(self) -> None:
-        # a CPU model: a token every 0.2 s for 1.6 s, past a 0.5 s --timeout; each byte counts
-        def slowly() -> Iterator[dict[str, Any] | str]:
-            for word in ("It ", "takes ", "a ", "while ", "to ", "write ", "this", "."):
-                time.sleep(0.2)
-                yield chunk({"content": word})
-            yield chunk({}, "stop")
-            yield "[DONE]"
-
-        with ScriptedChatServer([fc.stream_reply(slowly())]) as server:
-            done = self.cli(
-                "ask",
-                "hi",
-                "--stream",
-                "--timeout",
-                "0.5",
-                env={"OPENAI_BASE_URL": server.base_url},
-            )
-        self.assertEqual((done.returncode, done.stdout), (0, "It takes a while to write this.\n"))
-        self.assertEqual(len(server.requests), 1)
-
-    def test_chat_streams_too(self) -> None:
-        replies = [
-            fc.stream_reply([chunk({"content": "One."}, "stop")]),
-            fc.stream_reply([chunk({"content": "Two."}, "stop")]),
-        ]
-        with ScriptedChatServer(replies) as server:
-            done = self.cli(
-                "chat", "--stream", env={"OPENAI_BASE_URL": server.base_url}, stdin="a\nb\n"
-            )
-        self.assertEqual((done.returncode, done.stdout), (0, "One.\nTwo.\n"))
 
 
 class HostileReplyTest(LoopTestCase):
@@ -4124,43 +3151,6 @@ def _first_interaction_next_requests() -> set[str]:
     return {match[1] for match in matches if match}
 
 
-class StreamConformanceTest(LoopTestCase):
-    """Recorded streams from real servers, replayed through the loop."""
-
-    def test_every_recorded_stream_assembles_the_calls_its_server_meant(self) -> None:
-        folder = PROVIDER_REPLIES / "streams"
-        if not folder.is_dir():
-            self.skipTest(f"{folder} is not here (it is never committed)")
-        comparable = _first_interaction_next_requests()
-        recordings = sorted(folder.glob("*.sse"))
-        self.assertGreater(len(recordings), 0)
-        for path in recordings:
-            with self.subTest(recording=path.name):
-                self.audit_path.unlink(missing_ok=True)
-                result, requests = self.run_turn(
-                    [sse(path.read_bytes()), text_reply("done")], on_text=lambda t: None
-                )
-                self.assertEqual(result.stop_reason, "answered")
-                assistant = requests[1].json()["messages"][2]
-                ours = [
-                    (c["id"], c["function"]["name"], c["function"]["arguments"])
-                    for c in assistant["tool_calls"]
-                ]
-                self.assertGreater(len(ours), 0)
-                self.assertEqual(
-                    [m["tool_call_id"] for m in requests[1].json()["messages"][3:]],
-                    [c[0] for c in ours],
-                )
-                if path.stem in comparable:  # how another client assembled the same stream
-                    theirs = json.loads(path.with_suffix(".next-request.json").read_text())
-                    (sent,) = [m for m in theirs["messages"] if m.get("tool_calls")]
-                    expected = [
-                        (c["id"], c["function"]["name"], c["function"]["arguments"])
-                        for c in sent["tool_calls"]
-                    ]
-                    self.assertEqual(ours, expected)
-
-
 # ------------------------------------------------------------------------------------ the loop
 
 
@@ -4474,165 +3464,6 @@ class ApprovalCase(LoopTestCase):
             db.execute(statement, params)
 
 
-# ------------------------------------------------------------------ a real PostgreSQL server
-
-# `make pg-driver` installs psycopg 3 there, for the Python it is run with (test-all: each)
-PG_VENV = HERE / ".venv-pg" / f"{sys.version_info[0]}.{sys.version_info[1]}"
-
-
-def postgres_driver() -> Any:
-    """psycopg from this Python's .venv-pg; None if there is none. The module itself never
-    imports a driver: a test hands it psycopg.connect, as a user would."""
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site = PG_VENV / "lib" / version / "site-packages"
-    if not site.is_dir():
-        return None
-    if str(site) not in sys.path:
-        sys.path.append(str(site))
-    try:
-        import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- where a test asks
-    except ImportError:
-        return None
-    return psycopg
-
-
-def postgres_binary(name: str) -> str | None:
-    """A PostgreSQL server program: on PATH, else the newest of Debian's packages."""
-    found = shutil.which(name)
-    if found:
-        return found
-    versions = sorted(
-        Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3])
-    )
-    return str(versions[-1]) if versions else None
-
-
-# the suite's server asks these roles, alone, for a password: one of its own, the README's
-PASSWORD_ROLE, README_ROLE = "fc_with_password", "helpdesk"
-
-
-class PostgresServer:
-    """One PostgreSQL server for the suite, started by it: initdb and pg_ctl as an unprivileged
-    user, listening on a Unix socket in a temporary directory only (no TCP port), stopped as
-    the suite ends. Each test gets a schema of its own, so none sees another's tables."""
-
-    _shared: ClassVar[PostgresServer | None] = None
-    _why_not: ClassVar[str | None] = None
-
-    @classmethod
-    def shared(cls) -> PostgresServer:
-        """The suite's server, started at the first call; unittest.SkipTest saying why not."""
-        if cls._shared is None and cls._why_not is None:
-            try:
-                cls._shared = cls()
-            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-                cls._why_not = f"PostgreSQL could not start here: {exc}"
-        if cls._shared is None:
-            raise unittest.SkipTest(str(cls._why_not))
-        return cls._shared
-
-    def __init__(self) -> None:
-        self.driver = postgres_driver()
-        if self.driver is None:
-            raise RuntimeError(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
-        initdb, pg_ctl = postgres_binary("initdb"), postgres_binary("pg_ctl")
-        if initdb is None or pg_ctl is None:
-            raise RuntimeError("no initdb and pg_ctl (Debian's package postgresql)")
-        self.pg_ctl = pg_ctl
-        self.user = self._unprivileged_user()
-        self.directory = Path(tempfile.mkdtemp(prefix="fc-pg-"))
-        if self.user is not None:
-            os.chown(self.directory, pwd.getpwnam(self.user).pw_uid, -1)
-        self.data = self.directory / "data"
-        self._run(initdb, "-D", str(self.data), "-U", "fc", "--auth=trust", "-E", "UTF8", "-N")
-        hba = self.data / "pg_hba.conf"  # one role that must give a password: PASSWORD_ROLE
-        asked = "".join(
-            f"local all {role} scram-sha-256\n" for role in (PASSWORD_ROLE, README_ROLE)
-        )
-        hba.write_text(asked + hba.read_text())
-        self.start()
-        atexit.register(self.stop)
-        self._schemas = itertools.count(1)
-
-    @staticmethod
-    def _unprivileged_user() -> str | None:
-        """Who runs the server: PostgreSQL refuses root; None when we are not root."""
-        if os.geteuid() != 0:
-            return None
-        for name in ("postgres", "nobody"):
-            with suppress(KeyError):
-                pwd.getpwnam(name)
-                return name
-        raise RuntimeError("running as root, and there is no unprivileged user to run it as")
-
-    def _run(self, *command: str) -> None:
-        done = subprocess.run(
-            command, user=self.user, capture_output=True, text=True, timeout=120, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-300:]}")
-
-    def start(self) -> None:
-        options = f"-k {self.directory} -c listen_addresses='' -c max_connections=300"
-        log = str(self.directory / "server.log")
-        self._run(
-            self.pg_ctl, "-D", str(self.data), "-w", "-t", "60", "-l", log, "-o", options, "start"
-        )
-
-    def stop(self, mode: str = "fast") -> None:
-        if self.data.is_dir():
-            with suppress(subprocess.SubprocessError, RuntimeError):
-                self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", mode, "stop")
-        if mode == "fast":
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-    def restart(self) -> None:
-        """Stopped at once (as a crash: every connection dropped), then started again."""
-        self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", "immediate", "stop")
-        self.start()
-
-    @property
-    def url(self) -> str:
-        quoted = urllib.parse.quote(str(self.directory), safe="")
-        return f"postgresql:///postgres?host={quoted}&user=fc"
-
-    def fresh_schema(self) -> Callable[[], Any]:
-        """A connect function whose connections see only a new, empty schema."""
-        schema = f"test_{os.getpid()}_{next(self._schemas)}"
-        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
-            admin.execute(f"CREATE SCHEMA {schema}")
-        return functools.partial(self.driver.connect, self.url, options=f"-c search_path={schema}")
-
-    def url_of_fresh_schema(self) -> str:
-        """A URL whose connections see only a new, empty schema (for processes of their own)."""
-        schema = f"test_{os.getpid()}_{next(self._schemas)}"
-        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
-            admin.execute(f"CREATE SCHEMA {schema}")
-        return self.url + "&options=" + urllib.parse.quote(f"-c search_path={schema}")
-
-    def waiting_for_the_write_lock(self) -> int:
-        """How many connections wait for an advisory lock now (the writers' turn)."""
-        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
-            row = admin.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            ).fetchone()
-        return int(row[0])
-
-
-class OnPostgres(LoopTestCase):
-    """The test's database is a PostgresDatabase on the suite's server (a schema of its own);
-    the data directory, audit log and tools are the test's own, as before."""
-
-    def setUp(self) -> None:
-        super().setUp()
-        self.server = PostgresServer.shared()
-        self.connect = self.server.fresh_schema()
-        self.database = fc.PostgresDatabase(self.connect, self.data_dir)
-        self.addCleanup(self.database.close)
-        self.approvals = fc.JournaledApprovals(self.database, self.audit)
-        self.tools = fc.shop_tools(self.database)
-
-
 class ApprovalTest(ApprovalCase):
     def test_a_refund_request_files_a_pending_action_and_refunds_nothing(self) -> None:
         told = self.propose()
@@ -4856,872 +3687,6 @@ else:
     fc.AuditFile.append = killing_append
 sys.exit(fc.main(command, fc.SHOP))
 """
-
-
-class PostgresApprovalTest(OnPostgres, ApprovalTest):
-    """ApprovalTest, every test of it, on PostgreSQL."""
-
-
-# An app of the README's shape whose write shows each time it runs outside any database (a
-# line in $APPLIED), and can be held inside `apply` ($PAUSE: it waits there for that file).
-# With $GO, it says it is ready ($GO.PID) and starts its command only once $GO exists.
-HOST_APP = """
-import os, sys, time
-from pathlib import Path
-from typing import Any
-import function_calling as fc
-
-GO = os.environ.get("GO")
-if GO:
-    Path(f"{GO}.{os.getpid()}").touch()
-    while not Path(GO).exists():
-        time.sleep(0.002)
-
-
-class MarkShipped(fc.Tool):
-    name = "markShipped"
-    writes = True
-    description = "Ask for an order to be marked shipped; a person approves it."
-    parameters = {
-        "type": "object",
-        "properties": {"orderId": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},
-        "required": ["orderId"],
-        "additionalProperties": False,
-    }
-
-    def execute(self, args: dict[str, Any], context: fc.ToolContext) -> dict[str, Any]:
-        return {"orderId": args["orderId"]}
-
-    def apply(self, args: dict[str, Any], context: fc.ToolContext, db: Any) -> dict[str, Any]:
-        pause = os.environ.get("PAUSE")
-        if pause:
-            Path(pause + ".in").touch()
-            while not Path(pause).exists():
-                time.sleep(0.01)
-        with open(os.environ["APPLIED"], "a", encoding="utf-8") as applied:
-            applied.write(context.approval_id + "\\n")
-        db.execute("INSERT INTO shipped VALUES (?)", (args["orderId"],))
-        return {"orderId": args["orderId"], "shipped": True}
-
-
-def tools(database: fc.Database) -> list[fc.Tool]:
-    database.install("shipped", 1, "CREATE TABLE shipped (order_id TEXT PRIMARY KEY);")
-    return [MarkShipped()]
-
-
-sys.exit(fc.main(app=fc.App(tools=tools, customer="alice")))
-"""
-
-
-class ManyHostsTest(unittest.TestCase):
-    """Hosts as separate processes with separate data directories and audit logs, sharing one
-    PostgreSQL database (`--database-url`, from the environment), as replicas on K machines."""
-
-    def setUp(self) -> None:
-        self.server = PostgresServer.shared()
-        scratch = tempfile.TemporaryDirectory()
-        self.addCleanup(scratch.cleanup)
-        self.root = Path(scratch.name)
-        (self.root / "host_app.py").write_text(HOST_APP)
-        self.url = self.server.url_of_fresh_schema()
-        self.applied = self.root / "applied.log"
-
-    def host_command(self, host: str, *args: str, **env: str) -> tuple[list[str], dict[str, str]]:
-        environment = {
-            "PATH": os.environ.get("PATH", ""),
-            "PYTHONPATH": str(HERE),
-            "FUNCTION_CALLING_DATA": str(self.root / host),
-            "FUNCTION_CALLING_DATABASE_URL": self.url,
-            "APPLIED": str(self.applied),
-            **env,
-        }
-        return [str(PG_VENV / "bin" / "python"), str(self.root / "host_app.py"), *args], environment
-
-    def on(self, host: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        command, environment = self.host_command(host, *args, **env)
-        done = subprocess.run(
-            command, env=environment, capture_output=True, text=True, timeout=120, check=False
-        )
-        self.assertNotIn("Traceback", done.stderr)
-        return done
-
-    def start_on(self, host: str, *args: str, **env: str) -> subprocess.Popen[str]:
-        command, environment = self.host_command(host, *args, **env)
-        child = subprocess.Popen(
-            command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.addCleanup(child.kill)
-        return child
-
-    @staticmethod
-    def until(condition: Callable[[], bool], seconds: float = 120) -> None:
-        """Wait, polling, for `condition` (or `seconds`: what follows asserts the state)."""
-        for _ in range(int(seconds * 100)):
-            if condition():
-                return
-            time.sleep(0.01)
-
-    def file_on(self, host: str, order_id: str = "ORD-1001") -> str:
-        """A turn on `host` in which the model asks to mark an order shipped; its approval id."""
-        script = [
-            tool_call_reply([("markShipped", json.dumps({"orderId": order_id}))]),
-            text_reply("A person will confirm it."),
-        ]
-        with ScriptedChatServer(script) as model:
-            done = self.on(host, "ask", "Ship it", OPENAI_BASE_URL=model.base_url)
-        self.assertEqual(done.returncode, 0, done.stderr)
-        (told,) = tool_results(model.requests[1])
-        return str(told["approvalId"])
-
-    def audit_of(self, host: str) -> list[dict[str, Any]]:
-        text = (self.root / host / "audit.log").read_text(encoding="ascii")
-        return [json.loads(line) for line in text.splitlines()]
-
-    def test_a_daily_limit_that_fits_one_turn_lets_one_of_eight_on_two_hosts_through(
-        self,
-    ) -> None:
-        with ScriptedChatServer([text_reply("ok")]) as model:  # the size of one ask's request
-            self.assertEqual(
-                self.on("host-a", "ask", "Ship it?", OPENAI_BASE_URL=model.base_url).returncode, 0
-            )
-        # what that turn spent, the next request's input at the first estimate and a little
-        # more: the first turn to ask is charged all the room left, for its reply's bound
-        limit = str(15 + len(model.requests[0].body) // fc.BYTES_PER_TOKEN + 100)
-        gate = threading.Event()
-
-        def held(request: RecordedRequest) -> bytes:
-            gate.wait(120)  # answered once every other turn has ended
-            return text_reply("ok")
-
-        go = self.root / "go"
-        with ScriptedChatServer([held, *[text_reply("late")] * 7]) as model:
-            turns = [
-                self.start_on(
-                    host,
-                    "ask",
-                    "Ship it?",
-                    "--max-daily-tokens",
-                    limit,
-                    OPENAI_BASE_URL=model.base_url,
-                    GO=str(go),
-                )
-                for host in ["host-a", "host-b"] * 4
-            ]
-            # every process started, waiting for the word
-            self.until(lambda: len(list(self.root.glob("go.*"))) == len(turns))
-            go.touch()
-            # all at once: seven end, refused, while one is in flight
-            self.until(lambda: sum(turn.poll() is not None for turn in turns) >= 7)
-            gate.set()
-            ended = [(turn.communicate(timeout=120), turn.returncode) for turn in turns]
-        codes = sorted(code for _, code in ended)
-        self.assertEqual(codes, [0] + [4] * 7, ended)
-        self.assertEqual(len(model.requests), 1)  # the seven never sent theirs
-        for (_, err), code in ended:
-            if code == 4:
-                self.assertIn(f"the daily ({utc_day()}) total-token limit", err)
-
-    def test_a_conversation_saved_on_one_host_goes_on_on_another_and_a_race_has_one_winner(
-        self,
-    ) -> None:
-        with ScriptedChatServer([text_reply("one")]) as model:
-            command, environment = self.host_command(
-                "host-a", "chat", OPENAI_BASE_URL=model.base_url
-            )
-            started = subprocess.run(
-                command,
-                env=environment,
-                input="first\n",
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-        found = CONVERSATION_LINE.search(started.stderr)
-        assert found is not None, started.stderr
-        conversation_id = found.group(1)
-        release = threading.Event()
-
-        def asking(question: str) -> tuple[str, ...]:
-            return "ask", question, "--conversation", conversation_id
-
-        def slowly(request: RecordedRequest) -> bytes:
-            release.wait(60)  # while host-a's model writes, host-b saves a turn
-            return text_reply("the slow answer")
-
-        # one model for both hosts, as a real one keeps its URL: the history goes byte for byte
-        with ScriptedChatServer([text_reply("two"), slowly, text_reply("the other")]) as model:
-            resumed = self.on("host-b", *asking("second"), OPENAI_BASE_URL=model.base_url)
-            self.assertEqual((resumed.returncode, resumed.stdout), (0, "two\n"), resumed.stderr)
-            sent = model.requests[0].json()["messages"]
-            self.assertEqual([m["content"] for m in sent[1:]], ["first", "one", "second"])
-            loser = self.start_on("host-a", *asking("third"), OPENAI_BASE_URL=model.base_url)
-            # host-a's request is in; its answer waits
-            self.until(lambda: len(model.requests) == 2 or loser.poll() is not None)
-            winner = self.on("host-b", *asking("fourth"), OPENAI_BASE_URL=model.base_url)
-            self.assertEqual((winner.returncode, winner.stdout), (0, "the other\n"), winner.stderr)
-            release.set()
-            out, err = loser.communicate(timeout=120)
-        self.assertEqual((loser.returncode, out), (1, "the slow answer\n"), err)  # shown, unsaved
-        self.assertIn("was answered but not saved", err)
-        with ScriptedChatServer([text_reply("five")]) as model:
-            self.on("host-a", *asking("fifth"), OPENAI_BASE_URL=model.base_url)
-        said = [m["content"] for m in model.requests[0].json()["messages"][1:]]
-        self.assertEqual(said, ["first", "one", "second", "two", "fourth", "the other", "fifth"])
-
-    def test_the_inbox_on_one_host_shows_what_another_filed_and_which_host_filed_it(
-        self,
-    ) -> None:
-        action_id = self.file_on("host-a")
-        inbox = self.start_on("host-b", "inbox", "--operator", "bob")
-        assert inbox.stdout is not None
-        link = re.search(
-            r"http://([0-9.]+):([0-9]+)(/\?token=[A-Za-z0-9_-]+)", inbox.stdout.readline()
-        )
-        assert link is not None
-        connection = http.client.HTTPConnection(link.group(1), int(link.group(2)), timeout=60)
-        connection.request("GET", link.group(3))
-        signed_in = connection.getresponse()
-        signed_in.read()
-        cookie = signed_in.headers["Set-Cookie"].split(";")[0]
-        connection.request("GET", "/", headers={"Cookie": cookie})
-        page = html_text(connection.getresponse().read().decode())
-        connection.close()
-        inbox.send_signal(signal.SIGINT)
-        _, said = inbox.communicate(timeout=60)
-        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
-        self.assertNotIn("error", said)
-        self.assertIn(action_id, page)
-        self.assertIn(f"Filed on host {filed_on}", page)
-
-    def test_stats_on_a_shared_database_say_which_figures_are_this_hosts(self) -> None:
-        self.file_on("host-a")
-        self.file_on("host-b", "ORD-1002")
-        done = self.on("host-a", "stats")
-        self.assertEqual(done.returncode, 0, done.stderr)
-        lines = done.stdout.splitlines()
-        self.assertTrue(lines[0].startswith("this host        "), lines)
-        self.assertIn("its own audit log's", lines[0])
-        self.assertIn("turns            1", lines)  # host-a's own turn, not host-b's
-        spend = lines.index("every host       spend, from the ledger they share:")
-        self.assertTrue(lines[spend + 1].startswith("spend by day"), lines)
-
-    def test_a_host_killed_mid_decision_is_settled_by_itself_not_by_another(self) -> None:
-        action_id = self.file_on("host-a")
-        pause = self.root / "never"
-        killed = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
-        # inside apply: its intent line written, its change not committed
-        self.until(lambda: Path(f"{pause}.in").exists() or killed.poll() is not None)
-        killed.kill()
-        killed.communicate(timeout=60)
-        journal = "SELECT action_id FROM in_flight"
-        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
-            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])
-        self.assertEqual(self.on("host-b", "pending").returncode, 0)  # its log lacks the lines
-        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
-            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])  # left alone
-        self.assertEqual(self.on("host-a", "pending").returncode, 0)  # host-a settles its own
-        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
-            self.assertEqual(db.execute(journal).fetchall(), [])
-        (settled,) = [r for r in self.audit_of("host-a") if r["event"] == "approval_decision"]
-        self.assertEqual((settled["outcome"], settled["recovered"]), ("not_applied", True))
-        self.assertEqual(self.applied.read_text() if self.applied.exists() else "", "")
-        checked = self.on("host-a", "verify-audit")  # host-b wrote no line: it has no log
-        self.assertEqual(checked.returncode, 0, checked.stderr)
-
-    def test_a_database_made_by_another_version_is_one_line_and_exit_2(self) -> None:
-        self.file_on("host-a")
-        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
-            db.execute("UPDATE schema_versions SET version = 99 WHERE component = 'approvals'")
-        done = self.on("host-b", "pending")
-        self.assertEqual(done.returncode, 2)
-        self.assertEqual(
-            done.stderr, "error: the database holds approvals schema 99; this code knows schema 1\n"
-        )
-
-    def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
-        self,
-    ) -> None:
-        action_id = self.file_on("host-a")
-        listed = self.on("host-b", "pending", "--json")  # every host sees every host's filing
-        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
-        self.assertEqual(
-            [(r["action_id"], r["filed_by"]) for r in map(json.loads, listed.stdout.splitlines())],
-            [(action_id, filed_on)],
-        )
-        self.assertIn(f"  filed on {filed_on}\n", self.on("host-b", "pending").stdout)
-        pause = self.root / "go"
-        first = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
-        # host-a is inside apply, holding the writers' lock
-        self.until(lambda: Path(f"{pause}.in").exists() or first.poll() is not None, 60)
-        if first.poll() is not None:
-            self.fail(first.communicate())
-        beside = self.on("host-b", "pending", "--json")  # a reading does not wait for the lock
-        self.assertEqual((beside.returncode, beside.stdout.count("\n")), (0, 1), beside.stderr)
-        second = self.start_on("host-b", "approve", action_id)
-        # host-b waits for that lock: both are deciding at this moment
-        self.until(
-            lambda: bool(self.server.waiting_for_the_write_lock()) or second.poll() is not None,
-            60,
-        )
-        self.assertEqual(self.server.waiting_for_the_write_lock(), 1)
-        pause.touch()
-        outs = [child.communicate(timeout=120) for child in (first, second)]
-        self.assertEqual((first.returncode, second.returncode), (0, 1), outs)
-        self.assertIn("already approved", outs[1][1])
-        self.assertEqual(self.applied.read_text().splitlines(), [action_id])  # apply ran once
-        decided = {
-            host: [r for r in self.audit_of(host) if r["event"] == "approval_decision"]
-            for host in ("host-a", "host-b")
-        }
-        self.assertEqual([r["outcome"] for r in decided["host-a"]], ["approved"])
-        self.assertNotIn("approved", [r["outcome"] for r in decided["host-b"]])
-        for host in ("host-a", "host-b"):
-            named = (self.root / host / "host-name").read_text().strip()
-            self.assertTrue(all(r["host"] == named for r in self.audit_of(host)), host)
-        self.assertEqual(self.on("host-b", "pending", "--json").stdout, "")
-        for host in ("host-a", "host-b"):  # each log agrees with the database on its own steps
-            checked = self.on(host, "verify-audit")
-            self.assertEqual(checked.returncode, 0, checked.stderr)
-        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
-            db.execute("UPDATE pending_actions SET status = 'rejected'")  # a hand on the server
-        checked = self.on("host-a", "verify-audit")  # the host whose log decided it sees it
-        self.assertEqual(checked.returncode, 1)
-        self.assertIn(
-            f"{action_id}: the database holds it rejected; the log says approved", checked.stderr
-        )
-        self.assertEqual(self.on("host-b", "verify-audit").returncode, 0)  # not its decision
-
-
-class DatabaseUrlTest(unittest.TestCase):
-    """--database-url: refused in one line (exit 2) when it holds a password, is not
-    postgresql://, has no driver to use, or names a server that is not there."""
-
-    def cli(self, python: str, *args: str) -> subprocess.CompletedProcess[str]:
-        with tempfile.TemporaryDirectory() as scratch:
-            done = subprocess.run(
-                [python, str(MODULE), "pending", "--data-dir", scratch, *args],
-                env={"PATH": os.environ.get("PATH", "")},
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-        self.assertNotIn("Traceback", done.stderr)
-        self.assertEqual(done.stderr.count("\n"), 1, done.stderr)  # one line
-        return done
-
-    def test_a_password_in_the_url_or_another_scheme_is_refused_before_anything(self) -> None:
-        for url, said in (
-            ("postgresql://app:s3cret-pw@db.internal/helpdesk", "holds a password"),
-            ("postgresql://app@db.internal/helpdesk?password=s3cret-pw", "holds a password"),
-            ("mysql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
-            ("postgresql://[s3cret", "is not a URL"),
-            # as libpq reads a URL, not as urllib does: '#' is no fragment to libpq, and its
-            # user and password run to the first '@' before any '/', '?' and '#' included
-            ("postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk", "password"),
-            ("postgresql://app?sslmode=x:s3cret-pw@db.internal/helpdesk", "holds a password"),
-            ("postgresql://app#:s3cret-pw@db.internal/helpdesk", "holds a password"),
-            ("postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw", "holds a password"),
-            ("postgresql://app@db.internal/helpdesk?sslpassword=s3cret-pw", "holds a password"),
-            (" postgresql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
-        ):
-            with self.subTest(url=url):
-                done = self.cli(sys.executable, "--database-url", url)
-                self.assertEqual(done.returncode, 2)
-                self.assertIn(said, done.stderr)
-                self.assertNotIn("s3cret", done.stderr)
-
-    def test_a_password_is_judged_by_libpq_itself_where_the_driver_is(self) -> None:
-        if postgres_driver() is None:
-            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
-        for url in (
-            "postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk",
-            "postgresql://app?x:s3cret-pw@db.internal/helpdesk",
-            "postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw",
-        ):
-            with self.subTest(url=url):
-                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
-                self.assertEqual(done.returncode, 2)
-                self.assertIn("holds a password", done.stderr)
-                self.assertNotIn("s3cret", done.stderr)
-
-    def test_without_a_driver_it_says_which_to_install(self) -> None:
-        with tempfile.TemporaryDirectory() as scratch:
-            done = subprocess.run(  # python -S: no site-packages, so no driver whatever is there
-                [sys.executable, "-S", str(MODULE), "pending", "--data-dir", scratch],
-                env={"FUNCTION_CALLING_DATABASE_URL": "postgresql://app@db.internal/helpdesk"},
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-        self.assertEqual(done.returncode, 2, done.stderr)
-        self.assertEqual(
-            done.stderr,
-            "error: --database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'\n",
-        )
-
-    def test_a_server_that_is_not_there_is_one_line_and_exit_2(self) -> None:
-        if postgres_driver() is None:
-            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
-        with tempfile.TemporaryDirectory() as nowhere:
-            url = f"postgresql:///helpdesk?host={urllib.parse.quote(nowhere, safe='')}"
-            done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
-        self.assertEqual(done.returncode, 2)
-        self.assertIn(
-            "cannot use the PostgreSQL database postgresql:///helpdesk (the PostgreSQL server"
-            " could not be reached",
-            done.stderr,
-        )
-        self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
-
-    def test_a_server_that_takes_the_connection_and_never_answers_is_given_up_in_time(
-        self,
-    ) -> None:
-        if postgres_driver() is None:
-            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
-        listener = socket.create_server(("127.0.0.1", 0))
-        self.addCleanup(listener.close)
-        taken: list[socket.socket] = []
-
-        def take() -> None:  # every connection accepted, and never a byte said
-            with suppress(OSError):
-                while True:
-                    taken.append(listener.accept()[0])
-
-        threading.Thread(target=take, daemon=True).start()
-        url = f"postgresql://app@127.0.0.1:{listener.getsockname()[1]}/helpdesk"
-        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)  # 120 s at most
-        for connection in taken:
-            connection.close()
-        self.assertEqual(done.returncode, 2, done.stderr)
-        self.assertIn("the PostgreSQL server did not answer", done.stderr)
-        self.assertTrue(taken)  # it did connect, and was let wait
-
-    def test_a_missing_database_role_or_password_each_say_what_to_do(self) -> None:
-        server = PostgresServer.shared()
-        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
-            admin.execute(f"DROP ROLE IF EXISTS {PASSWORD_ROLE}")
-            admin.execute(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD 'right-one'")
-        for url, said in (
-            (server.url.replace("/postgres?", "/no_such_db?"), "no such database: create it"),
-            (server.url.replace("user=fc", "user=nobody_here"), "no such role"),
-            (server.url.replace("user=fc", f"user={PASSWORD_ROLE}"), "refused the role's pass"),
-        ):
-            with self.subTest(url=url):
-                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
-                self.assertEqual(done.returncode, 2)
-                self.assertIn(said, done.stderr)
-                self.assertNotIn(str(server.directory), done.stderr)
-
-    def test_the_readmes_set_up_from_nothing_runs_as_written(self) -> None:
-        server = PostgresServer.shared()
-        (block,) = [b for b in README_SH.findall(README.read_text()) if "CREATE ROLE" in b]
-        socket_dir = urllib.parse.quote(str(server.directory), safe="")
-        psql, createdb = postgres_binary("psql"), postgres_binary("createdb")
-        on_server = f"-h {server.directory} -U fc"
-        script = [
-            line.replace("sudo -u postgres psql", f"{psql} {on_server} -d postgres")
-            .replace("sudo -u postgres createdb", f"{createdb} {on_server}")
-            .replace("db.internal:5432:", f"{server.directory}:5432:")  # .pgpass: its socket
-            .replace("@db.internal/helpdesk", f"@/helpdesk?host={socket_dir}")
-            .replace("~/helpdesk-venv/bin/python", str(PG_VENV / "bin" / "python"))
-            .replace("function_calling.py", str(MODULE))
-            for line in block.splitlines()
-            if not line.startswith(("sudo apt-get", "python3 -m venv"))  # done: .ci/run, make
-        ]
-        with tempfile.TemporaryDirectory() as home:
-            done = subprocess.run(
-                ["bash", "-e", "-c", "\n".join(script)],
-                env={"PATH": os.environ.get("PATH", ""), "HOME": home},
-                cwd=home,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-        self.assertEqual(
-            (done.returncode, done.stdout), (0, "CREATE ROLE\nno pending actions\n"), done.stderr
-        )
-
-    def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
-        server = PostgresServer.shared()
-        role = f"weak_{os.getpid()}_{secrets.token_hex(3)}"
-        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
-            admin.execute(f"CREATE ROLE {role} LOGIN")
-            admin.execute(f"CREATE SCHEMA {role}")  # fc's: the role may use it, not create in it
-            admin.execute(f"GRANT USAGE ON SCHEMA {role} TO {role}")
-        url = server.url.replace("user=fc", f"user={role}")
-        url += "&options=" + urllib.parse.quote(f"-c search_path={role}")
-        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
-        self.assertEqual(done.returncode, 2, done.stderr)
-        self.assertIn("cannot use the PostgreSQL database postgresql:///postgres", done.stderr)
-        self.assertIn("CREATE", done.stderr)  # the privilege it lacks
-        self.assertIn("42501", done.stderr)
-        self.assertNotIn(".db", done.stderr)  # no SQLite file, which there is none of
-        self.assertNotIn(str(server.directory), done.stderr)
-
-
-# SQLite's statements, as the file's and your tools' are written, that mean the same on
-# PostgreSQL once translated: each runs on both engines, and must give the same rows, or fail
-# alike. Strings, quoted names and comments hold what would be code outside them.
-BOTH_ENGINES_SCHEMA = """
-CREATE TABLE words (
-    word TEXT PRIMARY KEY CHECK (word GLOB '[A-Z]*'),  -- a capital first: "why?" 100%
-    n    INTEGER NOT NULL DEFAULT 0,
-    why  TEXT DEFAULT 'why? 100%',
-    "odd?name" REAL
-);
-"""
-BOTH_ENGINES: list[tuple[str, Any]] = [
-    ("INSERT INTO words (word, n) VALUES ('ABC', 1)", ()),
-    ("INSERT INTO words (word, n) VALUES ('abc', 2)", ()),  # refused by the CHECK on both
-    ("INSERT INTO words (word, n) VALUES ('A_B', 3), ('AxB', 9000000000)", ()),  # 64 bits
-    ("INSERT INTO words (word, n) VALUES ('Z?', ?)", (4,)),
-    ("INSERT OR IGNORE INTO words (word) VALUES ('ABC') -- already there", ()),
-    ('SELECT word, n, why, "odd?name" FROM words ORDER BY word', ()),  # byte order
-    ("SELECT word FROM words WHERE word GLOB 'A_B'", ()),
-    ("SELECT word FROM words WHERE word GLOB 'A?B' ORDER BY word", ()),
-    ("SELECT word FROM words WHERE word NOT GLOB '*B' ORDER BY word", ()),
-    ("SELECT MAX(n, 5), MIN(n, 5) FROM words WHERE word = 'ABC'", ()),
-    ("SELECT 'why?', ? || '?', '50%' /* ? and % */", ("x?",)),
-    ("SELECT :a || ':b', ':c'", {"a": "x"}),
-    (
-        "SELECT 'a.b' GLOB 'a.b', 'axb' GLOB 'a.b', 'a+b' GLOB 'a+b', '(x)' GLOB '(x)',"
-        " 'a\\b' GLOB 'a\\b', 'a$' GLOB 'a$', '^x' GLOB '^x', 'a{1}' GLOB 'a{1}',"
-        " 'a|b' GLOB 'a|b', '%' GLOB '%', 'it''s' GLOB 'it''s', '' GLOB '*'",
-        (),
-    ),
-    (
-        "SELECT ']' GLOB '[]]', '-' GLOB '[a-]', 'b' GLOB '[^a-c]', 'd' GLOB '[^a-c]',"
-        " '[' GLOB '[[]', '\\' GLOB '[\\]', '^' GLOB '[x^]', 'é' GLOB '?', 'ab' GLOB '?',"
-        " 'AB' GLOB 'ab', 'a' || char(10) || 'b' GLOB 'a*b', 'ORD-1234' GLOB 'ORD-[0-9]*'",
-        (),
-    ),
-    (
-        "SELECT '~' GLOB '[a-~]', 'b' GLOB '[a-~]', char(7) GLOB '[a-~]', '5' GLOB '[0-~]',"
-        " '+' GLOB '[+-z]', 'a' GLOB '[+-z]', '-' GLOB '[]-a]', '^' GLOB '[]-a]',"
-        " ']' GLOB '[^]a]', 'b' GLOB '[^]a]'",
-        (),
-    ),
-    ("SELECT 1 WHERE 'a' = 'b' OR REPLACE('ab', 'b', 'c') = 'ac'", ()),
-]
-
-
-class BothEnginesTest(OnPostgres):
-    """The SQL translation keeps the meaning: the same statements give the same results on
-    SQLite and PostgreSQL, and what cannot be said the same is refused, naming it."""
-
-    def outcome(self, database: Database, sql: str, parameters: Any) -> Any:
-        try:
-            with database.write_transaction() as db:
-                cursor = db.execute(sql, parameters)
-                return [tuple(row) for row in cursor.fetchall()] if "SELECT" in sql else "done"
-        except sqlite3.IntegrityError:
-            return "refused by a constraint"
-
-    def test_the_same_statements_give_the_same_results_on_both(self) -> None:
-        sqlite = Database(self.data_dir / "both.db")
-        self.addCleanup(sqlite.close)
-        for database in (sqlite, self.database):
-            database.install("both", 1, BOTH_ENGINES_SCHEMA)
-        for sql, parameters in BOTH_ENGINES:
-            on_postgres = sql.replace("char(", "chr(")  # a control character, as each says it
-            with self.subTest(sql=sql):
-                expected = self.outcome(sqlite, sql, parameters)
-                self.assertEqual(self.outcome(self.database, on_postgres, parameters), expected)
-
-    def test_what_means_otherwise_is_refused_in_one_line_naming_the_statement(self) -> None:
-        for sql, why in (
-            ("SELECT 'a' LIKE 'A'", "LIKE ignores case"),
-            ("SELECT 'x' GLOB ?", "GLOB's pattern must be a string literal"),
-            ("SELECT 'x' GLOB '[a'", "a GLOB set is never closed"),
-            ("INSERT OR REPLACE INTO t VALUES (1)", "only INSERT OR IGNORE"),
-            ("CREATE TABLE t (id INTEGER PRIMARY KEY)", "INTEGER PRIMARY KEY"),
-            ("CREATE TABLE t (id INTEGER NOT NULL, PRIMARY KEY (id))", "INTEGER PRIMARY KEY"),
-            ("CREATE TABLE t (b BLOB)", "a column typed BLOB"),
-            ("CREATE TABLE t (anything)", "a column typed nothing"),
-            ("CREATE TABLE t (d NUMERIC)", "a column typed NUMERIC"),
-        ):
-            refusing = self.assertRaises(ConfigError)
-            with self.subTest(sql=sql), refusing as refused, self.database.reading() as db:
-                db.execute(sql, (1,) if "?" in sql else ())
-            self.assertIn(why, str(refused.exception))
-            self.assertIn(sql[:20], str(refused.exception))
-            self.assertEqual(str(refused.exception).count("\n"), 0)
-
-
-class RestartingRefund(fc.RequestShippingRefund):
-    """The shop's refund, whose apply restarts the PostgreSQL server halfway: after its own
-    checks, before its write (a crash of the server in the middle of an approval)."""
-
-    server: PostgresServer
-
-    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
-        db.execute("SELECT 1 FROM orders")
-        self.server.restart()
-        return super().apply(args, context, db)
-
-
-class PostgresFaultTest(OnPostgres, ApprovalCase):
-    """The server restarted between steps and in the middle of one."""
-
-    def test_a_restart_between_two_steps_fails_neither(self) -> None:
-        told = self.propose()
-        self.server.restart()  # every kept connection, reading and writing, is dropped
-        (waiting,) = self.approvals.pending()
-        self.assertEqual(waiting.action_id, told["approvalId"])
-        self.server.restart()
-        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
-        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
-
-    def test_a_restart_while_the_model_writes_is_not_seen_by_the_turn(self) -> None:
-        conversations = fc.Conversations(self.database)
-        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-
-        def restarted(request: RecordedRequest) -> bytes:
-            self.server.restart()  # after the ledger's charge, before its count and the save
-            return text_reply("ok")
-
-        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
-        with ScriptedChatServer([restarted]) as model:
-            client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = fc.hardened_loop(
-                client,
-                self.tools,
-                self.audit,
-                approvals=self.approvals,
-                budget=budget,
-            )
-            result, _ = conversations.turn(
-                loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
-            )
-        self.assertEqual((result.stop_reason, result.answer), ("answered", "ok"))
-        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
-        self.assertEqual(saved.turn_count, 1)
-        spent = fc.Ledger(self.database).spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"]
-        self.assertEqual(spent.input + spent.output, 15)  # the server's count, not the charge
-
-    def test_a_restart_in_the_middle_of_a_save_leaves_the_turn_before_and_the_next_saves(
-        self,
-    ) -> None:
-        conversations = fc.Conversations(self.database)
-        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
-        index_turn = fc._index_turn
-
-        def restarting(*args: Any) -> None:
-            self.server.restart()  # inside the save's transaction: its row is written
-            index_turn(*args)
-
-        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
-            client = ChatClient(Settings(base_url=model.base_url, model="m"))
-            loop = fc.hardened_loop(
-                client,
-                self.tools,
-                self.audit,
-                approvals=self.approvals,
-            )
-            cut = mock.patch.object(fc, "_index_turn", restarting)
-            with cut, self.assertRaises(sqlite3.OperationalError):
-                conversations.turn(loop, conversation, "a", ToolContext(DEMO_CUSTOMER))
-            unsaved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
-            self.assertEqual(unsaved.turn_count, 0)  # none of that turn
-            conversations.turn(loop, unsaved, "b", ToolContext(DEMO_CUSTOMER))
-        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
-        self.assertEqual(saved.turn_count, 1)
-        self.assertIn('"two"', saved.turns[0].messages[-1])
-
-    def test_a_restart_in_the_middle_of_an_approval_applies_nothing_and_the_log_agrees(
-        self,
-    ) -> None:
-        told = self.propose()
-        restarting = RestartingRefund(fc.OrderStore(self.database))
-        restarting.server = self.server
-        with self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed"):
-            self.approvals.approve(told["approvalId"], fc.tool_table([restarting]), "alice")
-        self.assertEqual(self.refunds(), [])  # nothing of it committed
-        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
-        self.assertEqual(waiting.action_id, told["approvalId"])
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
-        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-
-
-class StoppingRefund(fc.RequestShippingRefund):
-    """The shop's refund, whose apply stops its own PostgreSQL backend (SIGSTOP, as a frozen
-    server) after its checks: its next statement is never answered while it is stopped."""
-
-    stopped: list[int]
-
-    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
-        (pid,) = db.execute("SELECT pg_backend_pid()").fetchone()
-        self.stopped.append(pid)
-        os.kill(pid, signal.SIGSTOP)
-        return super().apply(args, context, db)
-
-
-class PostgresDeadlineTest(OnPostgres, ApprovalCase):
-    """Every wait on the server has a deadline: a writer held off by another session fails
-    closed within the busy timeout, naming who held the lock; a turn's waits end by its
-    deadline; a statement a stopped backend never answers is cut, and undone."""
-
-    def setUp(self) -> None:
-        super().setUp()
-        self.told = self.propose()  # before the lock is held, and with the default waits
-        patch = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.5)
-        patch.start()
-        self.addCleanup(patch.stop)
-
-    def hold_the_write_lock(self) -> int:
-        """An operator's psql takes the writers' lock and sits on it; its server pid."""
-        holder = self.server.driver.connect(self.server.url, application_name="psql")
-        self.addCleanup(holder.close)
-        holder.execute("SELECT pg_advisory_xact_lock(%s)", (fc.WRITE_LOCK,))
-        self.addCleanup(holder.rollback)
-        return int(holder.info.backend_pid)
-
-    def test_a_writer_held_off_fails_closed_within_the_busy_timeout_naming_the_holder(
-        self,
-    ) -> None:
-        pid = self.hold_the_write_lock()
-        named = f"another session (role fc, psql, pid {pid}) held the database's write lock"
-        with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
-            self.sql("DELETE FROM refunds")
-        for decide in (
-            lambda: self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a"),
-            lambda: self.approvals.reject(self.told["approvalId"], "a", "not late"),
-        ):
-            with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
-                decide()
-        (waiting,) = self.approvals.pending()  # a look neither waits nor fails meanwhile
-        self.assertEqual(waiting.action_id, self.told["approvalId"])
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-
-    def test_a_turn_with_a_daily_limit_stops_closed_sending_nothing(self) -> None:
-        ledger = fc.Ledger(self.database)  # its tables made, as at start
-        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
-        self.hold_the_write_lock()
-        with self.assertLogs("function_calling", "WARNING") as warned:
-            result, requests = self.run_turn([text_reply("never")], loop={"budget": budget})
-        self.assertEqual((result.stop_reason, requests), ("budget", []))
-        self.assertIn("held the database's write lock", "\n".join(warned.output))
-
-    def test_a_turns_waits_end_by_its_deadline_not_the_busy_timeout(self) -> None:
-        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
-        self.hold_the_write_lock()
-        started = time.monotonic()
-        with (
-            mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 60.0),
-            self.assertLogs("function_calling", "WARNING"),
-        ):
-            result, _ = self.run_turn(
-                [text_reply("never")], loop={"budget": budget, "turn_timeout": 1.0}
-            )
-        self.assertEqual(result.stop_reason, "budget")
-        self.assertLess(time.monotonic() - started, 30.0)  # 1 s is needed; 60 s without it
-
-    def test_a_statement_a_stopped_backend_never_answers_is_cut_and_undone(self) -> None:
-        stopping = StoppingRefund(fc.OrderStore(self.database))
-        stopping.stopped = []
-
-        def go_on() -> None:
-            for pid in stopping.stopped:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-
-        self.addCleanup(go_on)
-        refused = self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed")
-        with mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0), refused:
-            self.approvals.approve(self.told["approvalId"], fc.tool_table([stopping]), "a")
-        go_on()  # the backend wakes to a closed connection: its transaction is rolled back
-        self.assertEqual(self.refunds(), [])
-        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
-        self.assertEqual(waiting.action_id, self.told["approvalId"])
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # the stopped one's end
-            self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a")
-        self.assertEqual([row[1] for row in self.refunds()], [self.told["approvalId"]])
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-
-    def test_a_commit_cut_off_in_doubt_is_logged_only_as_the_database_says_it_ended(
-        self,
-    ) -> None:
-        armed: list[bool] = []
-        stopped: list[int] = []
-        committed = fc._committed
-
-        class ArmingRefund(fc.RequestShippingRefund):  # the next commit is the decision's
-            def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> Any:
-                armed.append(True)
-                return super().apply(args, context, db)
-
-        def stopping(raw: Any) -> None:  # its backend stops as the COMMIT is sent
-            if armed and not stopped:
-                stopped.append(int(raw.info.backend_pid))
-                os.kill(stopped[0], signal.SIGSTOP)
-            committed(raw)
-
-        def go_on() -> None:
-            for pid in stopped:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-
-        self.addCleanup(go_on)
-        tools = fc.tool_table([ArmingRefund(fc.OrderStore(self.database))])
-        doubt = self.assertRaisesRegex(sqlite3.OperationalError, "whether the commit landed")
-        cut = mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0)
-        with cut, mock.patch.object(fc, "_committed", stopping), doubt:
-            self.approvals.approve(self.told["approvalId"], tools, "a")
-        self.assertEqual(self.audit_records("approval_decision"), [])  # in doubt: no line yet
-        go_on()  # the backend reads the COMMIT it was sent, or not, and ends
-        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # until it has ended
-            self.approvals.pending()  # settles it under the write lock
-        (line,) = self.audit_records("approval_decision")
-        landed = bool(self.refunds())
-        self.assertEqual(line["outcome"], "approved" if landed else "not_applied")
-        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
-
-
-class CopiedDataDirectoryTest(OnPostgres, ApprovalCase):
-    """A data directory copied (a backup restored beside it, a cloned machine) carries its
-    host's name: while the host runs, the copy is refused before it settles anything."""
-
-    def setUp(self) -> None:
-        super().setUp()
-        self.told = self.propose()
-
-    def test_a_copy_of_a_running_hosts_data_directory_is_refused_before_it_settles(
-        self,
-    ) -> None:
-        intent = "dec-" + "0" * 16  # a decision of this host's, half done (as after a crash)
-        self.sql(
-            "INSERT INTO in_flight (intent_id, action_id, step, operator, host)"
-            " VALUES (?, ?, 'approve', 'alice', ?)",
-            intent,
-            self.told["approvalId"],
-            self.database.host,
-        )
-        copy = self.data_dir.parent / (self.data_dir.name + "-copy")
-        shutil.copytree(self.data_dir, copy)  # its host-name file too
-        self.addCleanup(shutil.rmtree, copy, True)
-        twin = fc.PostgresDatabase(self.connect, copy)
-        self.addCleanup(twin.close)
-        self.assertEqual(twin.host, self.database.host)
-        with self.assertRaisesRegex(ConfigError, f"host {twin.host} is running already"):
-            fc.JournaledApprovals(twin, AuditLog(copy / "audit.log", writer=fc.AuditFile))
-        with self.database.reading() as db:  # the host's own row, left alone
-            rows = db.execute("SELECT intent_id FROM in_flight").fetchall()
-        self.assertEqual([tuple(row) for row in rows], [(intent,)])
-        same = fc.PostgresDatabase(self.connect, self.data_dir)  # another process of the host
-        self.addCleanup(same.close)
-        fc.JournaledApprovals(same, self.audit)  # is no copy
-        self.database.close()
-        same.close()  # the host stopped: its directory restored elsewhere may carry on
-        restored = fc.PostgresDatabase(self.connect, copy)
-        self.addCleanup(restored.close)
-        fc.JournaledApprovals(restored, AuditLog(copy / "audit.log", writer=fc.AuditFile))
 
 
 class CrashTest(ApprovalCase):
@@ -8133,10 +6098,2052 @@ class CostTest(LoopTestCase):
         self.assertIn("grew past 20000 bytes", result.error or "")
 
 
-# ---------------------------------------------------------------------------------- benchmarks
+# ========================================================================== the parts
+# Each part's tests under its name: what `copy --without NAME` leaves out, its tests name.
 
 
-# -------------------------------------------------------------------- conversations (resume)
+# ----------------------------------------------------------------------------- the stream (STREAM)
+
+
+class StreamTest(LoopTestCase):
+    """`stream: true`: text handed over as it arrives, tool calls assembled from deltas."""
+
+    def stream_turn(
+        self, script: Sequence[fc.ScriptItem], **options: Any
+    ) -> tuple[TurnResult, list[RecordedRequest], list[str]]:
+        pieces: list[str] = []
+        result, requests = self.run_turn(script, on_text=pieces.append, **options)
+        return result, requests, pieces
+
+    def test_text_arrives_in_pieces_and_the_turn_counts_the_usage_chunk(self) -> None:
+        events: list[dict[str, Any] | str] = [
+            {"choices": [], "prompt_filter_results": [{"prompt_index": 0}]},  # Azure's first
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"content": "It "}),
+            chunk({"content": "shipped."}, "stop"),
+            {
+                "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+            },
+            "[DONE]",
+        ]
+        result, requests, pieces = self.stream_turn([fc.stream_reply(events)])
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "It shipped."))
+        self.assertEqual(pieces, ["It ", "shipped."])
+        self.assertEqual(
+            result.usage, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        )
+        body = requests[0].json()
+        self.assertEqual((body["stream"], body["stream_options"]), (True, {"include_usage": True}))
+
+    def test_one_endless_line_is_refused_once_it_outgrows_an_event(self) -> None:
+        taken = []
+
+        def endless() -> Iterator[bytes]:
+            yield b"data: "
+            for n in range(400):  # 1.6 MB with no line end; an event may hold 64 KiB
+                taken.append(n)
+                yield b"x" * 4096
+
+        with self.assertRaisesRegex(fc.ApiError, "an event of more than 65536 bytes"):
+            fc.read_stream(endless(), lambda text: None, limit=65536)
+        self.assertLessEqual(len(taken), 17)  # refused as it grew, not once the line ended
+
+    def test_a_long_line_costs_time_in_proportion_to_its_bytes(self) -> None:
+        # 6 MiB of one event in 4 KiB reads: re-splitting the pending line at every read took
+        # ~40 s of CPU here (quadratic); read in proportion, it takes well under a second
+        text = "x" * (6 << 20)
+        wire = b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode()
+        wire += b"\n\ndata: [DONE]\n\n"
+        pieces = (wire[at : at + 4096] for at in range(0, len(wire), 4096))
+        started = time.process_time()
+        reply = fc.read_stream(pieces, lambda text: None)
+        self.assertEqual(json.loads(reply.message_json)["content"], text)
+        self.assertLess(time.process_time() - started, 15)
+
+    def test_sse_framing_as_the_spec_allows(self) -> None:
+        body = (
+            b": OPENROUTER PROCESSING\r\n\r\n"
+            b"event: message\r\nid: 1\r\nretry: 100\r\n"
+            b'data:{"choices":[{"index":0,"delta":{"content":"A"}}]}\r\n\r\n'  # no space
+            b'data: {"choices":[{"index":0,\n'  # one event over two data lines
+            b'data: "delta":{"content":"B"}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{"content":"C"}}]}\r\r'  # CR alone
+            b'data: {"choices":[{"index":0,"delta":{"content":"\xc3\xa9"}}]}\n\n'
+            b"data: [DONE]\n\n"
+        )
+        pieces: list[str] = []
+        with ScriptedChatServer([sse(body)]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            reply = client.complete(["{}"], on_text=pieces.append)
+        self.assertEqual((reply.content, pieces), ("ABCé", ["A", "B", "C", "é"]))
+
+    def test_a_character_split_between_two_network_reads_survives(self) -> None:
+        whole = b'data: {"choices":[{"index":0,"delta":{"content":"caf\xc3\xa9"}}]}\n\n'
+        cut = whole.index(b"\xa9")
+        reply = fc.read_stream([whole[:cut], whole[cut:]], lambda text: None)
+        self.assertEqual(reply.content, "café")
+
+    def test_a_stream_that_ends_without_done_still_completes(self) -> None:
+        result, _, _ = self.stream_turn([fc.stream_reply([chunk({"content": "Done."}, "stop")])])
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "Done."))
+
+    def test_an_error_in_the_middle_of_a_stream_is_a_clear_error(self) -> None:
+        events = [chunk({"content": "Your or"}), {"error": {"message": "upstream overloaded"}}]
+        result, _, pieces = self.stream_turn([fc.stream_reply(events)])
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("mid-stream: upstream overloaded", result.error or "")
+        self.assertEqual(pieces, ["Your or"])
+
+    def test_a_tool_call_in_many_pieces_is_assembled_and_run(self) -> None:
+        pieces = ['{"ord', 'erId"', ': "ORD', "-10", '01"}']
+        events: list[dict[str, Any] | str] = [
+            call_piece(
+                index=0,
+                id="c1",
+                type="function",
+                function={"name": "getOrderStatus", "arguments": ""},
+            ),
+            *(call_piece(index=0, function={"arguments": p}) for p in pieces),
+            chunk({}, "tool_calls"),
+            "[DONE]",
+        ]
+        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+        (record,) = self.audit_records()
+        self.assertEqual(record["arguments"], '{"orderId": "ORD-1001"}')
+        assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_ids_and_names_repeated_on_every_delta_and_an_index_starting_at_1(self) -> None:
+        function = {"name": "getOrderStatus"}
+        events = [
+            call_piece(index=1, id="c1", type="function", function={**function, "arguments": ""}),
+            call_piece(
+                index=1, id="c1", type="function", function={**function, "arguments": LOOKUP}
+            ),
+        ]
+        result, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(call_ids(result.messages[2]), ["c1"])
+        self.assertEqual(
+            json.loads(result.messages[2])["tool_calls"][0]["function"]["arguments"], LOOKUP
+        )
+        self.assertEqual(tool_results(requests[1])[0]["found"], True)
+
+    def test_several_whole_calls_in_one_delta_without_index_are_told_apart_by_id(self) -> None:
+        calls = [
+            {
+                "id": "a",
+                "type": "function",
+                "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+            },
+            {
+                "id": "b",
+                "type": "function",
+                "function": {"name": "listRecentOrders", "arguments": '{"limit":1}'},
+            },
+        ]
+        result, requests, _ = self.stream_turn(
+            [fc.stream_reply([chunk({"tool_calls": calls}, "stop")]), text_reply("ok")]
+        )
+        self.assertEqual(call_ids(result.messages[2]), ["a", "b"])
+        status, listing = tool_results(requests[1])
+        self.assertEqual((status["found"], listing["count"]), (True, 1))
+
+    def test_pieces_without_index_or_id_continue_the_calls_by_position(self) -> None:
+        opened = [
+            {"id": "a", "function": {"name": "getOrderStatus", "arguments": ""}},
+            {"id": "b", "function": {"name": "listRecentOrders", "arguments": ""}},
+        ]
+        continued = [
+            {"function": {"arguments": LOOKUP}},
+            {"function": {"arguments": '{"limit":2}'}},
+        ]
+        events = [chunk({"tool_calls": opened}), chunk({"tool_calls": continued})]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        status, listing = tool_results(requests[1])
+        self.assertEqual((status["found"], listing["count"]), (True, 2))
+
+    def test_a_whole_call_without_index_in_one_delta_like_ollama(self) -> None:
+        whole = {
+            "id": "call_x",
+            "type": "function",
+            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+        }
+        events = [
+            chunk({"role": "assistant", "content": "", "tool_calls": [whole]}),
+            chunk({"content": ""}, "stop"),
+        ]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "call_x")
+
+    def test_a_no_argument_call_ending_with_empty_arguments_means_an_empty_object(self) -> None:
+        events = [
+            call_piece(index=0, id="c1", function={"name": "dumpEverything", "arguments": ""})
+        ]
+        _, requests, _ = self.stream_turn(
+            [fc.stream_reply(events), text_reply("ok")], tools=[BigTool()]
+        )
+        (record,) = self.audit_records()
+        self.assertEqual((record["arguments"], record["outcome"]), ("{}", "ok"))
+        self.assertIn("blob", tool_messages(requests[1])[0]["content"])
+
+    def test_an_empty_id_is_answered_with_the_same_empty_id(self) -> None:
+        events = [
+            call_piece(index=0, id="", function={"name": "getOrderStatus", "arguments": LOOKUP})
+        ]
+        _, requests, _ = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(tool_messages(requests[1])[0]["tool_call_id"], "")
+
+    def test_text_reasoning_and_extras_beside_calls_are_kept_in_the_message(self) -> None:
+        events = [
+            chunk({"role": "assistant", "reasoning_content": "The user ", "channel": "analysis"}),
+            chunk({"reasoning_content": "wants a status.", "channel": "analysis"}),
+            chunk(
+                {"reasoning_details": [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}]}
+            ),
+            chunk({"content": "Checking"}),
+            chunk(
+                {
+                    "content": "…",
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "c1",
+                            "function": {"name": "getOrderStatus", "arguments": LOOKUP},
+                        }
+                    ],
+                }
+            ),
+        ]
+        _, requests, pieces = self.stream_turn([fc.stream_reply(events), text_reply("ok")])
+        self.assertEqual(pieces, ["Checking", "…", "ok"])  # "ok": a plain reply, handed over whole
+        echoed = requests[1].json()["messages"][2]
+        self.assertEqual(echoed["reasoning_content"], "The user wants a status.")
+        self.assertEqual(echoed["channel"], "analysis")
+        self.assertEqual(
+            echoed["reasoning_details"],
+            [{"type": "reasoning.encrypted", "index": 0, "data": "c2ln"}],
+        )
+        self.assertEqual(echoed["content"], "Checking…")
+        self.assertEqual(echoed["tool_calls"][0]["type"], "function")
+
+    def test_every_guard_holds_while_streaming(self) -> None:
+        def streamed(arguments: str) -> ScriptedReply:
+            return fc.stream_reply(
+                [
+                    call_piece(
+                        index=0,
+                        id="c" + arguments[-4:-2],
+                        function={"name": "getOrderStatus", "arguments": arguments},
+                    )
+                ]
+            )
+
+        lookups = [streamed(f'{{"orderId":"ORD-100{1 + n % 2}"}}') for n in range(10)]
+        result, requests, _ = self.stream_turn(lookups, max_rounds=3)
+        self.assertEqual((result.stop_reason, len(requests)), ("round_cap", 3))
+        self.audit_path.unlink()
+        bad = streamed('{"orderId":"1001"}')
+        result, requests, _ = self.stream_turn([bad, streamed('{"orderId":"1001"}')])
+        self.assertEqual(result.stop_reason, "repeated_calls")
+        self.assertEqual(tool_results(requests[1])[0]["error"], "invalid_arguments")
+        self.assertEqual(
+            [r["outcome"] for r in self.audit_records()],
+            ["rejected:invalid_arguments", "skipped:repeated_calls"],
+        )
+
+    def test_a_retry_happens_only_before_the_first_byte(self) -> None:
+        limited = ScriptedReply(b"{}", 429, (("Retry-After", "0"),))
+        with self.assertLogs("function_calling", logging.WARNING):
+            result, requests, pieces = self.stream_turn(
+                [limited, fc.stream_reply([chunk({"content": "Hi."}, "stop")])],
+                client={"max_retries": 2},
+            )
+        self.assertEqual((result.retries, pieces, len(requests)), (1, ["Hi."], 2))
+
+    def test_a_stream_that_breaks_after_text_is_not_retried(self) -> None:
+        def broken() -> Iterator[bytes]:
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+            yield b'data: {"choices":[{"ind'  # and the server goes away
+
+        result, requests, pieces = self.stream_turn(
+            [sse(b"".join(broken())), fc.stream_reply([chunk({"content": "Hello"})])],
+            client={"max_retries": 2},
+        )
+        self.assertEqual((result.stop_reason, len(requests), pieces), ("api_error", 1, ["Hel"]))
+        self.assertIn("not JSON", result.error or "")
+
+    def test_a_server_that_ignores_stream_still_hands_over_its_text(self) -> None:
+        result, _, pieces = self.stream_turn([text_reply("Whole answer.")])
+        self.assertEqual((result.answer, pieces), ("Whole answer.", ["Whole answer."]))
+
+    def test_the_first_text_reaches_stdout_before_the_stream_ends(self) -> None:
+        seen_first = threading.Event()
+
+        def events() -> Iterator[dict[str, Any] | str]:
+            yield chunk({"role": "assistant", "content": "First"})
+            seen_first.wait(10)  # the rest only once the test has read "First" from stdout
+            for word in (" second", " third."):
+                time.sleep(0.2)
+                yield chunk({"content": word})
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(events())]) as server:
+            env = {
+                **os.environ,
+                "OPENAI_BASE_URL": server.base_url,
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+            }
+            env.pop("OPENAI_API_KEY", None)
+            process = subprocess.Popen(
+                [sys.executable, str(MODULE), "ask", "hi", "--stream"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert process.stdout is not None
+            first = process.stdout.read(5)
+            seen_first.set()
+            rest, errors = process.communicate(timeout=30)
+        self.assertEqual(first, b"First")
+        self.assertEqual(
+            (first + rest, errors, process.returncode), (b"First second third.\n", b"", 0)
+        )
+
+    def test_a_stall_after_the_first_chunk_ends_at_the_deadline_without_a_traceback(self) -> None:
+        def stall() -> Iterator[dict[str, Any] | str]:
+            yield chunk({"content": "Let me see"})
+            time.sleep(5)
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(stall())]) as server:
+            done = self.cli(
+                "ask",
+                "hi",
+                "--stream",
+                "--stream-idle",
+                "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(done.stdout, "Let me see\n")
+        self.assertEqual(done.stderr.count("\n"), 1)
+        self.assertIn("broke off: timed out (nothing for 0.5 s, --stream-idle", done.stderr)
+
+    def test_a_slow_model_streaming_longer_than_the_request_deadline_is_heard_out(self) -> None:
+        # a CPU model: a token every 0.2 s for 1.6 s, past a 0.5 s --timeout; each byte counts
+        def slowly() -> Iterator[dict[str, Any] | str]:
+            for word in ("It ", "takes ", "a ", "while ", "to ", "write ", "this", "."):
+                time.sleep(0.2)
+                yield chunk({"content": word})
+            yield chunk({}, "stop")
+            yield "[DONE]"
+
+        with ScriptedChatServer([fc.stream_reply(slowly())]) as server:
+            done = self.cli(
+                "ask",
+                "hi",
+                "--stream",
+                "--timeout",
+                "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "It takes a while to write this.\n"))
+        self.assertEqual(len(server.requests), 1)
+
+    def test_chat_streams_too(self) -> None:
+        replies = [
+            fc.stream_reply([chunk({"content": "One."}, "stop")]),
+            fc.stream_reply([chunk({"content": "Two."}, "stop")]),
+        ]
+        with ScriptedChatServer(replies) as server:
+            done = self.cli(
+                "chat", "--stream", env={"OPENAI_BASE_URL": server.base_url}, stdin="a\nb\n"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "One.\nTwo.\n"))
+
+
+class StreamConformanceTest(LoopTestCase):
+    """Recorded streams from real servers, replayed through the loop."""
+
+    def test_every_recorded_stream_assembles_the_calls_its_server_meant(self) -> None:
+        folder = PROVIDER_REPLIES / "streams"
+        if not folder.is_dir():
+            self.skipTest(f"{folder} is not here (it is never committed)")
+        comparable = _first_interaction_next_requests()
+        recordings = sorted(folder.glob("*.sse"))
+        self.assertGreater(len(recordings), 0)
+        for path in recordings:
+            with self.subTest(recording=path.name):
+                self.audit_path.unlink(missing_ok=True)
+                result, requests = self.run_turn(
+                    [sse(path.read_bytes()), text_reply("done")], on_text=lambda t: None
+                )
+                self.assertEqual(result.stop_reason, "answered")
+                assistant = requests[1].json()["messages"][2]
+                ours = [
+                    (c["id"], c["function"]["name"], c["function"]["arguments"])
+                    for c in assistant["tool_calls"]
+                ]
+                self.assertGreater(len(ours), 0)
+                self.assertEqual(
+                    [m["tool_call_id"] for m in requests[1].json()["messages"][3:]],
+                    [c[0] for c in ours],
+                )
+                if path.stem in comparable:  # how another client assembled the same stream
+                    theirs = json.loads(path.with_suffix(".next-request.json").read_text())
+                    (sent,) = [m for m in theirs["messages"] if m.get("tool_calls")]
+                    expected = [
+                        (c["id"], c["function"]["name"], c["function"]["arguments"])
+                        for c in sent["tool_calls"]
+                    ]
+                    self.assertEqual(ours, expected)
+
+
+# -------------------------------------------------------- budgets and the ledger (BUDGETS, LEDGER)
+
+
+def without_usage(body: bytes) -> bytes:
+    """A scripted reply as a server that reports no usage sends it."""
+    document = json.loads(body)
+    del document["usage"]
+    return json.dumps(document).encode()
+
+
+class BudgetTest(LoopTestCase):
+    """What a turn may spend, checked before each request and after each reply."""
+
+    def assert_budget_stop(self, result: TurnResult, limit: str) -> None:
+        self.assertEqual((result.stop_reason, result.answer), ("budget", fc.BUDGET_ANSWER))
+        self.assertIn(limit, result.error or "")
+        (turn,) = self.audit_records("turn")
+        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
+        assert_every_call_answered_once_in_order(self, result.messages)
+
+    def test_a_request_that_would_pass_a_limit_is_never_sent(self) -> None:
+        result, requests = self.run_turn(
+            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=50)}
+        )
+        self.assertEqual(requests, [])  # the server never saw it
+        self.assert_budget_stop(result, "the turn's total-token limit (50) would be passed")
+
+    def test_a_reply_whose_usage_passes_a_limit_runs_none_of_its_calls(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # reports 5 completion tokens
+        result, requests = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=4)}
+        )
+        self.assertEqual(len(requests), 1)  # no next round
+        self.assert_budget_stop(result, "the turn's output-token limit (4) was passed: 5")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
+        (answered,) = [json.loads(m) for m in result.messages if json.loads(m)["role"] == "tool"]
+        self.assertEqual(json.loads(answered["content"])["error"], "not_run")
+
+    def test_calls_that_would_pass_the_call_limit_do_not_run(self) -> None:
+        lookups = tool_call_reply([("getOrderStatus", LOOKUP)] * 3)
+        result, _ = self.run_turn(
+            [lookups, text_reply("ok")], loop={"budget": fc.Budget(tool_calls=2)}
+        )
+        self.assert_budget_stop(result, "the turn's tool-call limit (2) was passed: 3")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"] * 3)
+
+    def test_a_server_that_reports_no_usage_is_counted_by_the_estimate(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        budget = {"budget": fc.Budget(output_tokens=10)}  # the reply reports 5: it runs
+        result, _ = self.run_turn([lookup, text_reply("ok")], loop=budget)
+        self.assertEqual(result.stop_reason, "answered")
+        self.audit_path.unlink()
+        silent, requests = self.run_turn([without_usage(lookup), text_reply("ok")], loop=budget)
+        self.assertEqual(len(requests), 1)  # its bytes, estimated, pass 10 tokens
+        self.assert_budget_stop(silent, "the turn's output-token limit (10) was passed")
+
+    def test_the_servers_count_replaces_the_estimate(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        _, requests = self.run_turn([lookup, text_reply("ok")])
+        self.audit_path.unlink()
+        # room for the first request as estimated from its bytes, not for both: the second
+        # goes only because the server counted the first as 10 tokens (_completion's usage)
+        limit = len(requests[0].body) // fc.BYTES_PER_TOKEN + 60
+        self.assertGreater(len(requests[1].body) // fc.BYTES_PER_TOKEN, limit)
+        result, sent = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(total_tokens=limit)}
+        )
+        self.assertEqual((result.stop_reason, len(sent)), ("answered", 2))
+        silent, sent = self.run_turn(
+            [without_usage(lookup), text_reply("ok")],
+            loop={"budget": fc.Budget(total_tokens=limit)},
+        )
+        self.assertEqual((silent.stop_reason, len(sent)), ("budget", 1))  # estimated: no room
+
+    def test_a_cost_limit_works_as_a_token_limit_at_the_prices_given(self) -> None:
+        per_token = 1_000_000.0  # a price per million tokens: 1 a token
+        before = fc.Budget(cost=50, input_price=per_token, output_price=0)
+        result, requests = self.run_turn([text_reply("ok")], loop={"budget": before})
+        self.assertEqual(requests, [])
+        self.assert_budget_stop(result, "the turn's cost limit (50) would be passed")
+        self.audit_path.unlink()
+        after = fc.Budget(cost=4, input_price=0, output_price=per_token)  # 5 output tokens
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])
+        result, requests = self.run_turn([lookup, text_reply("ok")], loop={"budget": after})
+        self.assertEqual(len(requests), 1)
+        self.assert_budget_stop(result, "the turn's cost limit (4) was passed: 5")
+
+    def test_a_cost_limit_without_prices_is_refused_before_anything_is_sent(self) -> None:
+        with self.assertRaises(fc.ConfigError):
+            fc.Budget(cost=1, input_price=2.5)
+        with self.assertRaises(fc.ConfigError):
+            fc.Budget(input_price=-1)
+        before = sorted(self.data_dir.iterdir())
+        done = self.cli(
+            "ask", "hi", "--max-turn-cost", "1", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+        )
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("a cost limit needs the price of input and of output tokens", done.stderr)
+        self.assertEqual(
+            sorted(self.data_dir.iterdir()), before
+        )  # refused before anything was made
+
+    def test_the_command_line_stops_at_a_limit_with_an_exit_code_of_its_own(self) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as server:
+            done = self.cli(
+                "ask", "Where is ORD-1001?", "--max-turn-tokens", "5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual((done.returncode, done.stdout), (4, fc.BUDGET_ANSWER + "\n"))
+        self.assertIn("stopped: the turn's total-token limit (5) would be passed", done.stderr)
+        self.assertEqual(server.requests, [])
+
+
+def bounds(requests: Sequence[RecordedRequest], field: str = "max_tokens") -> list[Any]:
+    """The output bound each request carried in `field` (None: none)."""
+    return [request.json().get(field) for request in requests]
+
+
+def cut_at_length(body: bytes) -> bytes:
+    """A scripted reply whose answer the server cut at its output bound."""
+    document = json.loads(body)
+    document["choices"][0]["finish_reason"] = "length"
+    return json.dumps(document).encode()
+
+
+class OutputBoundTest(LoopTestCase):
+    """When a limit applies to what the model writes, every request asks for at most what the
+    limits leave, in the field the server honours; a server that ignores it is caught on the
+    turn whose reply passed the limit, which ends as the budget's, the answer shown."""
+
+    def test_a_turn_output_limit_bounds_every_request_by_what_is_left(self) -> None:
+        lookup = tool_call_reply([("getOrderStatus", LOOKUP)])  # its usage: 5 written
+        result, requests = self.run_turn(
+            [lookup, text_reply("ok")], loop={"budget": fc.Budget(output_tokens=50)}
+        )
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(bounds(requests), [50, 45])
+        self.assertEqual(bounds(requests, "max_completion_tokens"), [None, None])
+
+    def test_a_total_limit_leaves_the_input_its_estimate(self) -> None:
+        _, requests = self.run_turn(
+            [text_reply("ok")], loop={"budget": fc.Budget(total_tokens=9000)}
+        )
+        (bound,) = bounds(requests)
+        estimate = 9000 - bound  # the request's input, estimated from its messages and tools
+        whole = len(requests[0].body) / fc.BYTES_PER_TOKEN  # the body, its envelope too
+        self.assertTrue(whole - 60 <= estimate <= whole, (estimate, whole))
+
+    def test_a_cost_limit_and_a_conversation_limit_bound_the_request_too(self) -> None:
+        priced = fc.Budget(cost=50, input_price=0, output_price=1_000_000)  # 1 a written token
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": priced})
+        self.assertEqual(bounds(requests), [50])
+        conversations = fc.Conversations(self.database)
+        talk = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        limited = fc.Budget(
+            conversation=fc.Limits(output_tokens=300), ledger=fc.Ledger(self.database)
+        )
+        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = fc.hardened_loop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=limited,
+            )
+            for question in ("one", "two"):
+                _, talk = conversations.turn(loop, talk, question, ToolContext(DEMO_CUSTOMER))
+        self.assertEqual(bounds(server.requests), [300, 295])  # 5 written in the first turn
+
+    def test_no_bound_is_sent_where_no_limit_applies_to_output(self) -> None:
+        for budget in (None, fc.Budget(tool_calls=3), fc.Budget(input_tokens=10**6)):
+            with self.subTest(budget=budget):
+                self.audit_path.unlink(missing_ok=True)
+                _, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+                body = requests[0].json()
+                self.assertNotIn("max_tokens", body)
+                self.assertNotIn("max_completion_tokens", body)
+
+    def test_a_daily_limit_bounds_each_request_by_the_reserve_the_ledger_charged(self) -> None:
+        ledger = fc.Ledger(self.database)
+        roomy = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": roomy})
+        self.assertEqual(bounds(requests), [fc.OUTPUT_RESERVE])
+        self.audit_path.unlink()
+        written = ledger.spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"].output
+        tight = fc.Budget(daily=fc.Limits(output_tokens=written + 100), ledger=ledger)
+        _, requests = self.run_turn([text_reply("ok")], loop={"budget": tight})
+        self.assertEqual(bounds(requests), [100])  # what the day's output limit leaves
+
+    def test_openai_is_sent_max_completion_tokens_and_other_servers_max_tokens(self) -> None:
+        for url, field in (
+            ("https://api.openai.com/v1", "max_completion_tokens"),
+            ("https://my-resource.openai.azure.com/openai/v1", "max_completion_tokens"),
+            ("http://localhost:11434/v1", "max_tokens"),
+            ("https://api.groq.com/openai/v1", "max_tokens"),
+        ):
+            self.assertEqual(Settings(base_url=url, api_key=FAKE_KEY).output_field, field, url)
+        with self.assertRaises(fc.ConfigError):
+            Settings(output_field="max_new_tokens", api_key=FAKE_KEY)
+        _, requests = self.run_turn(
+            [text_reply("ok")],
+            client={"output_field": "max_completion_tokens"},
+            loop={"budget": fc.Budget(output_tokens=50)},
+        )
+        self.assertEqual(bounds(requests, "max_completion_tokens"), [50])
+        self.assertEqual(bounds(requests), [None])
+
+    def test_a_server_that_ignores_the_bound_is_caught_on_the_turn_that_passed(self) -> None:
+        long = with_usage(text_reply("A very long answer."), 10, 500)
+        result, requests = self.run_turn([long], loop={"budget": fc.Budget(output_tokens=50)})
+        self.assertEqual(bounds(requests), [50])  # asked for, and not honoured
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "A very long answer."))
+        self.assertIn("the turn's output-token limit (50) was passed: 500", result.error or "")
+        (turn,) = self.audit_records("turn")
+        self.assertEqual((turn["stop_reason"], turn["budget"]), ("budget", result.error))
+
+    def test_an_answer_cut_at_the_bound_ends_as_the_budget_not_as_a_failure(self) -> None:
+        cut = cut_at_length(with_usage(text_reply("The first half"), 10, 50))
+        result, _ = self.run_turn([cut], loop={"budget": fc.Budget(output_tokens=50)})
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "The first half"))
+        self.assertIn("cut at the 50 output tokens the limits left", result.error or "")
+
+    def test_a_daily_limit_an_answer_passed_is_said_on_that_turn(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=5000), ledger=fc.Ledger(self.database))
+        huge = with_usage(text_reply("All of it."), 100, 200_000)
+        result, _ = self.run_turn([huge], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, result.answer), ("budget", "All of it."))
+        self.assertIn(
+            f"the daily ({utc_day()}) total-token limit (5,000) was passed", result.error or ""
+        )
+        with ScriptedChatServer([huge]) as server:
+            done = self.cli(
+                "ask", "all of it", "--max-turn-output-tokens", "50",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual((done.returncode, done.stdout), (4, "All of it.\n"))
+        self.assertIn("stopped: the turn's output-token limit (50) was passed", done.stderr)
+
+    def test_the_answer_a_customer_gets_names_what_to_do_for_each_kind_of_limit(self) -> None:
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": fc.Budget(total_tokens=5)})
+        self.assertEqual(result.answer, fc.BUDGET_ANSWER)
+        self.assertIn("ask for less", fc.BUDGET_ANSWER)
+        ledger = fc.Ledger(self.database)
+        daily = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger)
+        self.audit_path.unlink()
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": daily})
+        self.assertEqual(result.answer, fc.DAILY_BUDGET_ANSWER)
+        self.assertIn("00:00 UTC", fc.DAILY_BUDGET_ANSWER)
+        mine = fc.Budget(daily=fc.Limits(total_tokens=5), ledger=ledger, daily_answer="Tomorrow.")
+        self.audit_path.unlink()
+        result, _ = self.run_turn([text_reply("ok")], loop={"budget": mine})
+        self.assertEqual(result.answer, "Tomorrow.")
+
+
+class BudgetWarningTest(LoopTestCase):
+    """With warn_at (--budget-warn), a limit spent to that fraction is said once a turn: one
+    warning (stderr, for the command line) and one audit line; off by default."""
+
+    def test_a_limit_at_the_fraction_is_warned_of_once_on_stderr_and_in_the_log(self) -> None:
+        lookup = with_usage(tool_call_reply([("getOrderStatus", LOOKUP)]), 10, 60_000)
+        two = [lookup, text_reply("ok")]
+        budget = fc.Budget(total_tokens=200_000, warn_at=0.25)
+        with self.assertLogs("function_calling", "WARNING") as logged:
+            result, _ = self.run_turn(two, loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        (said,) = [line for line in logged.output if "near a limit" in line]
+        self.assertIn("the turn's total-token limit (200,000) is at 30%: 60,010", said)
+        (line,) = self.audit_records("budget_warning")  # once, though the next reply is near too
+        self.assertEqual(line["limit"], "the turn's total-token limit (200,000) is at 30%: 60,010")
+        self.audit_path.unlink()
+        result, _ = self.run_turn(two, loop={"budget": fc.Budget(total_tokens=200_000)})
+        self.assertEqual(self.audit_records("budget_warning"), [])  # off unless asked for
+
+    def test_a_cost_limit_of_nothing_at_free_prices_is_no_limit_to_warn_of(self) -> None:
+        # free tokens cost 0, which a limit of 0 allows: no share of 0 to say, and no crash
+        budget = fc.Budget(cost=0, input_price=0, output_price=0, warn_at=0.5)
+        reply = with_usage(text_reply("ok"), 10, 10)
+        result, _ = self.run_turn([reply], loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual(self.audit_records("budget_warning"), [])
+
+    def test_a_daily_limit_is_warned_of_from_the_ledger(self) -> None:
+        ledger = fc.Ledger(self.database)
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10_000), ledger=ledger, warn_at=0.5)
+        heavy = with_usage(text_reply("ok"), 5_000, 100)
+        self.run_turn([heavy], loop={"budget": budget})
+        (line,) = self.audit_records("budget_warning")
+        self.assertIn(
+            f"the daily ({utc_day()}) total-token limit (10,000) is at 51%", line["limit"]
+        )
+
+    def test_the_fraction_is_checked_as_the_flag_is(self) -> None:
+        for bad in (0, 1, 1.5, -0.2, math.nan):
+            with self.subTest(value=bad), self.assertRaises(fc.ConfigError):
+                fc.Budget(warn_at=bad)
+        done = self.cli(
+            "ask", "hi", "--budget-warn", "1.5", env={"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+        )
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("--budget-warn", done.stderr)
+        with ScriptedChatServer([with_usage(text_reply("ok"), 10, 120_000)]) as server:
+            done = self.cli(
+                "ask", "hi", "--max-turn-tokens", "200000", "--budget-warn", "0.5",
+                env={"OPENAI_BASE_URL": server.base_url},
+            )  # fmt: skip
+        self.assertEqual(done.returncode, 0, done.stderr)
+        said = "near a limit: the turn's total-token limit (200,000) is at 60%: 120,010"
+        self.assertIn(said, done.stderr)
+
+
+def counted_like_a_tokenizer(reply: bytes) -> Callable[[RecordedRequest], bytes]:
+    """A scripted reply whose usage counts the request as a tokenizer would: 4 bytes a token
+    of ASCII (English, JSON), 1.5 bytes a token of anything else (CJK's 3-byte characters)."""
+
+    def answer(request: RecordedRequest) -> bytes:
+        ascii_bytes = sum(1 for byte in request.body if byte < 128)
+        other = len(request.body) - ascii_bytes
+        return with_usage(reply, math.ceil(ascii_bytes / 4 + other / 1.5), 5)
+
+    return answer
+
+
+class EstimateTest(LoopTestCase):
+    """The estimate of a request's input learns its bytes per token from the server's own
+    counts, keeps the lowest ratio seen (so it still errs high), and starts at 2."""
+
+    def first_estimates(self, question: str, budgets: Sequence[fc.Budget]) -> list[tuple[int, int]]:
+        """(estimated, counted) input tokens of each turn's first request, one turn for each
+        budget, each on a loop of its own (as another process's) against one server; the
+        estimate read off the bound a total limit of 4,000 leaves (below the reserve)."""
+        found = []
+        script = [counted_like_a_tokenizer(text_reply("ok")) for _ in budgets]
+        with ScriptedChatServer(script) as server:
+            settings = Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY)
+            loop = None
+            for budget in budgets:
+                if loop is None or budget.ledger is not None:
+                    client = ChatClient(settings)
+                    loop = fc.hardened_loop(
+                        client,
+                        self.tools,
+                        self.audit,
+                        approvals=self.approvals,
+                        budget=budget,
+                    )
+                loop.run(question, ToolContext(DEMO_CUSTOMER))
+                request = server.requests[-1]
+                counted = json.loads(counted_like_a_tokenizer(text_reply(""))(request))
+                estimate = budget.total_tokens - request.json()["max_tokens"]
+                found.append((estimate, counted["usage"]["prompt_tokens"]))
+        return found
+
+    def test_after_one_turn_the_first_estimate_is_within_a_third_of_the_count(self) -> None:
+        turn = fc.Budget(total_tokens=4000)
+        for question in (
+            "Where is my order ORD-1001, and when will it arrive?",
+            "我的订单在哪里呢" * 40,
+        ):
+            with self.subTest(question=question[:20]):
+                (first, counted_first), (second, counted) = self.first_estimates(
+                    question,
+                    [turn, turn],  # one loop: it keeps what it learned
+                )
+                self.assertGreater(first / counted_first, 1.3, "at 2 bytes a token: high")
+                self.assertGreaterEqual(second, counted, "never below the server's count")
+                self.assertLessEqual(second / counted, 1.3)
+
+    def test_the_ledger_keeps_what_was_learned_for_another_process(self) -> None:
+        def budget() -> fc.Budget:  # a ledger of its own on the same database: a loop anew
+            day = fc.Limits(total_tokens=10**8)
+            return fc.Budget(total_tokens=4000, daily=day, ledger=fc.Ledger(Database(self.db_path)))
+
+        (first, counted_first), (second, counted) = self.first_estimates(
+            "Where is ORD-1001?", [budget(), budget()]
+        )
+        self.assertGreater(first / counted_first, 1.3)
+        self.assertTrue(1.0 <= second / counted <= 1.3, (second, counted))
+
+
+class BudgetValuesTest(unittest.TestCase):
+    """A limit given in Python is checked as the command line checks its flags: a value that
+    is no limit (NaN, inf, a string, a bool, a negative) is refused when the budget is built,
+    never taken as "no limit" or as "nothing at all", and never raised from a turn."""
+
+    WHOLE = "expected a whole number from 1 to 999999999"
+    AMOUNT = "expected a number of 0 or more"
+
+    def test_token_and_call_limits_are_whole_numbers(self) -> None:
+        builds: dict[str, Callable[[Any], object]] = {
+            "Limits.total_tokens": lambda v: fc.Limits(total_tokens=v),
+            "Budget.output_tokens": lambda v: fc.Budget(output_tokens=v),
+            "Budget.tool_calls": lambda v: fc.Budget(tool_calls=v),
+        }
+        bad_values: tuple[Any, ...] = (math.nan, math.inf, 1e308, "100", -5, 0, True, 2.5)
+        for bad in (*bad_values, 10**12, 10**400):
+            for name, build in builds.items():
+                with self.subTest(field=name, value=bad), self.assertRaises(fc.ConfigError) as e:
+                    build(bad)
+                field = name.split(".")[1]
+                self.assertIn(f"{field}: {self.WHOLE}; got {bad!r}", str(e.exception))
+        five: Any = 5.0
+        self.assertEqual(fc.Limits(total_tokens=five).total_tokens, 5)  # 5.0 is a whole number
+
+    def test_costs_and_prices_are_numbers_of_0_or_more(self) -> None:
+        amounts: tuple[Any, ...] = (math.nan, math.inf, -1, "1", True, 1e12, 10**400)
+        for bad in amounts:
+            with self.subTest(value=bad):
+                with self.assertRaises(fc.ConfigError) as caught:
+                    fc.Budget(cost=bad, input_price=1, output_price=1)
+                self.assertIn(f"cost: {self.AMOUNT}; got {bad!r}", str(caught.exception))
+                with self.assertRaises(fc.ConfigError) as caught:
+                    fc.Budget(input_price=bad)
+                self.assertIn(f"input_price: {self.AMOUNT}; got {bad!r}", str(caught.exception))
+                with self.assertRaises(fc.ConfigError):
+                    fc.Limits(cost=bad)
+        self.assertEqual(fc.Budget(cost=0, input_price=0, output_price=2.5).cost, 0)
+
+
+def with_usage(body: bytes, prompt: int, completion: int) -> bytes:
+    """A scripted reply reporting the usage given."""
+    document = json.loads(body)
+    document["usage"] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    return json.dumps(document).encode()
+
+
+def tokens_in(ledger: fc.Ledger, key: str) -> int:
+    tally = ledger.spent().get(key, fc.Tally())
+    return tally.input + tally.output
+
+
+def utc_day() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+class LedgerTest(LoopTestCase):
+    """What a customer spends in a day and a conversation in all its turns, in the database."""
+
+    def test_a_daily_limit_holds_across_turns(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database))
+        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
+        result, requests = self.run_turn([heavy], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, len(requests)), ("answered", 1))
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        spent = budget.ledger.spent()  # type: ignore[union-attr]
+        self.assertEqual(spent, {key: fc.Tally(90_000, 10_000, 0)})
+        self.audit_path.unlink()
+        again, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(requests, [])  # its estimate and output reserve do not fit
+        self.assertEqual(again.stop_reason, "budget")
+        self.assertIn(
+            f"the daily ({utc_day()}) total-token limit (100,500) would be passed",
+            again.error or "",
+        )
+        other, requests = self.run_turn([text_reply("ok")], customer="C-2", loop={"budget": budget})
+        self.assertEqual((other.stop_reason, len(requests)), ("answered", 1))  # per customer
+
+    def test_a_ledger_that_cannot_be_written_lets_nothing_be_sent(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        with closing(sqlite3.connect(self.db_path)) as db, db:
+            db.execute("DROP TABLE spending")  # as a broken or foreign database would be
+        with self.assertLogs("function_calling", "WARNING") as logged:
+            result, requests = self.run_turn([text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(requests, [])  # fail closed: what cannot be counted is not spent
+        self.assertEqual(result.stop_reason, "budget")
+        self.assertIn("the spending ledger could not be written", result.error or "")
+        self.assertNotIn("no such table", " ".join(logged.output))  # SQLite's name, not its text
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["stop_reason"], "budget")
+
+    def test_a_daily_call_limit_counts_the_calls_that_ran_in_every_turn(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(tool_calls=2), ledger=fc.Ledger(self.database))
+        two = tool_call_reply([("getOrderStatus", LOOKUP)] * 2)
+        result, _ = self.run_turn([two, text_reply("ok")], loop={"budget": budget})
+        self.assertEqual(result.stop_reason, "answered")
+        self.audit_path.unlink()
+        one = tool_call_reply([("getOrderStatus", LOOKUP)])
+        result, requests = self.run_turn([one, text_reply("ok")], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, len(requests)), ("budget", 1))
+        self.assertIn("tool-call limit (2) would be passed", result.error or "")
+        self.assertEqual([r["outcome"] for r in self.audit_records()], ["skipped:budget"])
+
+    def test_a_conversation_limit_holds_across_its_turns(self) -> None:
+        conversations = fc.Conversations(self.database)
+        budget = fc.Budget(
+            conversation=fc.Limits(total_tokens=100_500), ledger=fc.Ledger(self.database)
+        )
+        first = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        second = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        heavy = with_usage(text_reply("ok"), 90_000, 10_000)
+        with ScriptedChatServer([heavy, text_reply("ok")]) as server:
+            client = ChatClient(Settings(base_url=server.base_url, model="m"))
+            loop = fc.hardened_loop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=budget,
+            )
+            context = ToolContext(DEMO_CUSTOMER)
+            result, first = conversations.turn(loop, first, "one", context, self.approvals)
+            self.assertEqual(result.stop_reason, "answered")
+            result, first = conversations.turn(loop, first, "two", context, self.approvals)
+            self.assertEqual(result.stop_reason, "budget")  # its own turns spent it
+            result, second = conversations.turn(loop, second, "one", context, self.approvals)
+            self.assertEqual(result.stop_reason, "answered")  # another conversation's is its own
+        self.assertEqual(len(server.requests), 2)
+        lines = self.audit_records("turn")
+        self.assertEqual(
+            [line["conversation_id"] for line in lines],
+            [first.conversation_id, first.conversation_id, second.conversation_id],
+        )
+
+    def test_a_daily_limit_without_a_ledger_is_refused(self) -> None:
+        with self.assertRaisesRegex(fc.ConfigError, "needs a ledger"):
+            fc.hardened_loop(
+                ChatClient(Settings(api_key=FAKE_KEY)),
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=fc.Budget(daily=fc.Limits(total_tokens=5)),
+            )
+
+    def test_two_processes_of_one_customer_do_not_both_take_the_last_of_a_daily_limit(self) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as server:  # the size of one ask's request
+            self.assertEqual(
+                self.cli(
+                    "ask", "Where is ORD-1001?", env={"OPENAI_BASE_URL": server.base_url}
+                ).returncode,
+                0,
+            )
+        one_charge = len(server.requests[0].body) // fc.BYTES_PER_TOKEN + fc.OUTPUT_RESERVE
+        limit = str(one_charge + 1_000)  # room for one request in flight, not for two
+        gate = threading.Event()
+
+        def held(request: RecordedRequest) -> bytes:
+            gate.wait(30)  # the first request is answered only once the second has tried
+            return text_reply("ok")
+
+        base = {
+            "PATH": os.environ.get("PATH", ""),
+            "NO_PROXY": "127.0.0.1",
+            "FUNCTION_CALLING_DATA": str(self.data_dir),
+        }
+        with ScriptedChatServer([held, text_reply("second")]) as server:
+            env = {**base, "OPENAI_BASE_URL": server.base_url}
+            ask = [
+                sys.executable,
+                str(MODULE),
+                "ask",
+                "Where is ORD-1001?",
+                "--max-daily-tokens",
+                limit,
+            ]
+            first = subprocess.Popen(
+                ask, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(3000):
+                if server.requests:
+                    break
+                time.sleep(0.01)
+            second = self.cli(
+                "ask",
+                "And ORD-1002?",
+                "--max-daily-tokens",
+                limit,
+                env={"OPENAI_BASE_URL": server.base_url},
+            )
+            gate.set()
+            out, err = first.communicate(timeout=60)
+        self.assertEqual((first.returncode, out), (0, "ok\n"), err)
+        self.assertEqual(second.returncode, 4, second.stderr)
+        self.assertIn(f"the daily ({utc_day()}) total-token limit", second.stderr)
+        self.assertEqual(len(server.requests), 1)  # the second never sent its request
+
+    def test_a_kill_between_a_reply_and_its_write_leaves_more_charged_than_spent(self) -> None:
+        script = self.data_dir / "crashing_child.py"
+        script.write_text(CRASHING_APPROVER)
+        key = f"customer {DEMO_CUSTOMER} {utc_day()}"
+        outcomes: collections.Counter[str] = collections.Counter()
+        points = [f"commit:{n}:{when}" for n in range(1, 12) for when in ("before", "after")]
+        for point in points:
+            heavy = with_usage(text_reply("ok"), 900, 100)
+            with self.subTest(point=point), ScriptedChatServer([heavy]) as server:
+                before = tokens_in(fc.Ledger(self.database), key)
+                ask = [
+                    "ask",
+                    "hi",
+                    "--max-daily-tokens",
+                    "10000000",
+                    "--data-dir",
+                    str(self.data_dir),
+                ]
+                child = subprocess.run(
+                    [sys.executable, str(script), "kill", point, *ask],
+                    env={
+                        "PATH": os.environ.get("PATH", ""),
+                        "PYTHONPATH": str(HERE),
+                        "OPENAI_BASE_URL": server.base_url,
+                    },
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                charged = tokens_in(fc.Ledger(self.database), key) - before
+                # what the server was asked for is in the ledger: counted, or charged higher
+                self.assertGreaterEqual(charged, 1_000 * len(server.requests))
+                if child.returncode == -signal.SIGKILL and server.requests:
+                    outcomes["counted" if charged == 1_000 else "charged"] += 1
+        self.assertGreater(outcomes["charged"], 0)  # killed between the reply and its write
+        self.assertGreater(outcomes["counted"], 0)  # killed after it
+
+
+# ------------------------------------------------------------- a real PostgreSQL server (POSTGRES)
+
+# `make pg-driver` installs psycopg 3 there, for the Python it is run with (test-all: each)
+PG_VENV = HERE / ".venv-pg" / f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def postgres_driver() -> Any:
+    """psycopg from this Python's .venv-pg; None if there is none. The module itself never
+    imports a driver: a test hands it psycopg.connect, as a user would."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = PG_VENV / "lib" / version / "site-packages"
+    if not site.is_dir():
+        return None
+    if str(site) not in sys.path:
+        sys.path.append(str(site))
+    try:
+        import psycopg  # type: ignore[import-not-found]  # noqa: PLC0415 -- where a test asks
+    except ImportError:
+        return None
+    return psycopg
+
+
+def postgres_binary(name: str) -> str | None:
+    """A PostgreSQL server program: on PATH, else the newest of Debian's packages."""
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), key=lambda p: int(p.parts[-3])
+    )
+    return str(versions[-1]) if versions else None
+
+
+# the suite's server asks these roles, alone, for a password: one of its own, the README's
+PASSWORD_ROLE, README_ROLE = "fc_with_password", "helpdesk"
+
+
+class PostgresServer:
+    """One PostgreSQL server for the suite, started by it: initdb and pg_ctl as an unprivileged
+    user, listening on a Unix socket in a temporary directory only (no TCP port), stopped as
+    the suite ends. Each test gets a schema of its own, so none sees another's tables."""
+
+    _shared: ClassVar[PostgresServer | None] = None
+    _why_not: ClassVar[str | None] = None
+
+    @classmethod
+    def shared(cls) -> PostgresServer:
+        """The suite's server, started at the first call; unittest.SkipTest saying why not."""
+        if cls._shared is None and cls._why_not is None:
+            try:
+                cls._shared = cls()
+            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                cls._why_not = f"PostgreSQL could not start here: {exc}"
+        if cls._shared is None:
+            raise unittest.SkipTest(str(cls._why_not))
+        return cls._shared
+
+    def __init__(self) -> None:
+        self.driver = postgres_driver()
+        if self.driver is None:
+            raise RuntimeError(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        initdb, pg_ctl = postgres_binary("initdb"), postgres_binary("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            raise RuntimeError("no initdb and pg_ctl (Debian's package postgresql)")
+        self.pg_ctl = pg_ctl
+        self.user = self._unprivileged_user()
+        self.directory = Path(tempfile.mkdtemp(prefix="fc-pg-"))
+        if self.user is not None:
+            os.chown(self.directory, pwd.getpwnam(self.user).pw_uid, -1)
+        self.data = self.directory / "data"
+        self._run(initdb, "-D", str(self.data), "-U", "fc", "--auth=trust", "-E", "UTF8", "-N")
+        hba = self.data / "pg_hba.conf"  # one role that must give a password: PASSWORD_ROLE
+        asked = "".join(
+            f"local all {role} scram-sha-256\n" for role in (PASSWORD_ROLE, README_ROLE)
+        )
+        hba.write_text(asked + hba.read_text())
+        self.start()
+        atexit.register(self.stop)
+        self._schemas = itertools.count(1)
+
+    @staticmethod
+    def _unprivileged_user() -> str | None:
+        """Who runs the server: PostgreSQL refuses root; None when we are not root."""
+        if os.geteuid() != 0:
+            return None
+        for name in ("postgres", "nobody"):
+            with suppress(KeyError):
+                pwd.getpwnam(name)
+                return name
+        raise RuntimeError("running as root, and there is no unprivileged user to run it as")
+
+    def _run(self, *command: str) -> None:
+        done = subprocess.run(
+            command, user=self.user, capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-300:]}")
+
+    def start(self) -> None:
+        options = f"-k {self.directory} -c listen_addresses='' -c max_connections=300"
+        log = str(self.directory / "server.log")
+        self._run(
+            self.pg_ctl, "-D", str(self.data), "-w", "-t", "60", "-l", log, "-o", options, "start"
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.data.is_dir():
+            with suppress(subprocess.SubprocessError, RuntimeError):
+                self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", mode, "stop")
+        if mode == "fast":
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Stopped at once (as a crash: every connection dropped), then started again."""
+        self._run(self.pg_ctl, "-D", str(self.data), "-w", "-m", "immediate", "stop")
+        self.start()
+
+    @property
+    def url(self) -> str:
+        quoted = urllib.parse.quote(str(self.directory), safe="")
+        return f"postgresql:///postgres?host={quoted}&user=fc"
+
+    def fresh_schema(self) -> Callable[[], Any]:
+        """A connect function whose connections see only a new, empty schema."""
+        schema = f"test_{os.getpid()}_{next(self._schemas)}"
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        return functools.partial(self.driver.connect, self.url, options=f"-c search_path={schema}")
+
+    def url_of_fresh_schema(self) -> str:
+        """A URL whose connections see only a new, empty schema (for processes of their own)."""
+        schema = f"test_{os.getpid()}_{next(self._schemas)}"
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE SCHEMA {schema}")
+        return self.url + "&options=" + urllib.parse.quote(f"-c search_path={schema}")
+
+    def waiting_for_the_write_lock(self) -> int:
+        """How many connections wait for an advisory lock now (the writers' turn)."""
+        with closing(self.driver.connect(self.url, autocommit=True)) as admin:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone()
+        return int(row[0])
+
+
+class OnPostgres(LoopTestCase):
+    """The test's database is a PostgresDatabase on the suite's server (a schema of its own);
+    the data directory, audit log and tools are the test's own, as before."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.server = PostgresServer.shared()
+        self.connect = self.server.fresh_schema()
+        self.database = fc.PostgresDatabase(self.connect, self.data_dir)
+        self.addCleanup(self.database.close)
+        self.approvals = fc.JournaledApprovals(self.database, self.audit)
+        self.tools = fc.shop_tools(self.database)
+
+
+class PostgresApprovalTest(OnPostgres, ApprovalTest):
+    """ApprovalTest, every test of it, on PostgreSQL."""
+
+
+# An app of the README's shape whose write shows each time it runs outside any database (a
+# line in $APPLIED), and can be held inside `apply` ($PAUSE: it waits there for that file).
+# With $GO, it says it is ready ($GO.PID) and starts its command only once $GO exists.
+HOST_APP = """
+import os, sys, time
+from pathlib import Path
+from typing import Any
+import function_calling as fc
+
+GO = os.environ.get("GO")
+if GO:
+    Path(f"{GO}.{os.getpid()}").touch()
+    while not Path(GO).exists():
+        time.sleep(0.002)
+
+
+class MarkShipped(fc.Tool):
+    name = "markShipped"
+    writes = True
+    description = "Ask for an order to be marked shipped; a person approves it."
+    parameters = {
+        "type": "object",
+        "properties": {"orderId": {"type": "string", "pattern": "^ORD-[0-9]{4}$"}},
+        "required": ["orderId"],
+        "additionalProperties": False,
+    }
+
+    def execute(self, args: dict[str, Any], context: fc.ToolContext) -> dict[str, Any]:
+        return {"orderId": args["orderId"]}
+
+    def apply(self, args: dict[str, Any], context: fc.ToolContext, db: Any) -> dict[str, Any]:
+        pause = os.environ.get("PAUSE")
+        if pause:
+            Path(pause + ".in").touch()
+            while not Path(pause).exists():
+                time.sleep(0.01)
+        with open(os.environ["APPLIED"], "a", encoding="utf-8") as applied:
+            applied.write(context.approval_id + "\\n")
+        db.execute("INSERT INTO shipped VALUES (?)", (args["orderId"],))
+        return {"orderId": args["orderId"], "shipped": True}
+
+
+def tools(database: fc.Database) -> list[fc.Tool]:
+    database.install("shipped", 1, "CREATE TABLE shipped (order_id TEXT PRIMARY KEY);")
+    return [MarkShipped()]
+
+
+sys.exit(fc.main(app=fc.App(tools=tools, customer="alice")))
+"""
+
+
+class ManyHostsTest(unittest.TestCase):
+    """Hosts as separate processes with separate data directories and audit logs, sharing one
+    PostgreSQL database (`--database-url`, from the environment), as replicas on K machines."""
+
+    def setUp(self) -> None:
+        self.server = PostgresServer.shared()
+        scratch = tempfile.TemporaryDirectory()
+        self.addCleanup(scratch.cleanup)
+        self.root = Path(scratch.name)
+        (self.root / "host_app.py").write_text(HOST_APP)
+        self.url = self.server.url_of_fresh_schema()
+        self.applied = self.root / "applied.log"
+
+    def host_command(self, host: str, *args: str, **env: str) -> tuple[list[str], dict[str, str]]:
+        environment = {
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": str(HERE),
+            "FUNCTION_CALLING_DATA": str(self.root / host),
+            "FUNCTION_CALLING_DATABASE_URL": self.url,
+            "APPLIED": str(self.applied),
+            **env,
+        }
+        return [str(PG_VENV / "bin" / "python"), str(self.root / "host_app.py"), *args], environment
+
+    def on(self, host: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        command, environment = self.host_command(host, *args, **env)
+        done = subprocess.run(
+            command, env=environment, capture_output=True, text=True, timeout=120, check=False
+        )
+        self.assertNotIn("Traceback", done.stderr)
+        return done
+
+    def start_on(self, host: str, *args: str, **env: str) -> subprocess.Popen[str]:
+        command, environment = self.host_command(host, *args, **env)
+        child = subprocess.Popen(
+            command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.addCleanup(child.kill)
+        return child
+
+    @staticmethod
+    def until(condition: Callable[[], bool], seconds: float = 120) -> None:
+        """Wait, polling, for `condition` (or `seconds`: what follows asserts the state)."""
+        for _ in range(int(seconds * 100)):
+            if condition():
+                return
+            time.sleep(0.01)
+
+    def file_on(self, host: str, order_id: str = "ORD-1001") -> str:
+        """A turn on `host` in which the model asks to mark an order shipped; its approval id."""
+        script = [
+            tool_call_reply([("markShipped", json.dumps({"orderId": order_id}))]),
+            text_reply("A person will confirm it."),
+        ]
+        with ScriptedChatServer(script) as model:
+            done = self.on(host, "ask", "Ship it", OPENAI_BASE_URL=model.base_url)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (told,) = tool_results(model.requests[1])
+        return str(told["approvalId"])
+
+    def audit_of(self, host: str) -> list[dict[str, Any]]:
+        text = (self.root / host / "audit.log").read_text(encoding="ascii")
+        return [json.loads(line) for line in text.splitlines()]
+
+    def test_a_daily_limit_that_fits_one_turn_lets_one_of_eight_on_two_hosts_through(
+        self,
+    ) -> None:
+        with ScriptedChatServer([text_reply("ok")]) as model:  # the size of one ask's request
+            self.assertEqual(
+                self.on("host-a", "ask", "Ship it?", OPENAI_BASE_URL=model.base_url).returncode, 0
+            )
+        # what that turn spent, the next request's input at the first estimate and a little
+        # more: the first turn to ask is charged all the room left, for its reply's bound
+        limit = str(15 + len(model.requests[0].body) // fc.BYTES_PER_TOKEN + 100)
+        gate = threading.Event()
+
+        def held(request: RecordedRequest) -> bytes:
+            gate.wait(120)  # answered once every other turn has ended
+            return text_reply("ok")
+
+        go = self.root / "go"
+        with ScriptedChatServer([held, *[text_reply("late")] * 7]) as model:
+            turns = [
+                self.start_on(
+                    host,
+                    "ask",
+                    "Ship it?",
+                    "--max-daily-tokens",
+                    limit,
+                    OPENAI_BASE_URL=model.base_url,
+                    GO=str(go),
+                )
+                for host in ["host-a", "host-b"] * 4
+            ]
+            # every process started, waiting for the word
+            self.until(lambda: len(list(self.root.glob("go.*"))) == len(turns))
+            go.touch()
+            # all at once: seven end, refused, while one is in flight
+            self.until(lambda: sum(turn.poll() is not None for turn in turns) >= 7)
+            gate.set()
+            ended = [(turn.communicate(timeout=120), turn.returncode) for turn in turns]
+        codes = sorted(code for _, code in ended)
+        self.assertEqual(codes, [0] + [4] * 7, ended)
+        self.assertEqual(len(model.requests), 1)  # the seven never sent theirs
+        for (_, err), code in ended:
+            if code == 4:
+                self.assertIn(f"the daily ({utc_day()}) total-token limit", err)
+
+    def test_a_conversation_saved_on_one_host_goes_on_on_another_and_a_race_has_one_winner(
+        self,
+    ) -> None:
+        with ScriptedChatServer([text_reply("one")]) as model:
+            command, environment = self.host_command(
+                "host-a", "chat", OPENAI_BASE_URL=model.base_url
+            )
+            started = subprocess.run(
+                command,
+                env=environment,
+                input="first\n",
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        found = CONVERSATION_LINE.search(started.stderr)
+        assert found is not None, started.stderr
+        conversation_id = found.group(1)
+        release = threading.Event()
+
+        def asking(question: str) -> tuple[str, ...]:
+            return "ask", question, "--conversation", conversation_id
+
+        def slowly(request: RecordedRequest) -> bytes:
+            release.wait(60)  # while host-a's model writes, host-b saves a turn
+            return text_reply("the slow answer")
+
+        # one model for both hosts, as a real one keeps its URL: the history goes byte for byte
+        with ScriptedChatServer([text_reply("two"), slowly, text_reply("the other")]) as model:
+            resumed = self.on("host-b", *asking("second"), OPENAI_BASE_URL=model.base_url)
+            self.assertEqual((resumed.returncode, resumed.stdout), (0, "two\n"), resumed.stderr)
+            sent = model.requests[0].json()["messages"]
+            self.assertEqual([m["content"] for m in sent[1:]], ["first", "one", "second"])
+            loser = self.start_on("host-a", *asking("third"), OPENAI_BASE_URL=model.base_url)
+            # host-a's request is in; its answer waits
+            self.until(lambda: len(model.requests) == 2 or loser.poll() is not None)
+            winner = self.on("host-b", *asking("fourth"), OPENAI_BASE_URL=model.base_url)
+            self.assertEqual((winner.returncode, winner.stdout), (0, "the other\n"), winner.stderr)
+            release.set()
+            out, err = loser.communicate(timeout=120)
+        self.assertEqual((loser.returncode, out), (1, "the slow answer\n"), err)  # shown, unsaved
+        self.assertIn("was answered but not saved", err)
+        with ScriptedChatServer([text_reply("five")]) as model:
+            self.on("host-a", *asking("fifth"), OPENAI_BASE_URL=model.base_url)
+        said = [m["content"] for m in model.requests[0].json()["messages"][1:]]
+        self.assertEqual(said, ["first", "one", "second", "two", "fourth", "the other", "fifth"])
+
+    def test_the_inbox_on_one_host_shows_what_another_filed_and_which_host_filed_it(
+        self,
+    ) -> None:
+        action_id = self.file_on("host-a")
+        inbox = self.start_on("host-b", "inbox", "--operator", "bob")
+        assert inbox.stdout is not None
+        link = re.search(
+            r"http://([0-9.]+):([0-9]+)(/\?token=[A-Za-z0-9_-]+)", inbox.stdout.readline()
+        )
+        assert link is not None
+        connection = http.client.HTTPConnection(link.group(1), int(link.group(2)), timeout=60)
+        connection.request("GET", link.group(3))
+        signed_in = connection.getresponse()
+        signed_in.read()
+        cookie = signed_in.headers["Set-Cookie"].split(";")[0]
+        connection.request("GET", "/", headers={"Cookie": cookie})
+        page = html_text(connection.getresponse().read().decode())
+        connection.close()
+        inbox.send_signal(signal.SIGINT)
+        _, said = inbox.communicate(timeout=60)
+        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
+        self.assertNotIn("error", said)
+        self.assertIn(action_id, page)
+        self.assertIn(f"Filed on host {filed_on}", page)
+
+    def test_stats_on_a_shared_database_say_which_figures_are_this_hosts(self) -> None:
+        self.file_on("host-a")
+        self.file_on("host-b", "ORD-1002")
+        done = self.on("host-a", "stats")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        lines = done.stdout.splitlines()
+        self.assertTrue(lines[0].startswith("this host        "), lines)
+        self.assertIn("its own audit log's", lines[0])
+        self.assertIn("turns            1", lines)  # host-a's own turn, not host-b's
+        spend = lines.index("every host       spend, from the ledger they share:")
+        self.assertTrue(lines[spend + 1].startswith("spend by day"), lines)
+
+    def test_a_host_killed_mid_decision_is_settled_by_itself_not_by_another(self) -> None:
+        action_id = self.file_on("host-a")
+        pause = self.root / "never"
+        killed = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
+        # inside apply: its intent line written, its change not committed
+        self.until(lambda: Path(f"{pause}.in").exists() or killed.poll() is not None)
+        killed.kill()
+        killed.communicate(timeout=60)
+        journal = "SELECT action_id FROM in_flight"
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])
+        self.assertEqual(self.on("host-b", "pending").returncode, 0)  # its log lacks the lines
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [(action_id,)])  # left alone
+        self.assertEqual(self.on("host-a", "pending").returncode, 0)  # host-a settles its own
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            self.assertEqual(db.execute(journal).fetchall(), [])
+        (settled,) = [r for r in self.audit_of("host-a") if r["event"] == "approval_decision"]
+        self.assertEqual((settled["outcome"], settled["recovered"]), ("not_applied", True))
+        self.assertEqual(self.applied.read_text() if self.applied.exists() else "", "")
+        checked = self.on("host-a", "verify-audit")  # host-b wrote no line: it has no log
+        self.assertEqual(checked.returncode, 0, checked.stderr)
+
+    def test_a_database_made_by_another_version_is_one_line_and_exit_2(self) -> None:
+        self.file_on("host-a")
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            db.execute("UPDATE schema_versions SET version = 99 WHERE component = 'approvals'")
+        done = self.on("host-b", "pending")
+        self.assertEqual(done.returncode, 2)
+        self.assertEqual(
+            done.stderr, "error: the database holds approvals schema 99; this code knows schema 1\n"
+        )
+
+    def test_two_hosts_approving_one_action_at_once_decide_it_once_and_apply_it_once(
+        self,
+    ) -> None:
+        action_id = self.file_on("host-a")
+        listed = self.on("host-b", "pending", "--json")  # every host sees every host's filing
+        filed_on = (self.root / "host-a" / "host-name").read_text().strip()
+        self.assertEqual(
+            [(r["action_id"], r["filed_by"]) for r in map(json.loads, listed.stdout.splitlines())],
+            [(action_id, filed_on)],
+        )
+        self.assertIn(f"  filed on {filed_on}\n", self.on("host-b", "pending").stdout)
+        pause = self.root / "go"
+        first = self.start_on("host-a", "approve", action_id, PAUSE=str(pause))
+        # host-a is inside apply, holding the writers' lock
+        self.until(lambda: Path(f"{pause}.in").exists() or first.poll() is not None, 60)
+        if first.poll() is not None:
+            self.fail(first.communicate())
+        beside = self.on("host-b", "pending", "--json")  # a reading does not wait for the lock
+        self.assertEqual((beside.returncode, beside.stdout.count("\n")), (0, 1), beside.stderr)
+        second = self.start_on("host-b", "approve", action_id)
+        # host-b waits for that lock: both are deciding at this moment
+        self.until(
+            lambda: bool(self.server.waiting_for_the_write_lock()) or second.poll() is not None,
+            60,
+        )
+        self.assertEqual(self.server.waiting_for_the_write_lock(), 1)
+        pause.touch()
+        outs = [child.communicate(timeout=120) for child in (first, second)]
+        self.assertEqual((first.returncode, second.returncode), (0, 1), outs)
+        self.assertIn("already approved", outs[1][1])
+        self.assertEqual(self.applied.read_text().splitlines(), [action_id])  # apply ran once
+        decided = {
+            host: [r for r in self.audit_of(host) if r["event"] == "approval_decision"]
+            for host in ("host-a", "host-b")
+        }
+        self.assertEqual([r["outcome"] for r in decided["host-a"]], ["approved"])
+        self.assertNotIn("approved", [r["outcome"] for r in decided["host-b"]])
+        for host in ("host-a", "host-b"):
+            named = (self.root / host / "host-name").read_text().strip()
+            self.assertTrue(all(r["host"] == named for r in self.audit_of(host)), host)
+        self.assertEqual(self.on("host-b", "pending", "--json").stdout, "")
+        for host in ("host-a", "host-b"):  # each log agrees with the database on its own steps
+            checked = self.on(host, "verify-audit")
+            self.assertEqual(checked.returncode, 0, checked.stderr)
+        with closing(self.server.driver.connect(self.url, autocommit=True)) as db:
+            db.execute("UPDATE pending_actions SET status = 'rejected'")  # a hand on the server
+        checked = self.on("host-a", "verify-audit")  # the host whose log decided it sees it
+        self.assertEqual(checked.returncode, 1)
+        self.assertIn(
+            f"{action_id}: the database holds it rejected; the log says approved", checked.stderr
+        )
+        self.assertEqual(self.on("host-b", "verify-audit").returncode, 0)  # not its decision
+
+
+class DatabaseUrlTest(unittest.TestCase):
+    """--database-url: refused in one line (exit 2) when it holds a password, is not
+    postgresql://, has no driver to use, or names a server that is not there."""
+
+    def cli(self, python: str, *args: str) -> subprocess.CompletedProcess[str]:
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(
+                [python, str(MODULE), "pending", "--data-dir", scratch, *args],
+                env={"PATH": os.environ.get("PATH", "")},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertNotIn("Traceback", done.stderr)
+        self.assertEqual(done.stderr.count("\n"), 1, done.stderr)  # one line
+        return done
+
+    def test_a_password_in_the_url_or_another_scheme_is_refused_before_anything(self) -> None:
+        for url, said in (
+            ("postgresql://app:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?password=s3cret-pw", "holds a password"),
+            ("mysql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
+            ("postgresql://[s3cret", "is not a URL"),
+            # as libpq reads a URL, not as urllib does: '#' is no fragment to libpq, and its
+            # user and password run to the first '@' before any '/', '?' and '#' included
+            ("postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk", "password"),
+            ("postgresql://app?sslmode=x:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app#:s3cret-pw@db.internal/helpdesk", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw", "holds a password"),
+            ("postgresql://app@db.internal/helpdesk?sslpassword=s3cret-pw", "holds a password"),
+            (" postgresql://app@db.internal/helpdesk", "must be a postgresql:// URL"),
+        ):
+            with self.subTest(url=url):
+                done = self.cli(sys.executable, "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn("s3cret", done.stderr)
+
+    def test_a_password_is_judged_by_libpq_itself_where_the_driver_is(self) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        for url in (
+            "postgresql://app@db.internal/#?password=s3cret-pw&dbname=helpdesk",
+            "postgresql://app?x:s3cret-pw@db.internal/helpdesk",
+            "postgresql://app@db.internal/helpdesk?%70assword=s3cret-pw",
+        ):
+            with self.subTest(url=url):
+                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn("holds a password", done.stderr)
+                self.assertNotIn("s3cret", done.stderr)
+
+    def test_without_a_driver_it_says_which_to_install(self) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(  # python -S: no site-packages, so no driver whatever is there
+                [sys.executable, "-S", str(MODULE), "pending", "--data-dir", scratch],
+                env={"FUNCTION_CALLING_DATABASE_URL": "postgresql://app@db.internal/helpdesk"},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertEqual(
+            done.stderr,
+            "error: --database-url needs PostgreSQL's driver: pip install 'psycopg[binary]'\n",
+        )
+
+    def test_a_server_that_is_not_there_is_one_line_and_exit_2(self) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        with tempfile.TemporaryDirectory() as nowhere:
+            url = f"postgresql:///helpdesk?host={urllib.parse.quote(nowhere, safe='')}"
+            done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn(
+            "cannot use the PostgreSQL database postgresql:///helpdesk (the PostgreSQL server"
+            " could not be reached",
+            done.stderr,
+        )
+        self.assertNotIn(nowhere, done.stderr)  # no path, host or user of the server's shown
+
+    def test_a_server_that_takes_the_connection_and_never_answers_is_given_up_in_time(
+        self,
+    ) -> None:
+        if postgres_driver() is None:
+            self.skipTest(f"no psycopg for this Python in {PG_VENV} (make pg-driver)")
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        taken: list[socket.socket] = []
+
+        def take() -> None:  # every connection accepted, and never a byte said
+            with suppress(OSError):
+                while True:
+                    taken.append(listener.accept()[0])
+
+        threading.Thread(target=take, daemon=True).start()
+        url = f"postgresql://app@127.0.0.1:{listener.getsockname()[1]}/helpdesk"
+        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)  # 120 s at most
+        for connection in taken:
+            connection.close()
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("the PostgreSQL server did not answer", done.stderr)
+        self.assertTrue(taken)  # it did connect, and was let wait
+
+    def test_a_missing_database_role_or_password_each_say_what_to_do(self) -> None:
+        server = PostgresServer.shared()
+        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
+            admin.execute(f"DROP ROLE IF EXISTS {PASSWORD_ROLE}")
+            admin.execute(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD 'right-one'")
+        for url, said in (
+            (server.url.replace("/postgres?", "/no_such_db?"), "no such database: create it"),
+            (server.url.replace("user=fc", "user=nobody_here"), "no such role"),
+            (server.url.replace("user=fc", f"user={PASSWORD_ROLE}"), "refused the role's pass"),
+        ):
+            with self.subTest(url=url):
+                done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+                self.assertEqual(done.returncode, 2)
+                self.assertIn(said, done.stderr)
+                self.assertNotIn(str(server.directory), done.stderr)
+
+    def test_the_readmes_set_up_from_nothing_runs_as_written(self) -> None:
+        server = PostgresServer.shared()
+        (block,) = [b for b in README_SH.findall(README.read_text()) if "CREATE ROLE" in b]
+        socket_dir = urllib.parse.quote(str(server.directory), safe="")
+        psql, createdb = postgres_binary("psql"), postgres_binary("createdb")
+        on_server = f"-h {server.directory} -U fc"
+        script = [
+            line.replace("sudo -u postgres psql", f"{psql} {on_server} -d postgres")
+            .replace("sudo -u postgres createdb", f"{createdb} {on_server}")
+            .replace("db.internal:5432:", f"{server.directory}:5432:")  # .pgpass: its socket
+            .replace("@db.internal/helpdesk", f"@/helpdesk?host={socket_dir}")
+            .replace("~/helpdesk-venv/bin/python", str(PG_VENV / "bin" / "python"))
+            .replace("function_calling.py", str(MODULE))
+            for line in block.splitlines()
+            if not line.startswith(("sudo apt-get", "python3 -m venv"))  # done: .ci/run, make
+        ]
+        with tempfile.TemporaryDirectory() as home:
+            done = subprocess.run(
+                ["bash", "-e", "-c", "\n".join(script)],
+                env={"PATH": os.environ.get("PATH", ""), "HOME": home},
+                cwd=home,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+        self.assertEqual(
+            (done.returncode, done.stdout), (0, "CREATE ROLE\nno pending actions\n"), done.stderr
+        )
+
+    def test_a_role_that_may_not_create_tables_is_told_so_and_the_database_named(self) -> None:
+        server = PostgresServer.shared()
+        role = f"weak_{os.getpid()}_{secrets.token_hex(3)}"
+        with closing(server.driver.connect(server.url, autocommit=True)) as admin:
+            admin.execute(f"CREATE ROLE {role} LOGIN")
+            admin.execute(f"CREATE SCHEMA {role}")  # fc's: the role may use it, not create in it
+            admin.execute(f"GRANT USAGE ON SCHEMA {role} TO {role}")
+        url = server.url.replace("user=fc", f"user={role}")
+        url += "&options=" + urllib.parse.quote(f"-c search_path={role}")
+        done = self.cli(str(PG_VENV / "bin" / "python"), "--database-url", url)
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("cannot use the PostgreSQL database postgresql:///postgres", done.stderr)
+        self.assertIn("CREATE", done.stderr)  # the privilege it lacks
+        self.assertIn("42501", done.stderr)
+        self.assertNotIn(".db", done.stderr)  # no SQLite file, which there is none of
+        self.assertNotIn(str(server.directory), done.stderr)
+
+
+# SQLite's statements, as the file's and your tools' are written, that mean the same on
+# PostgreSQL once translated: each runs on both engines, and must give the same rows, or fail
+# alike. Strings, quoted names and comments hold what would be code outside them.
+BOTH_ENGINES_SCHEMA = """
+CREATE TABLE words (
+    word TEXT PRIMARY KEY CHECK (word GLOB '[A-Z]*'),  -- a capital first: "why?" 100%
+    n    INTEGER NOT NULL DEFAULT 0,
+    why  TEXT DEFAULT 'why? 100%',
+    "odd?name" REAL
+);
+"""
+BOTH_ENGINES: list[tuple[str, Any]] = [
+    ("INSERT INTO words (word, n) VALUES ('ABC', 1)", ()),
+    ("INSERT INTO words (word, n) VALUES ('abc', 2)", ()),  # refused by the CHECK on both
+    ("INSERT INTO words (word, n) VALUES ('A_B', 3), ('AxB', 9000000000)", ()),  # 64 bits
+    ("INSERT INTO words (word, n) VALUES ('Z?', ?)", (4,)),
+    ("INSERT OR IGNORE INTO words (word) VALUES ('ABC') -- already there", ()),
+    ('SELECT word, n, why, "odd?name" FROM words ORDER BY word', ()),  # byte order
+    ("SELECT word FROM words WHERE word GLOB 'A_B'", ()),
+    ("SELECT word FROM words WHERE word GLOB 'A?B' ORDER BY word", ()),
+    ("SELECT word FROM words WHERE word NOT GLOB '*B' ORDER BY word", ()),
+    ("SELECT MAX(n, 5), MIN(n, 5) FROM words WHERE word = 'ABC'", ()),
+    ("SELECT 'why?', ? || '?', '50%' /* ? and % */", ("x?",)),
+    ("SELECT :a || ':b', ':c'", {"a": "x"}),
+    (
+        "SELECT 'a.b' GLOB 'a.b', 'axb' GLOB 'a.b', 'a+b' GLOB 'a+b', '(x)' GLOB '(x)',"
+        " 'a\\b' GLOB 'a\\b', 'a$' GLOB 'a$', '^x' GLOB '^x', 'a{1}' GLOB 'a{1}',"
+        " 'a|b' GLOB 'a|b', '%' GLOB '%', 'it''s' GLOB 'it''s', '' GLOB '*'",
+        (),
+    ),
+    (
+        "SELECT ']' GLOB '[]]', '-' GLOB '[a-]', 'b' GLOB '[^a-c]', 'd' GLOB '[^a-c]',"
+        " '[' GLOB '[[]', '\\' GLOB '[\\]', '^' GLOB '[x^]', 'é' GLOB '?', 'ab' GLOB '?',"
+        " 'AB' GLOB 'ab', 'a' || char(10) || 'b' GLOB 'a*b', 'ORD-1234' GLOB 'ORD-[0-9]*'",
+        (),
+    ),
+    (
+        "SELECT '~' GLOB '[a-~]', 'b' GLOB '[a-~]', char(7) GLOB '[a-~]', '5' GLOB '[0-~]',"
+        " '+' GLOB '[+-z]', 'a' GLOB '[+-z]', '-' GLOB '[]-a]', '^' GLOB '[]-a]',"
+        " ']' GLOB '[^]a]', 'b' GLOB '[^]a]'",
+        (),
+    ),
+    ("SELECT 1 WHERE 'a' = 'b' OR REPLACE('ab', 'b', 'c') = 'ac'", ()),
+]
+
+
+class BothEnginesTest(OnPostgres):
+    """The SQL translation keeps the meaning: the same statements give the same results on
+    SQLite and PostgreSQL, and what cannot be said the same is refused, naming it."""
+
+    def outcome(self, database: Database, sql: str, parameters: Any) -> Any:
+        try:
+            with database.write_transaction() as db:
+                cursor = db.execute(sql, parameters)
+                return [tuple(row) for row in cursor.fetchall()] if "SELECT" in sql else "done"
+        except sqlite3.IntegrityError:
+            return "refused by a constraint"
+
+    def test_the_same_statements_give_the_same_results_on_both(self) -> None:
+        sqlite = Database(self.data_dir / "both.db")
+        self.addCleanup(sqlite.close)
+        for database in (sqlite, self.database):
+            database.install("both", 1, BOTH_ENGINES_SCHEMA)
+        for sql, parameters in BOTH_ENGINES:
+            on_postgres = sql.replace("char(", "chr(")  # a control character, as each says it
+            with self.subTest(sql=sql):
+                expected = self.outcome(sqlite, sql, parameters)
+                self.assertEqual(self.outcome(self.database, on_postgres, parameters), expected)
+
+    def test_what_means_otherwise_is_refused_in_one_line_naming_the_statement(self) -> None:
+        for sql, why in (
+            ("SELECT 'a' LIKE 'A'", "LIKE ignores case"),
+            ("SELECT 'x' GLOB ?", "GLOB's pattern must be a string literal"),
+            ("SELECT 'x' GLOB '[a'", "a GLOB set is never closed"),
+            ("INSERT OR REPLACE INTO t VALUES (1)", "only INSERT OR IGNORE"),
+            ("CREATE TABLE t (id INTEGER PRIMARY KEY)", "INTEGER PRIMARY KEY"),
+            ("CREATE TABLE t (id INTEGER NOT NULL, PRIMARY KEY (id))", "INTEGER PRIMARY KEY"),
+            ("CREATE TABLE t (b BLOB)", "a column typed BLOB"),
+            ("CREATE TABLE t (anything)", "a column typed nothing"),
+            ("CREATE TABLE t (d NUMERIC)", "a column typed NUMERIC"),
+        ):
+            refusing = self.assertRaises(ConfigError)
+            with self.subTest(sql=sql), refusing as refused, self.database.reading() as db:
+                db.execute(sql, (1,) if "?" in sql else ())
+            self.assertIn(why, str(refused.exception))
+            self.assertIn(sql[:20], str(refused.exception))
+            self.assertEqual(str(refused.exception).count("\n"), 0)
+
+
+class RestartingRefund(fc.RequestShippingRefund):
+    """The shop's refund, whose apply restarts the PostgreSQL server halfway: after its own
+    checks, before its write (a crash of the server in the middle of an approval)."""
+
+    server: PostgresServer
+
+    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
+        db.execute("SELECT 1 FROM orders")
+        self.server.restart()
+        return super().apply(args, context, db)
+
+
+class PostgresFaultTest(OnPostgres, ApprovalCase):
+    """The server restarted between steps and in the middle of one."""
+
+    def test_a_restart_between_two_steps_fails_neither(self) -> None:
+        told = self.propose()
+        self.server.restart()  # every kept connection, reading and writing, is dropped
+        (waiting,) = self.approvals.pending()
+        self.assertEqual(waiting.action_id, told["approvalId"])
+        self.server.restart()
+        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
+        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
+
+    def test_a_restart_while_the_model_writes_is_not_seen_by_the_turn(self) -> None:
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+
+        def restarted(request: RecordedRequest) -> bytes:
+            self.server.restart()  # after the ledger's charge, before its count and the save
+            return text_reply("ok")
+
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        with ScriptedChatServer([restarted]) as model:
+            client = ChatClient(Settings(base_url=model.base_url, model="m"))
+            loop = fc.hardened_loop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+                budget=budget,
+            )
+            result, _ = conversations.turn(
+                loop, conversation, "hi", ToolContext(DEMO_CUSTOMER), self.approvals
+            )
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "ok"))
+        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+        self.assertEqual(saved.turn_count, 1)
+        spent = fc.Ledger(self.database).spent()[f"customer {DEMO_CUSTOMER} {utc_day()}"]
+        self.assertEqual(spent.input + spent.output, 15)  # the server's count, not the charge
+
+    def test_a_restart_in_the_middle_of_a_save_leaves_the_turn_before_and_the_next_saves(
+        self,
+    ) -> None:
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        index_turn = fc._index_turn
+
+        def restarting(*args: Any) -> None:
+            self.server.restart()  # inside the save's transaction: its row is written
+            index_turn(*args)
+
+        with ScriptedChatServer([text_reply("one"), text_reply("two")]) as model:
+            client = ChatClient(Settings(base_url=model.base_url, model="m"))
+            loop = fc.hardened_loop(
+                client,
+                self.tools,
+                self.audit,
+                approvals=self.approvals,
+            )
+            cut = mock.patch.object(fc, "_index_turn", restarting)
+            with cut, self.assertRaises(sqlite3.OperationalError):
+                conversations.turn(loop, conversation, "a", ToolContext(DEMO_CUSTOMER))
+            unsaved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+            self.assertEqual(unsaved.turn_count, 0)  # none of that turn
+            conversations.turn(loop, unsaved, "b", ToolContext(DEMO_CUSTOMER))
+        saved = conversations.load(conversation.conversation_id, DEMO_CUSTOMER)
+        self.assertEqual(saved.turn_count, 1)
+        self.assertIn('"two"', saved.turns[0].messages[-1])
+
+    def test_a_restart_in_the_middle_of_an_approval_applies_nothing_and_the_log_agrees(
+        self,
+    ) -> None:
+        told = self.propose()
+        restarting = RestartingRefund(fc.OrderStore(self.database))
+        restarting.server = self.server
+        with self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed"):
+            self.approvals.approve(told["approvalId"], fc.tool_table([restarting]), "alice")
+        self.assertEqual(self.refunds(), [])  # nothing of it committed
+        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
+        self.assertEqual(waiting.action_id, told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+        self.approvals.approve(told["approvalId"], fc.tool_table(self.tools), "alice")
+        self.assertEqual([row[1] for row in self.refunds()], [told["approvalId"]])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+
+class StoppingRefund(fc.RequestShippingRefund):
+    """The shop's refund, whose apply stops its own PostgreSQL backend (SIGSTOP, as a frozen
+    server) after its checks: its next statement is never answered while it is stopped."""
+
+    stopped: list[int]
+
+    def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> dict[str, Any]:
+        (pid,) = db.execute("SELECT pg_backend_pid()").fetchone()
+        self.stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        return super().apply(args, context, db)
+
+
+class PostgresDeadlineTest(OnPostgres, ApprovalCase):
+    """Every wait on the server has a deadline: a writer held off by another session fails
+    closed within the busy timeout, naming who held the lock; a turn's waits end by its
+    deadline; a statement a stopped backend never answers is cut, and undone."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.told = self.propose()  # before the lock is held, and with the default waits
+        patch = mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 0.5)
+        patch.start()
+        self.addCleanup(patch.stop)
+
+    def hold_the_write_lock(self) -> int:
+        """An operator's psql takes the writers' lock and sits on it; its server pid."""
+        holder = self.server.driver.connect(self.server.url, application_name="psql")
+        self.addCleanup(holder.close)
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (fc.WRITE_LOCK,))
+        self.addCleanup(holder.rollback)
+        return int(holder.info.backend_pid)
+
+    def test_a_writer_held_off_fails_closed_within_the_busy_timeout_naming_the_holder(
+        self,
+    ) -> None:
+        pid = self.hold_the_write_lock()
+        named = f"another session (role fc, psql, pid {pid}) held the database's write lock"
+        with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
+            self.sql("DELETE FROM refunds")
+        for decide in (
+            lambda: self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a"),
+            lambda: self.approvals.reject(self.told["approvalId"], "a", "not late"),
+        ):
+            with self.assertRaisesRegex(sqlite3.OperationalError, re.escape(named)):
+                decide()
+        (waiting,) = self.approvals.pending()  # a look neither waits nor fails meanwhile
+        self.assertEqual(waiting.action_id, self.told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+    def test_a_turn_with_a_daily_limit_stops_closed_sending_nothing(self) -> None:
+        ledger = fc.Ledger(self.database)  # its tables made, as at start
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=ledger)
+        self.hold_the_write_lock()
+        with self.assertLogs("function_calling", "WARNING") as warned:
+            result, requests = self.run_turn([text_reply("never")], loop={"budget": budget})
+        self.assertEqual((result.stop_reason, requests), ("budget", []))
+        self.assertIn("held the database's write lock", "\n".join(warned.output))
+
+    def test_a_turns_waits_end_by_its_deadline_not_the_busy_timeout(self) -> None:
+        budget = fc.Budget(daily=fc.Limits(total_tokens=10**6), ledger=fc.Ledger(self.database))
+        self.hold_the_write_lock()
+        started = time.monotonic()
+        with (
+            mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 60.0),
+            self.assertLogs("function_calling", "WARNING"),
+        ):
+            result, _ = self.run_turn(
+                [text_reply("never")], loop={"budget": budget, "turn_timeout": 1.0}
+            )
+        self.assertEqual(result.stop_reason, "budget")
+        self.assertLess(time.monotonic() - started, 30.0)  # 1 s is needed; 60 s without it
+
+    def test_a_statement_a_stopped_backend_never_answers_is_cut_and_undone(self) -> None:
+        stopping = StoppingRefund(fc.OrderStore(self.database))
+        stopping.stopped = []
+
+        def go_on() -> None:
+            for pid in stopping.stopped:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        self.addCleanup(go_on)
+        refused = self.assertRaisesRegex(fc.ApprovalError, "not carried out: the tool failed")
+        with mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0), refused:
+            self.approvals.approve(self.told["approvalId"], fc.tool_table([stopping]), "a")
+        go_on()  # the backend wakes to a closed connection: its transaction is rolled back
+        self.assertEqual(self.refunds(), [])
+        (waiting,) = self.approvals.pending()  # still waiting, and decided by the next try
+        self.assertEqual(waiting.action_id, self.told["approvalId"])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # the stopped one's end
+            self.approvals.approve(self.told["approvalId"], fc.tool_table(self.tools), "a")
+        self.assertEqual([row[1] for row in self.refunds()], [self.told["approvalId"]])
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+    def test_a_commit_cut_off_in_doubt_is_logged_only_as_the_database_says_it_ended(
+        self,
+    ) -> None:
+        armed: list[bool] = []
+        stopped: list[int] = []
+        committed = fc._committed
+
+        class ArmingRefund(fc.RequestShippingRefund):  # the next commit is the decision's
+            def apply(self, args: dict[str, Any], context: ToolContext, db: Any) -> Any:
+                armed.append(True)
+                return super().apply(args, context, db)
+
+        def stopping(raw: Any) -> None:  # its backend stops as the COMMIT is sent
+            if armed and not stopped:
+                stopped.append(int(raw.info.backend_pid))
+                os.kill(stopped[0], signal.SIGSTOP)
+            committed(raw)
+
+        def go_on() -> None:
+            for pid in stopped:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        self.addCleanup(go_on)
+        tools = fc.tool_table([ArmingRefund(fc.OrderStore(self.database))])
+        doubt = self.assertRaisesRegex(sqlite3.OperationalError, "whether the commit landed")
+        cut = mock.patch.object(fc, "POSTGRES_CUT_AFTER_S", 1.0)
+        with cut, mock.patch.object(fc, "_committed", stopping), doubt:
+            self.approvals.approve(self.told["approvalId"], tools, "a")
+        self.assertEqual(self.audit_records("approval_decision"), [])  # in doubt: no line yet
+        go_on()  # the backend reads the COMMIT it was sent, or not, and ends
+        with mock.patch.object(fc, "DATABASE_BUSY_TIMEOUT_S", 30.0):  # until it has ended
+            self.approvals.pending()  # settles it under the write lock
+        (line,) = self.audit_records("approval_decision")
+        landed = bool(self.refunds())
+        self.assertEqual(line["outcome"], "approved" if landed else "not_applied")
+        self.assertEqual(fc.audit_disagreements(self.audit_path, self.database), [])
+
+
+class CopiedDataDirectoryTest(OnPostgres, ApprovalCase):
+    """A data directory copied (a backup restored beside it, a cloned machine) carries its
+    host's name: while the host runs, the copy is refused before it settles anything."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.told = self.propose()
+
+    def test_a_copy_of_a_running_hosts_data_directory_is_refused_before_it_settles(
+        self,
+    ) -> None:
+        intent = "dec-" + "0" * 16  # a decision of this host's, half done (as after a crash)
+        self.sql(
+            "INSERT INTO in_flight (intent_id, action_id, step, operator, host)"
+            " VALUES (?, ?, 'approve', 'alice', ?)",
+            intent,
+            self.told["approvalId"],
+            self.database.host,
+        )
+        copy = self.data_dir.parent / (self.data_dir.name + "-copy")
+        shutil.copytree(self.data_dir, copy)  # its host-name file too
+        self.addCleanup(shutil.rmtree, copy, True)
+        twin = fc.PostgresDatabase(self.connect, copy)
+        self.addCleanup(twin.close)
+        self.assertEqual(twin.host, self.database.host)
+        with self.assertRaisesRegex(ConfigError, f"host {twin.host} is running already"):
+            fc.JournaledApprovals(twin, AuditLog(copy / "audit.log", writer=fc.AuditFile))
+        with self.database.reading() as db:  # the host's own row, left alone
+            rows = db.execute("SELECT intent_id FROM in_flight").fetchall()
+        self.assertEqual([tuple(row) for row in rows], [(intent,)])
+        same = fc.PostgresDatabase(self.connect, self.data_dir)  # another process of the host
+        self.addCleanup(same.close)
+        fc.JournaledApprovals(same, self.audit)  # is no copy
+        self.database.close()
+        same.close()  # the host stopped: its directory restored elsewhere may carry on
+        restored = fc.PostgresDatabase(self.connect, copy)
+        self.addCleanup(restored.close)
+        fc.JournaledApprovals(restored, AuditLog(copy / "audit.log", writer=fc.AuditFile))
+
+
+# ------------------------------------------------------------------- conversations (CONVERSATIONS)
 
 CONVERSATION_LINE = re.compile(r"conversation (conv-[0-9a-f]{20})")
 REFUND_1003 = [
@@ -8692,7 +8699,7 @@ class ConversationTest(ApprovalCase):
         return fc.Conversations(self.database).load(conversation_id, DEMO_CUSTOMER)
 
 
-# ------------------------------------------------------------------- MCP tools (the MCP section)
+# --------------------------------------------------------------------------------- MCP tools (MCP)
 
 SCHEMA_SUITES = HERE.parent / "shared" / "json-schema-test-suite"
 SCHEMA_SUITE = SCHEMA_SUITES / "draft2020-12"
@@ -10272,7 +10279,7 @@ class TrivialToolOnAWorker(TrivialTool):
     inline = False
 
 
-# ------------------------------------------------------------------------------------ inbox
+# ------------------------------------------------------------------------------- the inbox (INBOX)
 
 INBOX_APP = """
 import sys
@@ -11369,7 +11376,7 @@ def html_text(page: str) -> str:
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
 
 
-# ------------------------------------------------------------- MCP servers over HTTP (remote)
+# --------------------------------------------------------------------- MCP servers over HTTP (MCP)
 
 REMOTE_TOOLS = [
     {
