@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #8bec17f1: the whole file, every part kept
+# function_calling.py 2026-12-04 #c614f0a3: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,056 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,096 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
@@ -213,6 +213,12 @@ class Settings:
         # subtle: a file: or data: URL names no server; it must not get as far as a request
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
+        try:  # subtle: else the lookup raises UnicodeError, no OSError, mid-request
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a host name with an empty or over-long label"
+            ) from None
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if self.api_key and not self.api_key.isascii():
             raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
@@ -622,10 +628,11 @@ GENESIS = "0" * 64  # the "prev" of the first record
 
 
 class LineFile:
-    """Part I's audit file: each record one JSON line, {"seq": N, "prev": SHA-256 of line N-1,
-    …}, appended and fsynced under a lock, the chain continued from the file's last line. It
-    does not survive a second writer on the file (the chain forks), a half line a full disk or
-    a crash left, or a secret in an exception's text (Part II's AuditFile)."""
+    """Part I's audit file, its owner's alone: each record one JSON line, {"seq": N, "prev":
+    SHA-256 of line N-1, …}, appended and fsynced under a lock, the chain continued from the
+    file's last line; a value that holds a secret this process keeps is written [redacted].
+    It does not survive a second writer on the file (the chain forks), a half line a full disk
+    or a crash left, or a secret in an exception's text (Part II's AuditFile)."""
 
     @classmethod
     def of(cls, path: Path, fsync: bool, head_file: Path | None) -> LineFile:
@@ -636,27 +643,30 @@ class LineFile:
     def __init__(self, path: Path, fsync: bool = True) -> None:
         self.path, self.fsync = path, fsync
         self._lock = threading.Lock()
-        self._seq, self._prev = 0, GENESIS
-        text = path.read_bytes() if path.exists() else b""  # read once, as the log is opened
-        if text:
-            self._seq, self._prev = _chain_end(text)
+        self._seq, self._prev = _chain_end(path)
 
     def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
         """One line, on disk when this returns (`sync` aside: every line is synced)."""
         with self._lock:
             line = _compact({"seq": self._seq + 1, "prev": self._prev, **record}).encode()
-            with self.path.open("ab") as file:
-                file.write(line + b"\n")
-                file.flush()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line + b"\n")
                 if self.fsync:
-                    os.fsync(file.fileno())
+                    os.fsync(fd)
+            except OSError:  # the line may be in the file all the same: chain on from it
+                self._seq, self._prev = _chain_end(self.path)
+                raise
+            finally:
+                os.close(fd)
             self._seq, self._prev = self._seq + 1, hashlib.sha256(line).hexdigest()
 
     def batch(self) -> AbstractContextManager[None]:
         return nullcontext()  # each line is on disk as it is written
 
     def cleaned(self, record: dict[str, Any]) -> dict[str, Any]:
-        return record  # as it is: secrets in free text are Part II's to cut
+        """The record, each value that holds a secret in use written [redacted] whole."""
+        return {k: "[redacted]" if _holds_secret(v, _IN_USE) else v for k, v in record.items()}
 
 
 class AuditLog:
@@ -710,12 +720,23 @@ class AuditLog:
             self._logger.info(event, extra={"audit": record})
 
 
-def _chain_end(text: bytes) -> tuple[int, str]:
-    """The seq and hash of a log's last line, or AuditError if it is not a whole record."""
-    last = text.splitlines()[-1]
+def _chain_end(path: Path) -> tuple[int, str]:
+    """The seq and hash of a log's last line (GENESIS's, if it has none), read from its end,
+    or AuditError if that line is not a whole record."""
+    if not path.exists() or not path.stat().st_size:
+        return 0, GENESIS
+    with path.open("rb") as log:
+        start, text = log.seek(0, os.SEEK_END), b""
+        while start and b"\n" not in text[:-1]:  # back, 64 KiB at a time, to the line before
+            step = min(start, 65536)
+            start -= step
+            log.seek(start)
+            text = log.read(step) + text
+    whole = text.endswith(b"\n")  # else a crash cut it
+    last = text[:-1].rsplit(b"\n", 1)[-1] if whole else b""
     try:
-        seq = json.loads(last)["seq"] if text.endswith(b"\n") else None
-    except (ValueError, KeyError, TypeError):
+        seq = json.loads(last)["seq"] if whole else None
+    except (ValueError, KeyError, TypeError, RecursionError):
         seq = None
     if not isinstance(seq, int):
         raise AuditError("the audit log's last line is not a record, so nothing more is appended")
@@ -873,7 +894,7 @@ def _error_body(text: str) -> dict[str, Any]:
     """The {"error": {...}} object of an error body, or {} if it has none."""
     try:
         error = json.loads(text).get("error")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return {}
     return error if isinstance(error, dict) else {"message": str(error)}
 
@@ -1813,6 +1834,11 @@ class Approvals:
         binding = _binding(context.customer_id, tool.name, arguments_json)
         expires = _iso(now + self.ttl_seconds)
         with self._transaction() as db:
+            db.execute(  # an expired action no longer holds its request's place
+                "UPDATE pending_actions SET status = 'expired'"
+                " WHERE status = 'pending' AND expires_at <= ?",
+                (_iso(now),),
+            )
             try:
                 db.execute(
                     f"INSERT INTO pending_actions ({_ACTION_FIELDS}) VALUES (?,?,?,?,?,?,?,?,?)",  # noqa: S608
@@ -1835,10 +1861,11 @@ class Approvals:
                     outcome="proposed",
                     **line,
                 )
+        # the tool's summary first: its own "status" must not say the write is done
         return {
+            **summary,
             "status": "requires_approval",
             "approvalId": action_id,
-            **summary,
             "expiresAt": expires,
         }
 
@@ -1887,7 +1914,7 @@ class Approvals:
         """One decision: carried out and marked in one transaction, then its audit line."""
         line = {"action_id": action_id, "operator": operator}
         try:
-            with self._transaction() as db:
+            with _refused_if_unwritten(action_id), self._transaction() as db:
                 action, result = carry_out(db)
                 marked = db.execute(
                     "UPDATE pending_actions SET status = ?, decided_at = ?, decided_by = ?"
@@ -1921,6 +1948,17 @@ class Approvals:
         return action
 
 
+@contextmanager
+def _refused_if_unwritten(action_id: str) -> Iterator[None]:
+    """A database that cannot be written (locked past its timeout, full) refuses the
+    decision: nothing was committed, and the error's own text is for the audit log only."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        refused = f"{action_id}: not decided: the database could not be written; try again"
+        raise ApprovalError(refused, detail=_cut(f"{type(exc).__name__}: {exc}", 2000)) from None
+
+
 def _applied(
     action: PendingAction, tool: Tool, context: ToolContext, db: sqlite3.Connection
 ) -> dict[str, Any]:
@@ -1943,8 +1981,8 @@ def _applied(
 
 def _bound_arguments(action: PendingAction) -> dict[str, Any]:
     """The arguments exactly as proposed, or ApprovalError: the approval covers nothing else."""
-    try:
-        args = parse_arguments(action.arguments_json)
+    try:  # filed as ASCII JSON, \u00e9 and all: longer than the model's text, never refused
+        args = parse_arguments(action.arguments_json, limit=len(action.arguments_json))
     except ArgumentError:
         args = {}
     binding = _binding(action.customer_id, action.tool, canonical_json(args))
@@ -2046,10 +2084,12 @@ def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
         return 2
     except KeyboardInterrupt:  # recorded as interrupted by the loop; no traceback
         return 130
+    # the model's text, fit for a terminal: no escape sequence runs, no key is shown
+    shown = _redacted(result.error or result.answer or "", environ.get("OPENAI_API_KEY"), "\n")
     if result.stop_reason != "answered":
-        print(f"{result.stop_reason}: {result.error or result.answer or ''}", file=sys.stderr)
+        print(f"{result.stop_reason}: {shown}", file=sys.stderr)
         return 1
-    print(result.answer)
+    print(shown)
     return 0
 
 
@@ -3431,7 +3471,8 @@ def _file_action(
             "INSERT INTO in_flight (intent_id, action_id, step, host) VALUES (?, ?, 'propose', ?)",
             (action_id, action_id, approvals.database.host),
         )
-    return {"status": "requires_approval", "approvalId": action_id, **summary, "expiresAt": expires}
+    # the tool's summary first: its own "status" must not say the write is done
+    return {**summary, "status": "requires_approval", "approvalId": action_id, "expiresAt": expires}
 
 
 def _open_action(

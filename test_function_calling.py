@@ -13,9 +13,11 @@ import atexit
 import base64
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import email.utils
+import errno
 import functools
 import hashlib
 import html
@@ -191,8 +193,8 @@ class MechanismCase(unittest.TestCase):
     def loop(self, client: Any, tools: list[Any], audit: Any, **options: Any) -> Any:
         return self.mod.ToolLoop(client, tools, audit, **options)
 
-    def approvals(self, path: Path, audit: Any) -> Any:
-        return self.mod.Approvals(path, audit)
+    def approvals(self, path: Path, audit: Any, **options: Any) -> Any:
+        return self.mod.Approvals(path, audit, **options)
 
     def turn(
         self, script: Sequence[fc.ScriptItem], **loop: Any
@@ -292,6 +294,34 @@ class EveryCallIsAuditedInAChain(MechanismCase):
                 with self.assertRaisesRegex(self.mod.AuditError, "nothing more is appended"):
                     self.audit_log(self.audit_path).record("probe")  # refused: open, or append
 
+    def test_a_line_whose_fsync_failed_does_not_fork_the_chain(self) -> None:
+        self.audit.record("first")
+        real_fsync, calls = os.fsync, []
+
+        def fails_once(fd: int) -> None:
+            calls.append(fd)
+            if len(calls) == 1:
+                raise OSError(errno.EIO, "I/O error")
+            real_fsync(fd)
+
+        with mock.patch("os.fsync", fails_once), contextlib.suppress(self.mod.AuditError):
+            self.audit.record("second")  # may be on disk: its fsync failed
+        self.audit.record("third")
+        check = fc.verify_audit(self.audit_path)
+        self.assertEqual(check.broken_line, None, check.problem)
+
+    def test_the_key_in_the_models_arguments_never_reaches_the_audit_file(self) -> None:
+        self.turn([tool_call_reply([("note", json.dumps({"word": FAKE_KEY}))]), text_reply("no")])
+        self.assertNotIn(FAKE_KEY[:12], self.audit_path.read_text())
+        self.assertEqual(self.audit_path.stat().st_mode & 0o077, 0, "the log is its owner's")
+
+    def test_a_last_line_nested_too_deep_is_refused_with_one_clear_error(self) -> None:
+        self.audit.record("first")
+        with self.audit_path.open("ab") as log:
+            log.write(b"[" * 100_000 + b"\n")
+        with self.assertRaisesRegex(self.mod.AuditError, "nothing more is appended"):
+            self.audit_log(self.audit_path).record("probe")
+
     def test_the_key_said_back_in_arguments_is_given_to_no_tool(self) -> None:
         result, _ = self.turn(
             [tool_call_reply([("note", json.dumps({"word": FAKE_KEY}))]), text_reply("no")]
@@ -326,6 +356,52 @@ class AWriteWaitsAndIsAppliedOnce(MechanismCase):
         lines = [json.loads(line) for line in self.audit_path.read_text().splitlines()]
         decisions = [r["outcome"] for r in lines if r["event"] == "approval_decision"]
         self.assertEqual(decisions, ["approved", "refused"])
+
+    def test_an_expired_request_can_be_filed_again(self) -> None:
+        data, now = self.audit_path.with_name("data.db"), [1_000_000.0]
+        approvals = self.approvals(data, self.audit, clock=lambda: now[0])
+        context, pin = self.mod.ToolContext("c-1"), self.Pin()
+        approvals.propose(pin, {"word": "hello"}, context, {"pin": "hello"})
+        now[0] += 2 * self.mod.APPROVAL_TTL_S
+        self.assertEqual(approvals.pending(), [])
+        told = approvals.propose(pin, {"word": "hello"}, context, {"pin": "hello"})
+        self.assertEqual([a.action_id for a in approvals.pending()], [told["approvalId"]])
+
+    def test_the_model_is_told_it_waits_whatever_the_tool_summary_says(self) -> None:
+        approvals = self.approvals(self.audit_path.with_name("data.db"), self.audit)
+        summary = {"status": "ready", "approvalId": "mine", "pin": "hello"}
+        told = approvals.propose(
+            self.Pin(), {"word": "hello"}, self.mod.ToolContext("c-1"), summary
+        )
+        self.assertEqual(told["status"], "requires_approval")
+        self.assertTrue(told["approvalId"].startswith("appr-"))
+
+    def test_long_arguments_in_any_script_are_approved_as_filed(self) -> None:
+        approvals = self.approvals(self.audit_path.with_name("data.db"), self.audit)
+        word = "é" * 20_000  # under the cap as text; three times longer written as \u00e9
+        told = approvals.propose(self.Pin(), {"word": word}, self.mod.ToolContext("c-1"), {})
+        tools = self.mod.tool_table([self.Pin()])
+        done = approvals.approve(told["approvalId"], tools, "ann")  # not "the request changed"
+        self.assertEqual(done, {"pinned": word})
+
+    def test_a_database_that_cannot_be_written_refuses_the_decision_in_one_line(self) -> None:
+        data = self.audit_path.with_name("data.db")
+        approvals = self.approvals(data, self.audit)
+        told = approvals.propose(self.Pin(), {"word": "hello"}, self.mod.ToolContext("c-1"), {})
+        with closing(sqlite3.connect(data, timeout=0)) as reader:
+            reader.execute("BEGIN EXCLUSIVE")  # no other writer may commit
+            # Part I refuses the decision; Part II says the lock was held past its wait
+            with (
+                mock.patch.object(self.mod, "DATABASE_BUSY_TIMEOUT_S", 0.05),
+                self.assertRaisesRegex(Exception, "could not be written|write lock past"),
+            ):
+                approvals.approve(told["approvalId"], self.mod.tool_table([self.Pin()]), "ann")
+            reader.rollback()
+        with closing(sqlite3.connect(data)) as db:  # nothing was applied
+            self.assertIsNone(
+                db.execute("SELECT name FROM sqlite_master WHERE name='board'").fetchone()
+            )
+        self.assertEqual(len(approvals.pending()), 1, "and it still waits")
 
     def test_an_approval_is_bound_to_the_arguments_proposed(self) -> None:
         data = self.audit_path.with_name("data.db")
@@ -365,6 +441,16 @@ class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
                 self.assertNotIn(FAKE_KEY[:12], result.error or "")
                 self.assertIn("[redacted]", result.error or "")
 
+    def test_an_error_body_nested_too_deep_is_one_error_not_a_traceback(self) -> None:
+        result, _ = self.turn([ScriptedReply(b"[" * 5000, 500)])
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertIn("HTTP 500", result.error or "")
+
+    def test_a_host_name_that_cannot_be_looked_up_is_refused_before_any_request(self) -> None:
+        for url in ("http://a..b/v1", f"http://{'x' * 64}.example/v1"):
+            with self.subTest(url=url), self.assertRaisesRegex(self.mod.ConfigError, "host name"):
+                self.mod.Settings(base_url=url, api_key=FAKE_KEY)
+
     def test_a_server_that_does_not_answer_in_time_is_an_error_by_the_timeout(self) -> None:
         def slow(request: RecordedRequest) -> bytes:
             time.sleep(2.0)
@@ -389,8 +475,8 @@ class OnPartTwosPieces(MechanismCase):
     def loop(self, client: Any, tools: list[Any], audit: Any, **options: Any) -> Any:
         return fc.hardened_loop(client, tools, audit, **options)
 
-    def approvals(self, path: Path, audit: Any) -> Any:
-        return fc.JournaledApprovals(Database(path), audit)
+    def approvals(self, path: Path, audit: Any, **options: Any) -> Any:
+        return fc.JournaledApprovals(Database(path), audit, **options)
 
 
 @functools.lru_cache(maxsize=1)
@@ -5458,7 +5544,7 @@ class CopyTest(unittest.TestCase):
 
 
 class ShapeTest(unittest.TestCase):
-    """The file reads as a reference: Part I, the mechanism, first and whole (at most 2,060
+    """The file reads as a reference: Part I, the mechanism, first and whole (at most 2,100
     lines while its pieces move in; issue 46 asks 1,000); the hardening and the operating
     after it."""
 
@@ -5500,8 +5586,8 @@ class ShapeTest(unittest.TestCase):
         expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
         self.assertEqual(top, expected | {".ci", ".gitignore"})
 
-    def test_part_one_is_at_most_2060_lines_and_the_docstring_says_how_long_it_is(self) -> None:
-        self.assertLessEqual(self.part_one_end, 2060)
+    def test_part_one_is_at_most_2100_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 2100)
         doc = " ".join((fc.__doc__ or "").split())
         said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
         assert said is not None, "the docstring's first reading names Part I's lines"
@@ -5596,7 +5682,8 @@ class ShapeTest(unittest.TestCase):
             self.assertNotIn(self.lines[self.part_two - 1], copy, "and nothing after it")
             asked = '{"start":"2026-12-04","end":"2027-01-01"}'
             ask = tool_call_reply([("days_between", asked), ("days_between", asked[:-2])])
-            with ScriptedChatServer([ask, text_reply("28 days.")]) as model:
+            answer = f"28 days.\x1b]0;owned\x07 {FAKE_KEY}"  # a title, and the key said back
+            with ScriptedChatServer([ask, text_reply(answer)]) as model:
                 env = {
                     "PATH": os.environ.get("PATH", ""),
                     "OPENAI_BASE_URL": model.base_url,
@@ -5613,7 +5700,8 @@ class ShapeTest(unittest.TestCase):
                     env=env,
                     check=False,
                 )
-            self.assertEqual((ran.returncode, ran.stdout, ran.stderr), (0, "28 days.\n", ""))
+            shown = "28 days.\\x1b]0;owned\\x07 [redacted]\n"  # escaped, and no key
+            self.assertEqual((ran.returncode, ran.stdout, ran.stderr), (0, shown, ""))
             told = [json.loads(m["content"]) for m in model.requests[1].json()["messages"][-2:]]
             self.assertEqual(
                 told[0], {"days": 28, "start_weekday": "Friday", "end_weekday": "Friday"}
