@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #c614f0a3: the whole file, every part kept
+# function_calling.py 2026-12-04 #4987de0d: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,096 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,097 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
@@ -1790,8 +1790,9 @@ class Approvals:
     its own rules again: Tool.apply), in one transaction with the action's status, so it is
     applied once. A filing's audit line is written inside its
     transaction (no line, no action); a decision's, as soon as it commits. It does not
-    survive a crash between a step's commit and its line (the log and the database then
-    disagree), hosts sharing a database, or a person's edit (Part II's JournaledApprovals)."""
+    survive a crash between a step's line and its commit, or a commit that fails after the
+    line (the log and the database then disagree), hosts sharing a database, or a person's
+    edit (Part II's JournaledApprovals)."""
 
     def __init__(
         self,
@@ -1827,7 +1828,7 @@ class Approvals:
         record: Callable[[Mapping[str, str]], None] | None = None,
     ) -> dict[str, Any]:
         """File a validated, eligible request with its audit line (`record` writes it; by
-        default a tool_call line here): both or neither. Returns what the model is told."""
+        default a tool_call line here): no line, no action. Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
         arguments_json, now = canonical_json(args), self.clock()
         row = (action_id, context.customer_id, tool.name, arguments_json)
