@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-04 #4987de0d: the whole file, every part kept
+# function_calling.py 2026-12-05 #1ae0f94b: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -29,7 +29,7 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 2,097 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,200 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -129,7 +129,7 @@ __all__ = [
 # The day this file was stamped (`make version`). What identifies its exact text is that day
 # and a hash of the text (_stamp), which line 1 and --version give: what a copier looks up
 # later to know what they took.
-__version__ = "2026-12-04"
+__version__ = "2026-12-05"
 
 
 # ===================================================================== Part I: the mechanism
@@ -1776,6 +1776,8 @@ CREATE UNIQUE INDEX IF NOT EXISTS one_open_action
     ON pending_actions (customer_id, tool, arguments_json) WHERE status = 'pending';
 """
 
+_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
+_EXPIRED = "UPDATE pending_actions SET status='expired' WHERE status='pending' AND expires_at <= ?"
 _ACTION_FIELDS = (
     "action_id, customer_id, tool, arguments_json, binding_sha256, summary_json,"
     " created_at, expires_at, status"
@@ -1793,6 +1795,8 @@ class Approvals:
     survive a crash between a step's line and its commit, or a commit that fails after the
     line (the log and the database then disagree), hosts sharing a database, or a person's
     edit (Part II's JournaledApprovals)."""
+
+    _columns: ClassVar[str] = _ACTION_FIELDS  # of pending_actions, as PendingAction reads them
 
     def __init__(
         self,
@@ -1835,11 +1839,7 @@ class Approvals:
         binding = _binding(context.customer_id, tool.name, arguments_json)
         expires = _iso(now + self.ttl_seconds)
         with self._transaction() as db:
-            db.execute(  # an expired action no longer holds its request's place
-                "UPDATE pending_actions SET status = 'expired'"
-                " WHERE status = 'pending' AND expires_at <= ?",
-                (_iso(now),),
-            )
+            db.execute(_EXPIRED, (_iso(now),))  # an expired action frees its request's place
             try:
                 db.execute(
                     f"INSERT INTO pending_actions ({_ACTION_FIELDS}) VALUES (?,?,?,?,?,?,?,?,?)",  # noqa: S608
@@ -1898,12 +1898,11 @@ class Approvals:
         so it is needed (1 to 500 printable characters): "rejected" alone teaches it nothing."""
         if not reason.strip() or len(reason) > 500 or not reason.isprintable():
             raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
-        self._decide(
-            action_id,
-            "rejected",
-            operator,
-            lambda db: (self._open_action(db, action_id), {"reason": reason}),
-        )
+
+        def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
+            return self._open_action(db, action_id), {"reason": reason}
+
+        self._decide(action_id, "rejected", operator, carry_out)
 
     def _decide(
         self,
@@ -1936,11 +1935,12 @@ class Approvals:
 
     def _open_action(self, db: sqlite3.Connection, action_id: str) -> PendingAction:
         row = db.execute(
-            f"SELECT {_ACTION_FIELDS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
+            f"SELECT {self._columns} FROM pending_actions WHERE action_id = ?",  # noqa: S608
             (action_id,),
         ).fetchone()
         if row is None:
-            raise ApprovalError(f"{_shown(action_id)}: no such action")
+            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
+            raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
         action = _pending_action(row)
         if action.status != "pending":
             raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
@@ -2355,9 +2355,6 @@ class ChatClient(Client):
 
     def __enter__(self) -> ChatClient:
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def complete(
         self,
@@ -3444,11 +3441,7 @@ def _file_action(
     now = approvals.clock()
     expires = _iso(now + approvals.ttl_seconds)
     with approvals.database.write_transaction() as db:
-        db.execute(
-            "UPDATE pending_actions SET status = 'expired'"
-            " WHERE status = 'pending' AND expires_at <= ?",
-            (_iso(now),),
-        )
+        db.execute(_EXPIRED, (_iso(now),))
         try:
             db.execute(
                 "INSERT INTO pending_actions (action_id, customer_id, tool, arguments_json,"
@@ -3476,24 +3469,6 @@ def _file_action(
     return {**summary, "status": "requires_approval", "approvalId": action_id, "expiresAt": expires}
 
 
-def _open_action(
-    approvals: JournaledApprovals, db: sqlite3.Connection, action_id: str
-) -> PendingAction:
-    row = db.execute(
-        f"SELECT {_ACTION_COLUMNS} FROM pending_actions WHERE action_id = ?",  # noqa: S608
-        (action_id,),
-    ).fetchone()
-    if row is None:
-        shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
-        raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
-    action = _pending_action(row)
-    if action.status != "pending":
-        raise ApprovalError(f"{action_id}: already {action.status}; nothing was run")
-    if action.expires_at <= _iso(approvals.clock()):
-        raise ApprovalError(f"{action_id}: expired at {action.expires_at}; nothing was run")
-    return action
-
-
 def _mark(
     approvals: JournaledApprovals,
     db: sqlite3.Connection,
@@ -3509,9 +3484,6 @@ def _mark(
     )
     if marked.rowcount != 1:
         raise ApprovalError(f"{action.action_id}: decided by someone else meanwhile")
-
-
-_ACTION_ID = re.compile(r"appr-[0-9a-f]{20}")
 
 
 def _open_actions(approvals: JournaledApprovals) -> list[PendingAction]:
@@ -3880,6 +3852,8 @@ class JournaledApprovals(Approvals):
 
     A row left behind is a crash, settled by the next step (above)."""
 
+    _columns = _ACTION_COLUMNS  # and the host that filed it
+
     def __init__(  # Part I's store is its own file; this one is the Database's
         self,
         database: Database,
@@ -3948,7 +3922,7 @@ class JournaledApprovals(Approvals):
         the model's were; the approval binds to them, and what was proposed is kept."""
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = _open_action(self, db, action_id)
+            action = self._open_action(db, action_id)
             tool = tools.get(action.tool)
             if tool is None or not tool.writes:
                 raise ApprovalError(f"{action_id}: no tool {action.tool!r} here to carry it out")
@@ -3969,7 +3943,7 @@ class JournaledApprovals(Approvals):
             raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
 
         def carry_out(db: sqlite3.Connection) -> tuple[PendingAction, dict[str, Any]]:
-            action = _open_action(self, db, action_id)
+            action = self._open_action(db, action_id)
             _mark(self, db, action, "rejected", operator)
             _record_outcome(db, action_id, reason=reason)
             return action, {"reason": reason}
