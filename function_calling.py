@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #1ae0f94b: the whole file, every part kept
+# function_calling.py 2026-12-05 #e4d6cdec: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,097 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,022 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,200 lines),
@@ -142,7 +142,6 @@ __version__ = "2026-12-05"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_MODEL = "gpt-4.1-mini"
 DEFAULT_DATA_DIR = ".function_calling"
-DATABASE_FILE = "data.db"  # in the data directory: the approvals, and your tools' data if you like
 
 MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill stops it
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
@@ -154,8 +153,6 @@ STREAM_IDLE_S = 60.0  # then a stream goes on while a byte comes at least this o
 TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds and retries (tools: Workers)
 MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
 MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
-TOOL_WORKERS = 4  # Workers: calls of one reply run concurrently, this many at a time
-TOOL_TIMEOUT_S = 30.0  # Workers: a call not done by then is answered {"error":"timeout"}
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
 APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
@@ -196,9 +193,8 @@ class Settings:
     max_retry_wait: float = MAX_RETRY_WAIT_S
     max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
     max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
-    # Where a request's output bound goes when a budget sets one: OpenAI's reasoning models
-    # refuse max_tokens, and servers that know only max_tokens (Ollama, LM Studio) ignore
-    # max_completion_tokens. None: max_completion_tokens for OpenAI and Azure, else max_tokens.
+    # A budget's output bound: OpenAI's reasoning models refuse max_tokens, and servers that
+    # know only max_tokens (Ollama) ignore the other. None: by the host.
     output_field: str | None = None
 
     def __post_init__(self) -> None:
@@ -246,8 +242,8 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
-        """Read OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL, as the seed does);
-        `choices` sets the other fields (timeout=, max_retries=, …)."""
+        """From OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL (or MODEL); `choices` sets the
+        other fields."""
         return cls(
             base_url=environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
             model=environ.get("OPENAI_MODEL") or environ.get("MODEL") or DEFAULT_MODEL,
@@ -261,8 +257,8 @@ def _is_header_safe(value: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------ errors
-# One rule: errors the model caused go back to it as data it can act on (ToolError);
-# exceptions are for infrastructure and end the turn with one clear line (ApiError, any other).
+# Errors the model caused go back to it as data (ToolError); exceptions are for infrastructure
+# and end the turn with one clear line.
 
 
 class ConfigError(Exception):
@@ -270,8 +266,8 @@ class ConfigError(Exception):
 
 
 class ApiError(Exception):
-    """The model API gave no usable reply; ends the turn. Its text never holds the API key.
-    `code` is the error code the server gave in its body, if it gave one."""
+    """The model API gave no usable reply; ends the turn. Its text never holds the API key;
+    `code` is the one the server's body gave, if any."""
 
     def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -296,9 +292,8 @@ class AuditError(Exception):
 
 
 def _redacted(text: str, key: str | None, keep: str = "") -> str:
-    """Text from a server, fit to show: a server may echo the request back, so the key,
-    and any start of it long enough to matter (a body cut mid-key), is redacted; control
-    characters not in `keep` (an ESC[2J, a terminal title) are shown escaped, never sent."""
+    """Text from a server, fit to show: the key, or a start of it long enough to matter, is
+    redacted (a server may echo the request); control characters not in `keep` are escaped."""
     for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
         text = text.replace((key or "")[:length], "[redacted]")
     return _control_escaped(text, keep)
@@ -319,9 +314,8 @@ _KEEPING = threading.Lock()
 
 
 def _keep_secret(*values: str | None) -> None:
-    """These values (the API key, a tool server's token) never rest outside this process: they
-    are redacted from whatever the model or a server wrote that this process prints, saves or
-    logs (_without_secrets_in_use), however they came to be in it."""
+    """These values (the API key, a tool server's token) are refused in a tool's arguments
+    and redacted from what this process writes down, however they came to be in it."""
     found = {value for value in values if value and len(value) >= MIN_SECRET_CHARS}
     global _IN_USE  # noqa: PLW0603 -- one tuple, replaced whole: a reader never sees it change
     with _KEEPING:
@@ -329,59 +323,43 @@ def _keep_secret(*values: str | None) -> None:
 
 
 def _refuse_secrets(args: Mapping[str, Any]) -> None:
-    """ArgumentError if the model's arguments hold a secret this process holds: no tool is
-    given one, and no action is filed with it."""
+    """ArgumentError if the arguments hold a secret this process keeps: no tool gets one."""
     if _holds_secret(args, _IN_USE):
         raise ArgumentError("the arguments hold a credential of this application")
 
 
 def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
-    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere? A text
-    that is JSON is looked into decoded (_decoded_json); however deep, without recursion."""
-    if not secrets:
-        return False
-    return any(_leaf_holds_secret(leaf, secrets) for leaf in _leaves(value))
-
-
-def _leaf_holds_secret(leaf: Any, secrets: tuple[str, ...]) -> bool:
-    """Does one text or number hold a secret: a text's start of one (a JSON text's decoded,
-    where an escape could hide one: no decoding on the way of every audit line otherwise), a
-    number's digits one whole?"""
-    if isinstance(leaf, str):
-        decoded = _decoded_json(leaf) if "\\" in leaf else None
-        if decoded is not None:
-            return _holds_secret(decoded, secrets)
-        return _secrets_pattern(secrets).search(leaf) is not None
-    numeric = isinstance(leaf, (int, float)) and not isinstance(leaf, bool)
-    return numeric and any(secret in repr(leaf) for secret in secrets)
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    """Every key and value in a decoded JSON value that is no object or array, by a stack."""
-    stack = [value]
+    """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere: a text
+    the start of one, a number one whole? A text that is JSON with an escape (\\u0073k-…)
+    is looked into decoded. By a stack, so no depth is too deep."""
+    stack, numbers = [value] if secrets else [], []
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple)):
             stack += item
-        else:
-            yield item
+        elif isinstance(item, str):
+            decoded = _decoded_json(item) if "\\" in item else None
+            if decoded is not None:
+                stack.append(decoded)
+            elif _secrets_pattern(secrets).search(item):
+                return True
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            numbers.append(repr(item))  # a number holds a secret only whole
+    return any(secret in number for number in numbers for secret in secrets)
 
 
 @functools.lru_cache(maxsize=64)
 def _secrets_pattern(secrets: tuple[str, ...]) -> re.Pattern[str]:
-    """Where any of `secrets` may be: its start (all of it, if short), in any case. A server
-    or a header may change a value's case (a Content-Type is read lowercased), and a secret
-    said in capitals is the secret all the same; a start longer than KEY_PREFIX_SHOWN is
-    enough to matter (a text cut mid-secret)."""
+    """Where any of `secrets` may be: a start of one longer than KEY_PREFIX_SHOWN (a text cut
+    mid-secret), in any case (a header may be read lowercased)."""
     heads = {secret[: KEY_PREFIX_SHOWN + 1] for secret in secrets}
     return re.compile("|".join(map(re.escape, sorted(heads, key=len, reverse=True))), re.I)
 
 
 def _decoded_json(text: str) -> Any:
-    """A text that is a JSON object or array, decoded (an escape, \\u0073k-… or \\/, would
-    hide a secret from the raw text, and a cut could break its escapes); None if it is not."""
+    """A text that is a JSON object or array, decoded; None if it is not."""
     if text[:1] not in ("{", "["):
         return None
     try:
@@ -411,28 +389,20 @@ class ToolContext:
 class Tool:
     """A function the model may ask for. Subclasses set name, description, parameters, execute.
 
-    The description is written for the model: what the tool does, when to use it, the argument
-    formats and what comes back. `parameters` is the JSON Schema the model reads; it is a hint,
-    and `execute` enforces every rule of it again by hand. Least privilege: a tool gets only
-    what it needs; one that only reads uses a read-only connection (Database.reading)
-    and passes values to SQL as parameters, never inside the SQL text."""
+    The description is for the model: what the tool does, when to use it, the formats and what
+    comes back. `parameters` is the JSON Schema the model reads: a hint, which `execute`
+    enforces again by hand. A tool gets only what it needs (least privilege)."""
 
     name: ClassVar[str]
     description: ClassVar[str]
     parameters: ClassVar[dict[str, Any]]
-    # A tool that writes only proposes: `execute` validates and describes the change, and
-    # `apply` makes it once a human approves (dispatch, Approvals).
+    # Writes only propose: `execute` validates and describes the change; `apply` makes it
+    # once a human approves (Approvals).
     writes: ClassVar[bool] = False
-    # The result is the answer: when every call in a reply is return-direct, no model call follows.
-    return_direct: ClassVar[bool] = False
-    # OpenAI's strict mode for this function's arguments; tool_table then refuses a schema
-    # strict mode would reject (see _strict_problem).
-    strict: ClassVar[bool] = False
-    # Cannot hang (no network, no wait without a bound): Part II's Workers run a reply's one
-    # call to it on the loop's thread; others on a worker, which their timeout can abandon.
-    inline: ClassVar[bool] = False
-    # Where it comes from, for the person who approves it ("": this file): never a secret.
-    source: ClassVar[str] = ""
+    return_direct: ClassVar[bool] = False  # the result is the answer: no model call follows
+    strict: ClassVar[bool] = False  # OpenAI's strict mode for the arguments (checked_tools)
+    inline: ClassVar[bool] = False  # cannot hang: Workers run a reply's one call on the loop
+    source: ClassVar[str] = ""  # where it comes from, for the approver ("": this file)
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
@@ -441,19 +411,14 @@ class Tool:
     def apply(
         self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
     ) -> dict[str, Any]:
-        """Writers only: re-check, then make the change. Only Approvals.approve calls this.
-
-        `db` is the approval's open transaction on the data directory's database: a change
-        written through it commits together with the action's status, or not at all, and
-        the audit log says which (Approvals). A change made elsewhere (an HTTP API) cannot
-        join that transaction: send `context.approval_id` as its idempotency key, so that a
-        second approval after a failed commit cannot apply it twice (README: "Writes wait for
-        a human")."""
+        """Writers only: re-check, then make the change; only Approvals.approve calls this.
+        `db` is the approval's open transaction: a change written through it commits with the
+        decision or not at all. A change made elsewhere (an HTTP API) sends
+        `context.approval_id` as its idempotency key (README: "Writes wait for a human")."""
         raise NotImplementedError
 
     def schema_problem(self) -> str | None:
-        """What makes `parameters` unfit for `validate`, if anything (tool_table asks once):
-        check_argument_names needs an object schema that names every key it allows."""
+        """What makes `parameters` unfit for `validate`, if anything (tool_table asks once)."""
         schema = self.parameters
         if schema.get("type") != "object" or schema.get("additionalProperties") is not False:
             return "parameters must be an object schema with additionalProperties false"
@@ -485,9 +450,8 @@ class Tool:
 
 
 def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> dict[str, Any]:
-    """Parse the model's arguments text strictly into a JSON object, or raise ArgumentError:
-    no NaN/Infinity (not JSON), no duplicate keys (which one would win?), a size cap checked
-    before parsing; deep nesting and absurd integers are a rejection, not an exception."""
+    """The model's arguments text as a JSON object, or ArgumentError: no NaN (not JSON), no key
+    twice (which would win?), a size cap before parsing, no nesting too deep or huge integer."""
     # the length in characters first: it bounds the bytes from below without encoding anything
     if len(arguments_json) > limit or len(arguments_json.encode("utf-8", "replace")) > limit:
         raise ArgumentError(f"arguments: expected at most {limit} bytes of JSON; got more")
@@ -511,8 +475,7 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
         raise ArgumentError(
             "arguments: expected numbers of sane length; got a huge integer"
         ) from None
-    # subtle: what json.loads accepted, json.dumps may not write back, and the repeated-calls
-    # guard, a message and an approval all re-encode it: a depth cap here keeps them safe
+    # subtle: json.dumps may fail to write back what json.loads accepted, and it is re-encoded
     if _nested_deeper_than(args, MAX_ARGUMENT_DEPTH):
         raise ArgumentError(
             f"arguments: expected at most {MAX_ARGUMENT_DEPTH} levels of nesting; got more"
@@ -545,8 +508,7 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _finite_float(text: str) -> float:
-    """A JSON number as a float, unless it overflows (1e400 would be written back as
-    Infinity, which is not JSON)."""
+    """A JSON number as a float, unless it overflows (1e400 would be written as Infinity)."""
     value = float(text)
     if not math.isfinite(value):
         raise ArgumentError(f"arguments: expected numbers a float can hold; got {_cut(text, 40)}")
@@ -619,11 +581,9 @@ def _cut(text: str, limit: int) -> str:
 
 # ------------------------------------------------------------------------------------- audit
 # Every call, rejected ones included, and every human decision is one line, on disk before the
-# result goes anywhere. How the lines are chained and checked is Part II's (the audit chain).
+# result goes anywhere.
 
 AUDIT_LOGGER = "function_calling.audit"
-
-
 GENESIS = "0" * 64  # the "prev" of the first record
 
 
@@ -670,16 +630,11 @@ class LineFile:
 
 
 class AuditLog:
-    """The audit trail of one file: each record appended to its hash chain by the `writer`
-    (Part I's LineFile; Part II's AuditFile), then handed to the named logger AUDIT_LOGGER.
-
-    Attach your own handler to logging.getLogger(AUDIT_LOGGER) to ship records elsewhere too.
-    The file is written whatever logging is set to do: logging.disable() cannot drop a line.
-    The records never reach the root logger: they may hold exception text meant for operators.
-    fsync=False trades durability for speed (`make bench`); head_file (AuditFile's) gets the
-    chain's head after each append, out of the log writer's reach; a host, if given, is named
-    in each line.
-    """
+    """The audit trail of one file: each record appended by the `writer` (LineFile; Part II:
+    AuditFile), then handed to the logger AUDIT_LOGGER, for your handler to ship; never to the
+    root logger (a record may hold an operator's exception text). logging.disable() cannot drop
+    a line. fsync=False trades durability for speed; head_file is AuditFile's; a host, if
+    given, is named in each line."""
 
     def __init__(
         self,
@@ -697,8 +652,7 @@ class AuditLog:
         self._logger.propagate = False
 
     def record(self, event: str, **fields: Any) -> None:
-        """Append one record now, on disk when this returns, or raise AuditError (which names
-        no path)."""
+        """Append one record, on disk when this returns, or AuditError (naming no path)."""
         self._append(event, fields, sync=True)
 
     def record_in_batch(self, event: str, **fields: Any) -> None:
@@ -706,8 +660,7 @@ class AuditLog:
         self._append(event, fields, sync=False)
 
     def batch(self) -> AbstractContextManager[None]:
-        """The lines written with record_in_batch inside are on disk when the block ends, with
-        one fsync for them all: the calls of a reply cost no more fsyncs than one call."""
+        """Lines written with record_in_batch inside are on disk when the block ends."""
         return self._file.batch()
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
@@ -721,8 +674,8 @@ class AuditLog:
 
 
 def _chain_end(path: Path) -> tuple[int, str]:
-    """The seq and hash of a log's last line (GENESIS's, if it has none), read from its end,
-    or AuditError if that line is not a whole record."""
+    """The seq and hash of a log's last line (0 and GENESIS if none), read from the end;
+    AuditError if it is not a whole record."""
     if not path.exists() or not path.stat().st_size:
         return 0, GENESIS
     with path.open("rb") as log:
@@ -807,10 +760,9 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 class Client:
-    """The transport: one POST to /chat/completions with urllib.request, a timeout, no
-    redirect followed, and the key never in an error. It does not survive a server that
-    sends a byte a minute, a dropped connection or a 429 (Part II's ChatClient adds a
-    deadline on every byte, retries, keep-alive and streaming)."""
+    """The transport: one POST with urllib.request, a timeout, no redirect, and the key never
+    in an error. It does not survive a server that sends a byte a minute, a dropped connection
+    or a 429 (Part II's ChatClient: a deadline on every byte, retries, keep-alive, streams)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -828,8 +780,8 @@ class Client:
         parallel_tool_calls: bool | None = None,
         max_output: int | None = None,
     ) -> Reply:
-        """One reply by `deadline` (a time.monotonic() value), or ApiError; `on_text` gets its
-        text whole, as it does not stream; `max_output` bounds what the reply may write."""
+        """One reply by `deadline` (time.monotonic), or ApiError; `on_text` gets its text whole
+        (no stream); `max_output` bounds what the reply may write."""
         bound = None if max_output is None else (str(self.settings.output_field), max_output)
         body = _request_body(
             self.settings.model,
@@ -901,17 +853,11 @@ def _error_body(text: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- the reply
 # The echo: the assistant message goes back in the next request exactly as it came, because
-# providers verify fields in it (reasoning signatures), and a re-serialization that reorders
-# keys or re-escapes "\u00e9" breaks them. So the reply's text is kept, the message is cut
-# out of it as a span of characters (_members, _items), and every value is read from the span
-# it sits in; the request splices the text back in (_request_body). Other pages name "the
-# echo" and point here.
-#
-# What it costs: a broken or hostile server may send a reply of 8 MiB with 100,000 calls, and
-# reading it must cost what the bytes do, once. The text is checked by a decoder that builds
-# no objects (_SKIMMER); each call is decoded on its own, never all as dicts at once, with
-# one string per tool name; records use slots; parse_reply lets the whole text go once the
-# message is cut out; a request body grows in place. `make bench` measures each of these.
+# providers verify fields in it (reasoning signatures) that a re-serialization would break
+# (keys reordered, "\u00e9" re-escaped). So the message is cut out of the reply's text as a
+# span of characters (_members, _items), each value is read from its span, and the request
+# splices the text back in (_request_body). A hostile reply of 8 MiB with 100,000 calls costs
+# what its bytes do: no object is built for the whole (_SKIMMER), each call is decoded alone.
 
 
 @dataclass(frozen=True, slots=True)
@@ -1024,8 +970,7 @@ def _parse_tool_call(message_json: str, span: Span, names: dict[str, str]) -> To
 
 
 def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
-    """Arguments that came as no text at all ("{}": seen for no-argument tools) or as the
-    object itself (its text as sent, duplicate keys and all)."""
+    """Arguments that came as nothing ("{}") or as an object (its text as sent)."""
     if arguments is None or arguments == "":
         return "{}"
     function = _members(message_json, call)["function"]  # type: ignore[index]
@@ -1033,9 +978,8 @@ def _arguments_text(arguments: Any, message_json: str, call: Span) -> str:
     return message_json[start:end]
 
 
-# Where a value sits in a JSON text, as (start, end) indexes: in '{"a": [1, 2], "b": "x"}',
-# _members gives {"a": (6, 12), "b": (19, 22)} and _items(text, (6, 12)) yields (7, 8) and
-# (10, 11); text[6:12] is '[1, 2]' as written. The echo and the parse read the same text.
+# Where a value sits in a JSON text, as (start, end): in '{"a": [1, 2], "b": "x"}', _members
+# gives {"a": (6, 12), "b": (19, 22)}, and _items(text, (6, 12)) yields (7, 8) and (10, 11).
 Span: TypeAlias = tuple[int, int]
 _GAP = re.compile(r"[ \t\n\r]*[:,]?[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
@@ -1043,10 +987,8 @@ _SKIMMER = json.JSONDecoder(object_pairs_hook=lambda pairs: None)  # checks; bui
 
 
 def _members(text: str, span: Span | None) -> dict[str, Span] | None:
-    """Where each member's value of the object at `span` sits; None if it is not an object.
-    json.loads gives no positions, so the stdlib's scanner steps over each key and value of a
-    text known to be JSON. Of a key given twice the last counts, as in json.loads (and
-    "ch\\u006fices" is "choices" too)."""
+    """Where each member's value of the object at `span` sits; None if it is no object. Of a
+    key given twice the last counts, as in json.loads."""
     if span is None or not text.startswith("{", span[0]):
         return None
     members: dict[str, Span] = {}
@@ -1111,17 +1053,14 @@ def dispatch(
     """Decide what one tool call becomes. The whole safety policy lives here.
 
     - The tool is found by exact name in a dict: no getattr, no case folding, no trimming.
-    - An unknown tool, arguments that are not a JSON object, and ToolError become data for the
-      model, {"error": code, "message": …}, so it can correct itself; the turn goes on.
-    - A tool that writes never acts here: its validated, eligible request becomes a pending
-      action that a human approves or rejects on the command line, and the model is told so.
-    - Any other exception is infrastructure: the turn ends, the model and the user get a
-      generic message, and the exception text goes to the audit log only (it may hold
-      hostnames, SQL or paths).
-    - A result longer than MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
-    - Every call, rejected ones included, is audited before its result is returned; if the
-      audit line cannot be written, the result is never sent.
-    - The model's arguments never touch ToolContext: identity comes from our side only.
+    - An unknown tool, bad arguments and ToolError become data for the model ({"error": code,
+      "message": …}), so it can correct itself; the turn goes on.
+    - A tool that writes never acts here: its validated request is filed for a human.
+    - Any other exception ends the turn; its text (hostnames, SQL, paths) goes to the audit
+      log only, and the model gets a generic message.
+    - A result over MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
+    - Every call is audited before its result is returned; no line, no result.
+    - Identity (ToolContext) comes from our side only, never from the arguments.
     """
     started = time.monotonic()
 
@@ -1215,9 +1154,8 @@ def _is_tool_error(outcome: str) -> bool:
 
 
 # ------------------------------------------------------------------- calls that do not run
-# Every call the model asked for gets its tool message and its audit line, whether it ran or
-# not (a guard, the per-reply cap): a history with an unanswered call cannot be sent again.
-# The runner answers them (InOrder.skip), as it runs the others.
+# Every call gets its tool message and its audit line, run or not (a guard, the per-reply cap):
+# a history with an unanswered call cannot be sent again.
 
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
@@ -1264,8 +1202,8 @@ class Dispatcher:
 
 
 class InOrder:
-    """The calls' runner: a reply's calls one by one on the loop's thread. It does not survive
-    a tool that hangs (Part II's Workers run calls at once, and answer a late one in time)."""
+    """The calls' runner: one by one on the loop's thread. It does not survive a tool that
+    hangs (Part II's Workers run calls at once, and answer a late one in time)."""
 
     def run(self, calls: Sequence[ToolCall], dispatcher: Dispatcher) -> Iterator[ToolResult]:
         for call in calls:
@@ -1274,8 +1212,8 @@ class InOrder:
     def skip(
         self, calls: Sequence[ToolCall], reason: str, dispatcher: Dispatcher, can_run: int
     ) -> Iterator[ToolResult]:
-        """Answer calls that may not run, each with its audit line. It does not survive a
-        reply of 100,000 calls (Workers audits `can_run` one by one, and the rest together)."""
+        """Answer calls that may not run, each with its line. It does not survive a reply of
+        100,000 calls (Workers audits `can_run` one by one, and the rest together)."""
         context, audit, number = dispatcher.context, dispatcher.audit, dispatcher.round_number
         for call in calls:
             yield skip_call(call, reason, context, audit, number)
@@ -1308,8 +1246,8 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def tool_table(tools: Sequence[Tool]) -> dict[str, Tool]:
     """The start-up checks: the tools by exact name, each name one every server accepts, each
-    schema one `validate` can rely on. It does not survive a strict schema that strict mode
-    refuses at the first request (Part II's checked_tools refuses it here)."""
+    schema fit for `validate`. It does not survive a strict schema that strict mode refuses at
+    the first request (Part II's checked_tools refuses it here)."""
     table: dict[str, Tool] = {}
     for tool in tools:
         if not _TOOL_NAME.fullmatch(tool.name):
@@ -1365,19 +1303,16 @@ GUARD_STOPS = ("round_cap", "repeated_calls")  # the CLI exits 3 for these
 
 @dataclass(frozen=True)
 class TurnResult:
-    """How one turn ended, and every message of the conversation, as sent on the wire.
+    """How one turn ended, and every message of it as sent on the wire.
 
-    stop_reason: "answered", "returned_direct" (a return-direct tool's output is the answer)
-    or "refused" (the model's refusal is); "incomplete" (cut at the token limit) or
-    "filtered" (by the provider's content filter), with whatever text came; a guard:
-    "round_cap", "repeated_calls" or "budget" (`answer` holds a fallback; for "budget",
-    `error` names the limit); or a failure: "api_error", "tool_failed", "audit_failed",
-    "invalid_tool_call" (the server refused the model's calls) or "unparsed_tool_call" (a
-    call written as text; never run), `error` saying what, safe to show. Ctrl-C: audited as
-    "interrupted", then KeyboardInterrupt goes on. messages: raw JSON texts, system prompt
-    first; pass them as `history` (and `origin` as `history_origin`) to go on talking. Every
-    assistant message with tool_calls is followed by one tool message per call, in order,
-    whatever happened to it, so the history is always valid to send again.
+    stop_reason: "answered", "returned_direct" or "refused"; "incomplete" (the token limit) or
+    "filtered" (a content filter), with the text that came; a guard, "round_cap",
+    "repeated_calls" or "budget" (`answer`: a fallback); or a failure, "api_error",
+    "tool_failed", "audit_failed", "invalid_tool_call" (the server refused the calls) or
+    "unparsed_tool_call" (a call written as text), `error` saying what, safe to show.
+    messages: JSON texts, the system prompt first, each call answered in order, so they are
+    valid to send again as `history` (with `origin` as `history_origin`). Ctrl-C: audited as
+    "interrupted", then KeyboardInterrupt goes on.
     """
 
     stop_reason: str
@@ -1446,11 +1381,9 @@ class ToolLoop:
         on_text: Callable[[str], None] | None = None,
         history_origin: tuple[str, str] | None = None,
     ) -> TurnResult:
-        """One turn. Never raises for the model's or the network's faults: see stop_reason.
-        With `on_text`, each reply's text is handed over as it arrives: whole from Part I's
-        Client, piece by piece from ChatClient, which streams. A
-        `history` whose `history_origin` (TurnResult.origin) is another server or model than
-        this loop's goes as the quirks say (ServerQuirks: in portable form)."""
+        """One turn; never raises for the model's or the network's faults (stop_reason).
+        `on_text` gets each reply's text as it arrives. A `history` from another server or
+        model (`history_origin`) goes as the quirks say."""
         if history and history_origin and history_origin != self._origin:
             history = self.quirks.carried(history)
         turn = _Turn(list(history) or [_message("system", self.system_prompt)], self.turn_timeout)
@@ -1717,8 +1650,8 @@ def canonical_json(value: Any) -> str:
 
 
 class ApprovalError(Exception):
-    """A human's decision could not be carried out; the message says why. The CLI exits 1.
-    `detail`, when set, is an infrastructure failure's own text: for the audit log only."""
+    """A human's decision could not be carried out; the message says why (the CLI exits 1).
+    `detail` is an infrastructure failure's own text, for the audit log only."""
 
     def __init__(self, message: str, detail: str | None = None) -> None:
         super().__init__(message)
@@ -1753,9 +1686,8 @@ class PendingAction:
     edit: Mapping[str, str] | None = None  # what was proposed, if a person edited it
 
 
-# Kept in the data directory's database, so that a tool whose data lives there commits its
-# change in the same transaction as the decision. IF NOT EXISTS: a database made before the
-# table had a version row of its own (when it shared the example's schema) is taken as it is.
+# In the data directory's database, so a tool whose data lives there commits its change in the
+# decision's transaction.
 _APPROVALS_SCHEMA = """
 -- What a model proposed and a human must decide. One open action per exact request.
 CREATE TABLE IF NOT EXISTS pending_actions (
@@ -1785,16 +1717,13 @@ _ACTION_FIELDS = (
 
 
 class Approvals:
-    """The human side of every write (a tool with `writes = True`), kept in the SQLite file
-    the tools' data is in. The model can only file a request; a person lists, approves or
-    rejects it. Approving checks that the action is open and unexpired and its arguments are
-    exactly those filed (their hash), runs the tool's validate, then its apply (which checks
-    its own rules again: Tool.apply), in one transaction with the action's status, so it is
-    applied once. A filing's audit line is written inside its
-    transaction (no line, no action); a decision's, as soon as it commits. It does not
-    survive a crash between a step's line and its commit, or a commit that fails after the
-    line (the log and the database then disagree), hosts sharing a database, or a person's
-    edit (Part II's JournaledApprovals)."""
+    """The human side of every write, in one SQLite file. The model can only file a request;
+    a person lists, approves or rejects it. Approving checks that the action is open and
+    unexpired and its arguments are those filed (their hash), then validates and applies in
+    one transaction with the action's status: applied once. A filing's line is written inside
+    its transaction; a decision's, once it commits. It does not survive a crash or a failed
+    commit between a line and its commit (the log and the database disagree), hosts sharing
+    a database, or a person's edit (Part II's JournaledApprovals)."""
 
     _columns: ClassVar[str] = _ACTION_FIELDS  # of pending_actions, as PendingAction reads them
 
@@ -1831,8 +1760,8 @@ class Approvals:
         summary: Mapping[str, Any],
         record: Callable[[Mapping[str, str]], None] | None = None,
     ) -> dict[str, Any]:
-        """File a validated, eligible request with its audit line (`record` writes it; by
-        default a tool_call line here): no line, no action. Returns what the model is told."""
+        """File a validated request with its audit line (`record` writes it): no line, no
+        action. Returns what the model is told."""
         action_id = "appr-" + secrets.token_hex(10)  # unguessable; never starts with "-"
         arguments_json, now = canonical_json(args), self.clock()
         row = (action_id, context.customer_id, tool.name, arguments_json)
@@ -1951,8 +1880,8 @@ class Approvals:
 
 @contextmanager
 def _refused_if_unwritten(action_id: str) -> Iterator[None]:
-    """A database that cannot be written (locked past its timeout, full) refuses the
-    decision: nothing was committed, and the error's own text is for the audit log only."""
+    """A database that cannot be written (locked, full) refuses the decision; its own text is
+    for the audit log only."""
     try:
         yield
     except sqlite3.Error as exc:
@@ -1964,7 +1893,7 @@ def _applied(
     action: PendingAction, tool: Tool, context: ToolContext, db: sqlite3.Connection
 ) -> dict[str, Any]:
     """The write, applied in the decision's transaction to exactly the arguments proposed;
-    ApprovalError if they changed, or the tool refuses (its own words) or fails."""
+    ApprovalError if they changed, or the tool refuses or fails."""
     try:
         args = _bound_arguments(action)
         tool.validate(args)
@@ -1993,12 +1922,8 @@ def _bound_arguments(action: PendingAction) -> dict[str, Any]:
 
 
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
-    """What an approval is bound to: this customer, this tool, these exact arguments.
-
-    A plain SHA-256, not a signature: it catches a row changed by mistake or by a half-done
-    edit, but anyone who can write the database can recompute it (and could as well insert
-    a change directly). It is not tamper-proof; the database's permissions are what guard it.
-    """
+    """What an approval is bound to: this customer, tool and exact arguments. A SHA-256, not a
+    signature: it catches a row changed by mistake; the database's permissions guard the rest."""
     return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
 
 
@@ -2695,6 +2620,8 @@ def _transport_reason(exc: BaseException) -> str:  # noqa: PLR0911 -- one return
 
 
 # ------------------------------------------------------------------------------- the workers
+TOOL_WORKERS = 4  # Workers: calls of one reply run concurrently, this many at a time
+TOOL_TIMEOUT_S = 30.0  # Workers: a call not done by then is answered {"error":"timeout"}
 # The calls of one reply run at once on a few threads, so four slow lookups take as long as
 # one; and the calls that do not run (a guard, the per-reply cap, a timeout) are answered and
 # audited all the same.
@@ -4027,6 +3954,7 @@ def audit_disagreements(path: Path, database: Database) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ the database
+DATABASE_FILE = "data.db"  # in the data directory: the approvals, and your tools' data if you like
 
 
 def _busy(text: str) -> Exception:
