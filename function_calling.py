@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #e4d6cdec: the whole file, every part kept
+# function_calling.py 2026-12-05 #e01d1b44: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -29,7 +29,7 @@ each customer and conversation spent, across turns and processes (budgets).
 First reading: Part I, the mechanism, is lines 1 to 2,022 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,200 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,210 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -291,15 +291,15 @@ class AuditError(Exception):
     """The audit log could not be written: no tool result may go back, so the turn ends."""
 
 
-def _redacted(text: str, key: str | None, keep: str = "") -> str:
-    """Text from a server, fit to show: the key, or a start of it long enough to matter, is
-    redacted (a server may echo the request); control characters not in `keep` are escaped."""
+def _shown(text: str, key: str | None, keep: str = "") -> str:
+    """Text from a server as it is shown: the key, or a start of it long enough to matter,
+    redacted (a server may echo the request), and control characters not in `keep` escaped."""
     for length in range(len(key or ""), KEY_PREFIX_SHOWN, -1):
         text = text.replace((key or "")[:length], "[redacted]")
-    return _control_escaped(text, keep)
+    return _escaped(text, keep)
 
 
-def _control_escaped(text: str, keep: str = "") -> str:
+def _escaped(text: str, keep: str = "") -> str:
     """Control characters shown escaped (\\x1b, never an escape sequence), but those in `keep`."""
     return "".join(
         c if c.isprintable() or c in keep else c.encode("unicode_escape").decode() for c in text
@@ -481,7 +481,7 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
             f"arguments: expected at most {MAX_ARGUMENT_DEPTH} levels of nesting; got more"
         )
     if not isinstance(args, dict):
-        raise ArgumentError(f"arguments: expected a JSON object; got: {_shown(args)}")
+        raise ArgumentError(f"arguments: expected a JSON object; got: {_quoted(args)}")
     return args
 
 
@@ -502,7 +502,7 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise ArgumentError(f"{_shown(key)}: expected once; got the key twice")
+            raise ArgumentError(f"{_quoted(key)}: expected once; got the key twice")
         seen[key] = value
     return seen
 
@@ -525,7 +525,7 @@ def check_argument_names(args: Mapping[str, Any], schema: Mapping[str, Any]) -> 
     for name in args:
         if name not in properties:
             known = ", ".join(properties) or "no arguments"
-            raise ArgumentError(f"{_shown(name)}: expected only {known}; got an unknown key")
+            raise ArgumentError(f"{_quoted(name)}: expected only {known}; got an unknown key")
     for name in schema["required"]:
         if name not in args:
             expected = properties[name].get("description", "a value")
@@ -566,10 +566,10 @@ def require_choice(args: Mapping[str, Any], name: str, allowed: Sequence[str], d
 
 
 def _rejection(name: str, expected: str, value: Any) -> str:
-    return f"{name}: expected {expected}; got: {_shown(value)}"
+    return f"{name}: expected {expected}; got: {_quoted(value)}"
 
 
-def _shown(value: Any) -> str:
+def _quoted(value: Any) -> str:
     """A value as JSON, ASCII-escaped so look-alike digits show, cut to SHOWN_CHARS."""
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…(truncated)"
@@ -624,7 +624,7 @@ class LineFile:
     def batch(self) -> AbstractContextManager[None]:
         return nullcontext()  # each line is on disk as it is written
 
-    def cleaned(self, record: dict[str, Any]) -> dict[str, Any]:
+    def redacted(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record, each value that holds a secret in use written [redacted] whole."""
         return {k: "[redacted]" if _holds_secret(v, _IN_USE) else v for k, v in record.items()}
 
@@ -664,7 +664,7 @@ class AuditLog:
         return self._file.batch()
 
     def _append(self, event: str, fields: Mapping[str, Any], sync: bool) -> None:
-        record = self._file.cleaned({"time": _utc_now(), "event": event, **self._host, **fields})
+        record = self._file.redacted({"time": _utc_now(), "event": event, **self._host, **fields})
         try:
             self._file.append(record, sync)
         except OSError as exc:
@@ -817,7 +817,7 @@ class Client:
         try:
             reply = parse_reply(data)
         except ApiError as exc:  # its text may quote the body, which may say the key back
-            raise ApiError(_redacted(str(exc), self.settings.api_key), exc.status) from None
+            raise ApiError(_shown(str(exc), self.settings.api_key), exc.status) from None
         if on_text is not None and reply.content:
             on_text(reply.content)
         return reply
@@ -826,9 +826,9 @@ class Client:
         """An HTTP error as one line: the status and the server's message, key redacted."""
         detail = ""
         with suppress(OSError, http.client.HTTPException):
-            detail = _printable(exc.read(2000))
+            detail = _one_line(exc.read(2000))
         error = _error_body(detail)
-        said = _redacted(_cut(str(error.get("message") or exc.reason), 300), self.settings.api_key)
+        said = _shown(_cut(str(error.get("message") or exc.reason), 300), self.settings.api_key)
         code = error.get("code") if isinstance(error.get("code"), str) else None
         return ApiError(f"the model API answered HTTP {exc.code}: {said}", exc.code, code)
 
@@ -888,7 +888,7 @@ def parse_reply(body: bytes) -> Reply:
         text = body.decode("utf-8")
         _SKIMMER.decode(text)  # JSON or not, as json.loads decides
     except (ValueError, RecursionError):
-        snippet = _cut(_printable(body), 120)
+        snippet = _cut(_one_line(body), 120)
         raise ApiError(f"the model API sent a reply that is not JSON: {snippet}") from None
     document = _members(text, (_gap(text, 0), len(text)))
     if document is None:
@@ -1022,7 +1022,7 @@ def _value(text: str, span: Span | None) -> Any:
     return None if span is None else _DECODER.raw_decode(text, span[0])[0]
 
 
-def _printable(body: bytes) -> str:
+def _one_line(body: bytes) -> str:
     return " ".join(body.decode("utf-8", "replace").split())
 
 
@@ -1085,7 +1085,7 @@ def _execute(
     """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
     tool = tools.get(call.name)
     if tool is None:
-        message = f"no tool named {_shown(call.name)}; available: {', '.join(tools)}"
+        message = f"no tool named {_quoted(call.name)}; available: {', '.join(tools)}"
         return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
     try:
         args = parse_arguments(call.arguments_json)
@@ -1868,7 +1868,7 @@ class Approvals:
             (action_id,),
         ).fetchone()
         if row is None:
-            shown = action_id if _ACTION_ID.fullmatch(action_id) else _shown(action_id)
+            shown = action_id if _ACTION_ID.fullmatch(action_id) else _quoted(action_id)
             raise ApprovalError(f"{shown}: no such action")  # as typed, escaped if it is odd
         action = _pending_action(row)
         if action.status != "pending":
@@ -2011,7 +2011,7 @@ def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
     except KeyboardInterrupt:  # recorded as interrupted by the loop; no traceback
         return 130
     # the model's text, fit for a terminal: no escape sequence runs, no key is shown
-    shown = _redacted(result.error or result.answer or "", environ.get("OPENAI_API_KEY"), "\n")
+    shown = _shown(result.error or result.answer or "", environ.get("OPENAI_API_KEY"), "\n")
     if result.stop_reason != "answered":
         print(f"{result.stop_reason}: {shown}", file=sys.stderr)
         return 1
@@ -2315,9 +2315,7 @@ class ChatClient(Client):
         try:
             return self._attempts(body, turn_deadline, on_text)
         except ApiError as exc:  # every error text that may quote the server, made safe once
-            raise ApiError(
-                _redacted(str(exc), self.settings.api_key), exc.status, exc.code
-            ) from None
+            raise ApiError(_shown(str(exc), self.settings.api_key), exc.status, exc.code) from None
 
     def _attempts(
         self, body: bytearray, turn_deadline: float, on_text: Callable[[str], None] | None
@@ -2483,7 +2481,7 @@ class ChatClient(Client):
                 "it would send the API key to another address. Check OPENAI_BASE_URL",
                 status,
             )
-        text = _redacted(_printable(body), self.settings.api_key)
+        text = _shown(_one_line(body), self.settings.api_key)
         # subtle: a page of markup flattened into one line tells the user nothing
         said = "(an HTML page)" if _is_a_page(response, body) else _cut(text, 300)
         message = f"the model API answered HTTP {status}: {said}"
@@ -2540,7 +2538,7 @@ def _path_hint(base_url: str) -> str:
     return "; is OPENAI_BASE_URL the API's base URL? Most servers want it to end in /v1"
 
 
-def _shown_endpoint(base_url: str) -> str:
+def _redacted_endpoint(base_url: str) -> str:
     """The URL requests go to, as a failure names it: without user:password@, a query or a
     fragment (either may hold a key)."""
     parts = urllib.parse.urlsplit(base_url + "/chat/completions")
@@ -2671,7 +2669,8 @@ def timed_out_call(
 def _runs_inline(calls: Sequence[ToolCall], tools: Mapping[str, Tool]) -> bool:
     """Run on the loop's own thread? Only a reply's one call, to a tool that cannot hang
     (Tool.inline) or to no tool (nothing runs: it is answered with an error); several calls
-    run at once, on workers."""
+    run at once, on workers. Why: a round whose tool runs inline costs 0.36 and 0.38 of the
+    openai SDK's same round, on a worker 0.40 and 0.41 (`make bench`, two runs)."""
     if len(calls) != 1:
         return False
     tool = tools.get(calls[0].name)
@@ -2705,8 +2704,10 @@ _parking = threading.Lock()
 def _on_a_thread(task: Callable[[], None]) -> None:
     """Run `task` on a daemon thread that waits for work, or on a new one if none does.
 
-    Why: starting a thread costs more than a small tool's whole call. A thread that a hung
-    tool holds is simply not waiting; the next reply's calls start another."""
+    Why: starting a thread costs more than a small tool's whole call. A round whose tool runs
+    on a worker costs 0.40 and 0.41 of the openai SDK's same round (`make bench`, two runs);
+    with a new thread for every call, 0.43 and 0.50 (measured once by hand, 2026-12-05). A
+    thread that a hung tool holds is not waiting; the next reply's calls start another."""
     with _parking:
         inbox = _parked.pop() if _parked else None
     if inbox is None:
@@ -3008,11 +3009,11 @@ class AuditFile(LineFile):
     def batch(self) -> AbstractContextManager[None]:
         return _one_fsync(self)
 
-    def cleaned(self, record: dict[str, Any]) -> dict[str, Any]:
+    def redacted(self, record: dict[str, Any]) -> dict[str, Any]:
         """Secrets cut out: free text's look-alikes, and every secret this process holds (the
         model's arguments too: never the key)."""
-        record = {k: _scrubbed(v) if k in _FREE_TEXT else v for k, v in record.items()}
-        return _without_secrets_in_use(record)  # type: ignore[no-any-return]
+        record = {k: _redacted_shapes(v) if k in _FREE_TEXT else v for k, v in record.items()}
+        return _redacted_in_use(record)  # type: ignore[no-any-return]
 
     def open_batch(self) -> None:
         with self._lock:
@@ -3102,18 +3103,18 @@ _SECRET_NAME = re.compile(
 )  # a key whose text value is a secret: {"token": …}
 
 
-def _scrubbed(value: Any) -> Any:
+def _redacted_shapes(value: Any) -> Any:
     """Text with what looks like a secret redacted: a URL's user:password@, an Authorization
     header's credentials, a password=, token= or api_key= value, an sk-… key. In a decoded
     object or list, every string in it, and the text under a key named so ({"token": …}):
     redacted before it is serialised, where escaped quotes would hide it from the patterns."""
     if isinstance(value, list):
-        return [_scrubbed(item) for item in value]
+        return [_redacted_shapes(item) for item in value]
     if isinstance(value, dict):
         return {
             key: "[redacted]"
             if isinstance(item, str) and isinstance(key, str) and _SECRET_NAME.search(key)
-            else _scrubbed(item)
+            else _redacted_shapes(item)
             for key, item in value.items()
         }
     if not isinstance(value, str):
@@ -3133,47 +3134,47 @@ def _credentials(values: Mapping[str, str]) -> list[str]:
 _CREDENTIAL_NAME = re.compile(r"(?i)pass|pwd|secret|token|key|auth|credential|cookie|session")
 
 
-def _without_secrets_in_use(value: Any) -> Any:
+def _redacted_in_use(value: Any) -> Any:
     """`value` (a text, or a decoded JSON value) with every secret this process holds cut
     out, in any case, whole or by a start long enough to matter; `value` itself if it holds
     none, so that a text without one keeps its exact bytes."""
     secrets = _IN_USE
-    return _without_secrets(value, secrets) if secrets and _holds_secret(value, secrets) else value
+    return _redacted_value(value, secrets) if secrets and _holds_secret(value, secrets) else value
 
 
-def _text_without_secrets(text: str, secrets: tuple[str, ...]) -> str:
-    """A text with every secret cut out (_cut_secrets); a JSON text's cut in its decoded
+def _redacted_text(text: str, secrets: tuple[str, ...]) -> str:
+    """A text with every secret cut out (_redacted_spans); a JSON text's cut in its decoded
     values and encoded again, so that JSON stays JSON."""
     decoded = _decoded_json(text)
     if decoded is None:
-        return _cut_secrets(text, secrets)
+        return _redacted_spans(text, secrets)
     if not _holds_secret(decoded, secrets):
         return text
     try:
-        return _compact(_without_secrets(decoded, secrets))
+        return _compact(_redacted_value(decoded, secrets))
     except RecursionError:  # nested past what can be rebuilt: cut whole
         return "[redacted]"
 
 
-def _without_secrets(value: Any, secrets: Sequence[str]) -> Any:
+def _redacted_value(value: Any, secrets: Sequence[str]) -> Any:
     """A decoded value with every secret cut from its strings (its keys too), and a number
     whose digits hold one replaced whole: redacted after decoding, so that JSON stays JSON."""
     if isinstance(value, str) and secrets:
-        return _text_without_secrets(value, tuple(secrets))
+        return _redacted_text(value, tuple(secrets))
     if isinstance(value, dict):
         return {
-            _without_secrets(key, secrets): _without_secrets(item, secrets)
+            _redacted_value(key, secrets): _redacted_value(item, secrets)
             for key, item in value.items()
         }
     if isinstance(value, (list, tuple)):
-        return type(value)(_without_secrets(item, secrets) for item in value)
+        return type(value)(_redacted_value(item, secrets) for item in value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         digits = repr(value)
         return "[redacted]" if any(secret in digits for secret in secrets) else value
     return value
 
 
-def _cut_secrets(text: str, secrets: tuple[str, ...]) -> str:
+def _redacted_spans(text: str, secrets: tuple[str, ...]) -> str:
     """`text` with each secret, or a start of one (_secrets_pattern), cut out with the whole
     run of key-like characters around it, and the secret's own end if it goes on past that
     run: so what is left never shows how much of a guess matched."""
@@ -4450,11 +4451,11 @@ def _say_error(text: str) -> None:
 
 
 def _shown_to_user(text: str) -> str:
-    """A text as a user is shown it: what looks like a secret (_scrubbed), and the OpenAI key
+    """A text as a user is shown it: what looks like a secret (_redacted_shapes), and the OpenAI key
     whole or by its start, redacted; control characters escaped. An error may quote a server
     (the stderr of one that died at start), and no server's words are trusted."""
-    shown = _without_secrets_in_use(_scrubbed(text))
-    return _redacted(shown, os.environ.get("OPENAI_API_KEY"), keep="\n")
+    shown = _redacted_in_use(_redacted_shapes(text))
+    return _shown(shown, os.environ.get("OPENAI_API_KEY"), keep="\n")
 
 
 class _ShownRedacted(logging.Filter):
@@ -4983,7 +4984,7 @@ class _Printer:
 
     def __call__(self, text: str) -> None:
         shown, self._held = _held_back(self._held + text)
-        self._write(_without_secrets_in_use(shown))
+        self._write(_redacted_in_use(shown))
 
     def _write(self, text: str) -> None:
         if self.broken or not text:
@@ -4998,7 +4999,7 @@ class _Printer:
 
     def end_line(self) -> None:
         held, self._held = self._held, ""
-        self._write(_without_secrets_in_use(held))
+        self._write(_redacted_in_use(held))
         if self.line_open and not self.broken:
             self.line_open = False
             print(flush=True)
@@ -5025,7 +5026,7 @@ def _report(result: TurnResult, printer: _Printer | None = None, base_url: str =
         if printer.broken:
             raise BrokenPipeError  # main exits the way Unix tools do
         printer.end_line()
-    answer = _without_secrets_in_use(result.answer)  # what the model wrote: maybe the key
+    answer = _redacted_in_use(result.answer)  # what the model wrote: maybe the key
     if result.stop_reason in ("answered", "returned_direct", "refused"):
         if not streamed:
             print(answer, flush=True)
@@ -5045,7 +5046,7 @@ def _report(result: TurnResult, printer: _Printer | None = None, base_url: str =
         return EXIT_BUDGET
     error = str(result.error)
     if result.stop_reason == "api_error" and base_url:
-        where = _shown_endpoint(base_url)
+        where = _redacted_endpoint(base_url)
         error = error.replace("the model API", f"the model API at {where}", 1)
     _say_error(error)
     return EXIT_FAILED
@@ -6021,10 +6022,10 @@ class PostgresDatabase(Database):
             row = None
         if row is None:
             return "another session"
-        pid, role, application = row[0], _control_escaped(str(row[1]))[:40], str(row[2] or "")
+        pid, role, application = row[0], _escaped(str(row[1]))[:40], str(row[2] or "")
         if application.startswith(APPLICATION_NAME):
-            return f"host {_control_escaped(_host_of(application))} (pid {pid})"
-        shown = _control_escaped(application)[:40] or "no application name"
+            return f"host {_escaped(_host_of(application))} (pid {pid})"
+        shown = _escaped(application)[:40] or "no application name"
         return f"another session (role {role}, {shown}, pid {pid})"
 
     def _open(self, read_only: bool) -> Any:
@@ -7020,7 +7021,7 @@ class Conversations:
         A message that holds a secret of this process's (the key, said back by a server) is
         saved with it redacted, re-encoded, the only one not saved byte for byte."""
         turn = SavedTurn(
-            tuple(map(_without_secrets_in_use, messages)),
+            tuple(map(_redacted_in_use, messages)),
             result.origin,
             result.stop_reason,
             told,
@@ -8223,7 +8224,7 @@ def _pattern_problem(pattern: Any, unchecked: bool) -> str | None:
     except re.error as exc:
         if unchecked:
             return None
-        return f"{_shown(pattern)} cannot be matched here as JSON Schema means it ({exc})"
+        return f"{_quoted(pattern)} cannot be matched here as JSON Schema means it ({exc})"
     return None
 
 
@@ -8233,9 +8234,9 @@ def _ref_problem(root: Any, ref: Any) -> str | None:
     try:
         target = _resolve(root, ref)
     except LookupError:
-        return f"{_shown(ref)} does not point into this schema (only local #/… refs are followed)"
+        return f"{_quoted(ref)} does not point into this schema (only local #/… refs are followed)"
     if not isinstance(target, dict | bool):
-        return f"{_shown(ref)} points at something that is not a schema"
+        return f"{_quoted(ref)} points at something that is not a schema"
     return None
 
 
@@ -8680,7 +8681,7 @@ class _SchemaCheck:
         if schema is True:
             return None
         if schema is False:
-            return f"{where}: expected nothing here; got: {_shown(value)}"
+            return f"{where}: expected nothing here; got: {_quoted(value)}"
         checks = (
             self._ref,
             _type_violation,
@@ -8712,7 +8713,7 @@ class _SchemaCheck:
             return _rejection(where, f"at most {most} characters", value)
         pattern = schema.get("pattern")
         if isinstance(pattern, str) and not self._matches(pattern, value):
-            return _rejection(where, f"a string matching {_shown(pattern)}", value)
+            return _rejection(where, f"a string matching {_quoted(pattern)}", value)
         return None
 
     def _matches(self, pattern: str, value: str) -> bool:
@@ -8743,7 +8744,7 @@ class _SchemaCheck:
                 matched.append(True)  # a pattern accepted unchecked may match it: not "extra"
             if not matched and extra is False:
                 known = ", ".join(properties) or "no arguments"
-                return f"{_shown(name)}: expected only {known}; got an unknown key"
+                return f"{_quoted(name)}: expected only {known}; got an unknown key"
             for rule in matched or [extra]:
                 problem = self.violation(item, rule, _member(where, name))
                 if problem:
@@ -8880,10 +8881,10 @@ def _is_type(value: Any, name: str) -> bool:
 def _enum_violation(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
     key = _json_key(value)
     if "const" in schema and key != _json_key(schema["const"]):
-        return _rejection(where, f"exactly {_shown(schema['const'])}", value)
+        return _rejection(where, f"exactly {_quoted(schema['const'])}", value)
     if "enum" in schema and key not in {_json_key(item) for item in schema["enum"]}:
         return _rejection(
-            where, "one of " + ", ".join(_shown(item) for item in schema["enum"]), value
+            where, "one of " + ", ".join(_quoted(item) for item in schema["enum"]), value
         )
     return None
 
@@ -9251,7 +9252,7 @@ class McpServer:
     ) -> str:
         if any(version in MCP_LEGACY_ANSWERS for version in versions):
             return self._initialize(hello, deadline)
-        offered = ", ".join(_shown(version) for version in versions[:8]) or "nothing"
+        offered = ", ".join(_quoted(version) for version in versions[:8]) or "nothing"
         raise McpError(
             f"MCP server {self.label} speaks {offered}; this client speaks {MCP_MODERN}"
             f" and {', '.join(MCP_LEGACY_ANSWERS)}"
@@ -9266,7 +9267,7 @@ class McpServer:
         version = result.get("protocolVersion")
         if version not in MCP_LEGACY_ANSWERS:
             raise McpError(
-                f"MCP server {self.label} answered initialize with revision {_shown(version)},"
+                f"MCP server {self.label} answered initialize with revision {_quoted(version)},"
                 " which this client does not speak"
             )
         self._notify({"jsonrpc": "2.0", "method": "notifications/initialized"}, deadline)
@@ -9357,7 +9358,7 @@ class McpServer:
             data = error.get("data") if isinstance(error, dict) else None
             if not quiet:
                 # redacted decoded, before it is text: in JSON its quotes come escaped
-                said = _cut(_compact(_scrubbed(error)), 2000)
+                said = _cut(_compact(_redacted_shapes(error)), 2000)
                 self.record("mcp_error", method=method, error=said)
             shown = code if isinstance(code, int) and not isinstance(code, bool) else "?"
             raise McpRefusedError(
@@ -9372,7 +9373,7 @@ class McpServer:
         kind = result.get("resultType", "complete")
         if modern and kind != "complete":
             raise McpError(
-                f"MCP server {self.label}: {method} answered {_shown(kind)}, which asks for"
+                f"MCP server {self.label}: {method} answered {_quoted(kind)}, which asks for"
                 " something this client does not do (it offers no capabilities)"
             )
         return result
@@ -9446,7 +9447,7 @@ class McpServer:
                 self._abandoned.discard(ident)
                 return True
         if answer is None or not ("result" in message or "error" in message):
-            lie = f"MCP server {self.label} answered a request it was not sent ({_shown(ident)})"
+            lie = f"MCP server {self.label} answered a request it was not sent ({_quoted(ident)})"
             self._break(McpError(lie), process)
             return False
         answer.deliver(message=message)
@@ -9495,8 +9496,8 @@ class McpServer:
 
     def _stderr_said(self) -> str:
         """The end of the server's stderr as one line: redacted, escaped, cut."""
-        said = _scrubbed(self._unsaid_window(self._stderr_tail))
-        text = _control_escaped(" ".join(said.split()))
+        said = _redacted_shapes(self._unsaid_window(self._stderr_tail))
+        text = _escaped(" ".join(said.split()))
         return text if len(text) <= MCP_STDERR_TAIL_CHARS else "…" + text[-MCP_STDERR_TAIL_CHARS:]
 
     def _unsaid(self, said: Any) -> Any:
@@ -9504,12 +9505,12 @@ class McpServer:
         gave it redacted: a token may be said back anywhere (a tool's name or description,
         an id, an error, a result), and belongs on no screen, in no log line and with no
         model. The one redaction of a server's words, done as they come in."""
-        return _without_secrets(said, self._secrets) if self._secrets else said
+        return _redacted_value(said, self._secrets) if self._secrets else said
 
     def _unsaid_window(self, said: bytes) -> str:
         """Bytes cut from a longer text (the start or the end of stderr), redacted as _unsaid
         does, and a piece of a value at either edge of the cut too."""
-        return _window_without_secrets(said.decode("utf-8", "replace"), self._secrets)
+        return _redacted_window(said.decode("utf-8", "replace"), self._secrets)
 
     def _break(self, error: McpError, process: subprocess.Popen[bytes]) -> McpError:
         """`process` cannot be trusted any more: every waiting request gets `error`, and it is
@@ -9603,10 +9604,10 @@ def _secret_values(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted((v for v in found if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True))
 
 
-def _window_without_secrets(text: str, secrets: Sequence[str]) -> str:
+def _redacted_window(text: str, secrets: Sequence[str]) -> str:
     """A window onto a longer text with every secret cut out, and the piece of one that
     either edge of the window cut through (four characters or more) too, in any case."""
-    text = _without_secrets(text, secrets)
+    text = _redacted_value(text, secrets)
     for secret in secrets:
         for size in range(len(secret) - 1, 3, -1):
             end = re.search(re.escape(secret[:size]) + r"\Z", text, re.IGNORECASE)
@@ -9850,7 +9851,7 @@ class McpHttpServer(McpServer):
                 continue
             if got.get("id") == message["id"] and ("result" in got or "error" in got):
                 return got
-            lie = f"answered a request it was not sent ({_shown(got.get('id'))})"
+            lie = f"answered a request it was not sent ({_quoted(got.get('id'))})"
             raise self._broken_by(f"MCP server {self.label} {lie}", said=_compact(got).encode())
         raise McpError(f"MCP server {self.label}: no answer to {message['method']} came")
 
@@ -9916,7 +9917,7 @@ class McpHttpServer(McpServer):
             elif kind == "application/json":
                 yield self._message_in(b"".join(body))
             else:
-                shown = _shown(self._unsaid(kind) or "no Content-Type")
+                shown = _quoted(self._unsaid(kind) or "no Content-Type")
                 raise self._broken_by(
                     f"MCP server {self.label} answered with {shown}: neither JSON nor a stream"
                 )
@@ -10081,7 +10082,7 @@ def _mcp_url(url: str) -> urllib.parse.SplitResult:
     --mcp-header), and https unless the host is this machine."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        shown = _shown(url.split("?", 1)[0])  # a query may hold a key: never shown
+        shown = _quoted(url.split("?", 1)[0])  # a query may hold a key: never shown
         raise ConfigError(f"--mcp-url {shown}: expected an http:// or https:// URL")
     if parts.username is not None or parts.password is not None:
         raise ConfigError("--mcp-url: no user:password@ in the URL; pass --mcp-header instead")
@@ -10177,7 +10178,7 @@ class McpTool(Tool):
         if result.get("isError") is True:  # the tool's own message: data, the turn goes on
             message = _cut(text, MAX_RESULT_BYTES // 2)
             # escaped: through `approve`, this text reaches a terminal
-            raise ToolError(_control_escaped(message, keep="\n") or "the tool reported an error")
+            raise ToolError(_escaped(message, keep="\n") or "the tool reported an error")
         return _fitted(text, _without_data(result.get("structuredContent")))
 
 
@@ -10217,7 +10218,7 @@ def _content_line(block: Any) -> str:
         return f"[resource link: {_cut(str(block.get('uri')), 300)}]"
     if kind == "resource":
         return _resource_lines(block.get("resource"))
-    return f"[a content block of type {_cut(_shown(kind), 80)}, not shown]"
+    return f"[a content block of type {_cut(_quoted(kind), 80)}, not shown]"
 
 
 def _resource_lines(resource: Any) -> str:
@@ -10282,7 +10283,7 @@ def mcp_tools(
         if problem is None:
             tools.append(_mcp_tool(server, listed, read_only))
             continue
-        shown = name if isinstance(name, str) and name.isprintable() else _shown(name)
+        shown = name if isinstance(name, str) and name.isprintable() else _quoted(name)
         left_out.append({"mcp_name": _cut(shown, 200), "reason": problem})
         _log.warning("MCP server %s: tool %s left out: %s", server.label, _cut(shown, 200), problem)
     server.record(
@@ -10335,7 +10336,7 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
     # its command, or its URL without the query, as the person approving it reads it: what
     # looks like a secret on a command line (--api-key=…, an sk-… key) redacted, as in the log
-    Bound.source = f"MCP server {_scrubbed(server.label)}"
+    Bound.source = f"MCP server {_redacted_shapes(server.label)}"
     return Bound()
 
 
@@ -10522,7 +10523,7 @@ def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, 
     for pair in named:
         name, equals, variable = pair.partition("=")
         if not (equals and _HEADER_NAME.fullmatch(name) and variable):
-            raise ConfigError(f"--mcp-header {_shown(pair)}: expected NAME=VARIABLE")
+            raise ConfigError(f"--mcp-header {_quoted(pair)}: expected NAME=VARIABLE")
         if name.lower() in _MCP_OWN_HEADERS:
             raise ConfigError(f"--mcp-header {name}: this client writes that header itself")
         value = environ.get(variable, "")
@@ -10962,7 +10963,7 @@ def _turn_text(messages_json: str, action_id: str) -> tuple[str, str, str]:
     except (ValueError, TypeError, AttributeError, RecursionError):
         return "(the saved turn could not be read)", "", ""
     texts = (user, "\n".join(before), "\n".join(after))
-    shown: tuple[str, str, str] = _without_secrets_in_use(texts)  # saved redacted; ours too
+    shown: tuple[str, str, str] = _redacted_in_use(texts)  # saved redacted; ours too
     return shown
 
 

@@ -2316,7 +2316,7 @@ class KeyInTheModelsTextTest(LoopTestCase):
             ).run("hi", ToolContext("c-1"))
         self.assertEqual(result.stop_reason, "answered")
         self.assertEqual(
-            fc._without_secrets_in_use(result.answer),
+            fc._redacted_in_use(result.answer),
             "It said [redacted]; and [redacted], its start.",
         )
         self.assertNotIn(token[:12], self.audit_path.read_text())
