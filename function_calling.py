@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #e01d1b44: the whole file, every part kept
+# function_calling.py 2026-12-05 #44cfaf82: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,10 +26,10 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,022 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,039 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,210 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -603,23 +603,19 @@ class LineFile:
     def __init__(self, path: Path, fsync: bool = True) -> None:
         self.path, self.fsync = path, fsync
         self._lock = threading.Lock()
-        self._seq, self._prev = _chain_end(path)
 
     def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
-        """One line, on disk when this returns (`sync` aside: every line is synced)."""
+        """One line, chained to the file's last, on disk when this returns (every line is
+        synced, whatever `sync` says)."""
         with self._lock:
-            line = _compact({"seq": self._seq + 1, "prev": self._prev, **record}).encode()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
-                os.write(fd, line + b"\n")
+                _, seq, prev = _chain_end(fd)
+                os.write(fd, _compact({"seq": seq + 1, "prev": prev, **record}).encode() + b"\n")
                 if self.fsync:
                     os.fsync(fd)
-            except OSError:  # the line may be in the file all the same: chain on from it
-                self._seq, self._prev = _chain_end(self.path)
-                raise
             finally:
                 os.close(fd)
-            self._seq, self._prev = self._seq + 1, hashlib.sha256(line).hexdigest()
 
     def batch(self) -> AbstractContextManager[None]:
         return nullcontext()  # each line is on disk as it is written
@@ -673,27 +669,48 @@ class AuditLog:
             self._logger.info(event, extra={"audit": record})
 
 
-def _chain_end(path: Path) -> tuple[int, str]:
-    """The seq and hash of a log's last line (0 and GENESIS if none), read from the end;
-    AuditError if it is not a whole record."""
-    if not path.exists() or not path.stat().st_size:
-        return 0, GENESIS
-    with path.open("rb") as log:
-        start, text = log.seek(0, os.SEEK_END), b""
-        while start and b"\n" not in text[:-1]:  # back, 64 KiB at a time, to the line before
-            step = min(start, 65536)
-            start -= step
-            log.seek(start)
-            text = log.read(step) + text
-    whole = text.endswith(b"\n")  # else a crash cut it
-    last = text[:-1].rsplit(b"\n", 1)[-1] if whole else b""
-    try:
-        seq = json.loads(last)["seq"] if whole else None
-    except (ValueError, KeyError, TypeError, RecursionError):
-        seq = None
-    if not isinstance(seq, int):
-        raise AuditError("the audit log's last line is not a record, so nothing more is appended")
-    return seq, hashlib.sha256(last).hexdigest()
+def _chain_end(fd: int) -> tuple[int, int, str]:
+    """The log's size, and the seq and hash of its last line (0 and GENESIS if it has none);
+    AuditError if that line is not a whole record."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0, 0, GENESIS
+    last = _last_line(fd, size)
+    seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
+    if seq is None:
+        raise AuditError(
+            "the audit log's last line is not a record, so nothing more is appended;"
+            " run verify-audit"
+        )
+    return size, seq, hashlib.sha256(last).hexdigest()
+
+
+def _last_line(fd: int, size: int) -> bytes:
+    """The last line's bytes, without its newline, read back from the end (4 KiB, then twice
+    as much each time); AuditError if a crash or a full disk cut it."""
+    start, tail = size, b""
+    while start and b"\n" not in tail[:-1]:
+        step = min(start, max(4096, len(tail)))
+        start -= step
+        tail = os.pread(fd, step, start) + tail
+    if not tail.endswith(b"\n"):
+        raise AuditError(
+            "the audit log ends with a partial line, so nothing more is appended; see"
+            ' README "When the audit log ends with a cut line"'
+        )
+    return tail[:-1].rsplit(b"\n", 1)[-1]
+
+
+def _seq_of(record: Mapping[str, Any] | None) -> int | None:
+    seq = record.get("seq") if record else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _record_or_none(line: bytes) -> dict[str, Any] | None:
+    with suppress(ValueError, RecursionError):  # RecursionError: nested beyond json's reach
+        record = json.loads(line)
+        return record if isinstance(record, dict) else None
+    return None  # an edited line: verify-audit names it; the figures skip it
 
 
 def _audit_error(exc: OSError) -> AuditError:
@@ -3064,20 +3081,8 @@ class AuditFile(LineFile):
     def _chain_tail(self, fd: int) -> tuple[int, int, str]:
         """The file's size, and the seq and hash of its last line: from our cache unless the
         file has grown (another process appended)."""
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0, 0, GENESIS
-        cached_size, seq, head = self._tail
-        if size == cached_size:
-            return size, seq, head
-        last = _last_line(fd, size)
-        last_seq = _seq_of(_record_or_none(last))  # the same reading verify_audit does
-        if last_seq is None:
-            raise AuditError(
-                "the audit log's last line is not a record, so nothing more is appended;"
-                " run verify-audit"
-            )
-        return size, last_seq, hashlib.sha256(last).hexdigest()
+        size, seq, head = self._tail
+        return (size, seq, head) if os.fstat(fd).st_size == size else _chain_end(fd)
 
 
 # The fields where an audit line carries text nobody chose for it (an exception's, a server's
@@ -3225,31 +3230,6 @@ def _exclusive_lock(fd: int) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _last_line(fd: int, size: int) -> bytes:
-    """The last line's bytes, without its newline, read backwards from the end (one read
-    when it is shorter than 4 KiB, as lines are: other processes wait while this reads)."""
-    tail = os.pread(fd, min(size, 4096), size - min(size, 4096))
-    if not tail.endswith(b"\n"):
-        raise AuditError(
-            "the audit log ends with a partial line, so nothing more is appended; see"
-            ' README "When the audit log ends with a cut line"'
-        )
-    newline = tail.rfind(b"\n", 0, len(tail) - 1)
-    if newline >= 0 or len(tail) == size:  # the line before it ends in this read, or none does
-        return tail[newline + 1 : -1]
-    start, back = size - 1, 4096  # a long line: read back further, then more
-    while start > 0:
-        block_start = max(start - back, 0)
-        back = min(back * 4, 1 << 20)
-        block = os.pread(fd, start - block_start, block_start)
-        newline = block.rfind(b"\n")
-        if newline >= 0:
-            start = block_start + newline + 1
-            break
-        start = block_start
-    return os.pread(fd, size - 1 - start, start)
-
-
 def _write_head(head_file: Path, seq: int, head: str, fsync: bool) -> None:
     """Anchor the head elsewhere: `seq hash`, replaced atomically (through a temporary file of
     this process and thread's own: a shared one was renamed away by another writer)."""
@@ -3298,11 +3278,6 @@ def verify_audit(path: Path, expected_head: str | None = None) -> AuditCheck:
     return AuditCheck(count, prev)
 
 
-def _seq_of(record: Mapping[str, Any] | None) -> int | None:
-    seq = record.get("seq") if record else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
-
-
 def _link_problem(
     number: int, record: Mapping[str, Any] | None, prev: str, path: Path
 ) -> tuple[int, str] | None:
@@ -3336,13 +3311,6 @@ def _seq_further_on(path: Path, seq: int) -> bool:
             for number, line in enumerate(log, start=1)
             if number > seq
         )
-
-
-def _record_or_none(line: bytes) -> dict[str, Any] | None:
-    with suppress(ValueError, RecursionError):  # RecursionError: nested beyond json's reach
-        record = json.loads(line)
-        return record if isinstance(record, dict) else None
-    return None  # an edited line: verify-audit names it; the figures skip it
 
 
 # -------------------------------------------------------------------- the approvals' journal
