@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #44cfaf82: the whole file, every part kept
+# function_calling.py 2026-12-05 #5b6f82ae: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,10 +26,10 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,039 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,043 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -844,7 +844,7 @@ class Client:
         detail = ""
         with suppress(OSError, http.client.HTTPException):
             detail = _one_line(exc.read(2000))
-        error = _error_body(detail)
+        error = _error_body(detail) or {}
         said = _shown(_cut(str(error.get("message") or exc.reason), 300), self.settings.api_key)
         code = error.get("code") if isinstance(error.get("code"), str) else None
         return ApiError(f"the model API answered HTTP {exc.code}: {said}", exc.code, code)
@@ -859,13 +859,17 @@ class Client:
         self.close()
 
 
-def _error_body(text: str) -> dict[str, Any]:
-    """The {"error": {...}} object of an error body, or {} if it has none."""
-    try:
-        error = json.loads(text).get("error")
-    except (ValueError, AttributeError, RecursionError):
-        return {}
-    return error if isinstance(error, dict) else {"message": str(error)}
+def _error_body(body: bytes | str) -> dict[str, Any] | None:
+    """The `error` of an API's JSON error body ({"error": …}; its `code`, such as
+    "tool_use_failed", says what kind) as an object, or None if the body is anything else."""
+    with suppress(ValueError, RecursionError):
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and "error" in parsed:
+            error = parsed["error"]
+            if isinstance(error, dict):
+                return error
+            return {} if error is None else {"message": str(error)}  # null: still an error
+    return None
 
 
 # --------------------------------------------------------------------------------- the reply
@@ -2502,12 +2506,12 @@ class ChatClient(Client):
         # subtle: a page of markup flattened into one line tells the user nothing
         said = "(an HTML page)" if _is_a_page(response, body) else _cut(text, 300)
         message = f"the model API answered HTTP {status}: {said}"
-        error = _api_error(body)
+        error = _error_body(body)
         if status in (404, 405, 501) and error is None:  # no such path, no API behind it
             message += _path_hint(self.settings.base_url)
         if _should_retry(status, response.headers):
             return _RetryableError(message, status, _retry_after(response.headers))
-        code = error.get("code") if isinstance(error, dict) else None
+        code = (error or {}).get("code")
         return ApiError(message, status, code if isinstance(code, str) else None)
 
 
@@ -2535,17 +2539,6 @@ def _is_a_page(response: http.client.HTTPResponse, body: bytes) -> bool:
     """Whether an error body is an HTML page rather than an API's error."""
     kind = (response.getheader("Content-Type") or "").lower()
     return "html" in kind or body.lstrip()[:1] == b"<"
-
-
-def _api_error(body: bytes) -> Any:
-    """The `error` of a body that is an API's JSON error ({"error": …}, as every chat API
-    sends; its `code`, such as "tool_use_failed", says what kind), or None when the body is
-    anything else: not JSON, or JSON that is no object with an error (a list, a string)."""
-    with suppress(ValueError, RecursionError):
-        parsed = json.loads(body)
-        if isinstance(parsed, dict) and "error" in parsed:
-            return parsed["error"] if parsed["error"] is not None else {}  # null: still one
-    return None
 
 
 def _path_hint(base_url: str) -> str:
