@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #5b6f82ae: the whole file, every part kept
+# function_calling.py 2026-12-05 #e77f82bb: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -26,7 +26,7 @@ and decision keeps a journal row, *in_flight*, from before its first audit line 
 last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
 each customer and conversation spent, across turns and processes (budgets).
 
-First reading: Part I, the mechanism, is lines 1 to 2,043 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,033 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
@@ -198,9 +198,14 @@ class Settings:
     output_field: str | None = None
 
     def __post_init__(self) -> None:
-        try:  # subtle: a bad port or IPv6 literal raises only when asked for, mid-request
+        try:  # subtle: else a bad port, [IPv6] address or host label fails mid-request
             parts = urllib.parse.urlsplit(self.base_url)
             parts.port  # noqa: B018 -- read to validate
+            (parts.hostname or "").encode("idna")
+        except UnicodeError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a host name with a label empty or too long"
+            ) from None
         except ValueError:
             raise ConfigError(
                 "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
@@ -209,16 +214,10 @@ class Settings:
         # subtle: a file: or data: URL names no server; it must not get as far as a request
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
-        try:  # subtle: else the lookup raises UnicodeError, no OSError, mid-request
-            parts.hostname.encode("idna")
-        except UnicodeError:
-            raise ConfigError(
-                "OPENAI_BASE_URL has a host name with an empty or over-long label"
-            ) from None
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if self.api_key and not self.api_key.isascii():
             raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
-        if self.api_key and not _is_header_safe(self.api_key):
+        if self.api_key and (" " in self.api_key or not self.api_key.isprintable()):
             # subtle: http.client's own error would print the header, key and all
             raise ConfigError("OPENAI_API_KEY holds whitespace or control characters")
         if not self.api_key and parts.hostname == "api.openai.com":
@@ -235,8 +234,7 @@ class Settings:
             raise ConfigError("output_field must be max_completion_tokens or max_tokens")
         if (
             min(self.timeout, self.stream_idle) <= 0
-            or self.max_retries < 0
-            or self.max_retry_wait < 0
+            or min(self.max_retries, self.max_retry_wait) < 0
         ):
             raise ConfigError("timeouts must be positive and retries not negative")
 
@@ -250,10 +248,6 @@ class Settings:
             api_key=environ.get("OPENAI_API_KEY") or None,
             **choices,
         )
-
-
-def _is_header_safe(value: str) -> bool:
-    return value.isascii() and value.isprintable() and not any(c.isspace() for c in value)
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -371,17 +365,13 @@ def _decoded_json(text: str) -> Any:
 # ------------------------------------------------------------------- tools and validation
 
 
-def _new_turn_id() -> str:
-    return "turn-" + secrets.token_hex(6)
-
-
 @dataclass(frozen=True)
 class ToolContext:
     """What the model must never choose: who is asking, which turn this is, and (only while a
     human's approval executes a write) which approval. Never sent to the model."""
 
     customer_id: str
-    turn_id: str = field(default_factory=_new_turn_id)
+    turn_id: str = field(default_factory=lambda: "turn-" + secrets.token_hex(6))
     approval_id: str | None = None
     conversation_id: str | None = None  # a saved conversation's: a Budget's ledger keeps it
 
