@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #e77f82bb: the whole file, every part kept
+# function_calling.py 2026-12-05 #9f2fa392: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -21,12 +21,10 @@ Words: a *round* is one model call and the tool calls its reply asks for; a *tur
 message and all its rounds. A turn ends when a reply asks for no tool, or when a *guard* stops
 it: the round cap, the same calls asked twice in a row, or a budget. The *echo* is the
 assistant message sent back byte for byte as it came (the reply). A tool that writes only
-*files* its change: a pending action waits until a person approves it (approvals). Each filing
-and decision keeps a journal row, *in_flight*, from before its first audit line until after its
-last; a row a crash left behind is *settled* by the next run (Part II). A *ledger* keeps what
-each customer and conversation spent, across turns and processes (budgets).
+*files* its change: a pending action waits until a person approves it (approvals). A *seam* is
+a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,033 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,037 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
@@ -465,7 +463,8 @@ def parse_arguments(arguments_json: str, limit: int = MAX_ARGUMENTS_BYTES) -> di
         raise ArgumentError(
             "arguments: expected numbers of sane length; got a huge integer"
         ) from None
-    # subtle: json.dumps may fail to write back what json.loads accepted, and it is re-encoded
+    # subtle: json.loads accepts nesting that json.dumps cannot write back (RecursionError),
+    # and the arguments are written again (the repeated-calls guard, an approval)
     if _nested_deeper_than(args, MAX_ARGUMENT_DEPTH):
         raise ArgumentError(
             f"arguments: expected at most {MAX_ARGUMENT_DEPTH} levels of nesting; got more"
@@ -642,7 +641,8 @@ class AuditLog:
         self._append(event, fields, sync=True)
 
     def record_in_batch(self, event: str, **fields: Any) -> None:
-        """Append one record now; inside batch() its fsync waits for the batch's one fsync."""
+        """Append one record now; inside batch() its fsync may wait for the batch's one fsync
+        (Part II's AuditFile; Part I's LineFile syncs every line as it is written)."""
         self._append(event, fields, sync=False)
 
     def batch(self) -> AbstractContextManager[None]:
@@ -1076,7 +1076,7 @@ def dispatch(
     started = time.monotonic()
 
     def record(outcome: str, detail: Mapping[str, str]) -> None:
-        # a filing's line is on disk before its in_flight row goes (Approvals): no batching
+        # a filing's line is written inside its transaction (Approvals): never batched
         durable = outcome == "proposed"
         _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
 
@@ -1161,12 +1161,13 @@ def _audit_call(
 
 
 def _is_tool_error(outcome: str) -> bool:
-    return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"
+    return outcome.startswith(("rejected:", "error:")) or outcome == "timeout"  # Workers'
 
 
 # ------------------------------------------------------------------- calls that do not run
-# Every call gets its tool message and its audit line, run or not (a guard, the per-reply cap):
-# a history with an unanswered call cannot be sent again.
+# Every call gets its tool message, run or not (a guard, the per-reply cap), since a history
+# with an unanswered call cannot be sent again; and its audit line, unless the turn itself was
+# cut short (Ctrl-C, a failed audit write: the turn's line says so).
 
 _SKIP_REASONS = {
     "round_cap": "the round cap was reached, so its result could never be read",
@@ -1415,7 +1416,7 @@ class ToolLoop:
         self, turn: _Turn, context: ToolContext, on_text: Callable[[str], None] | None
     ) -> TurnResult | None:
         """One round: ask, then answer every call the reply asks for; the TurnResult if it
-        ends the turn (a function, so a reply is let go)."""
+        ends the turn (its own function, so that each reply is freed when its round ends)."""
         turn.rounds += 1
         # a tool_choice that forces a call applies to the first round only: forced in every
         # round, the model could never answer, and the turn would end at the round cap
@@ -1939,7 +1940,7 @@ def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
 
 
 def _pending_action(row: Sequence[Any]) -> PendingAction:
-    """A row of _ACTION_COLUMNS, in order; its summary_json parsed."""
+    """A row of the action's columns, in PendingAction's order; its summary_json parsed."""
     values = list(row)
     values[5] = json.loads(values[5])
     return PendingAction(*values)
@@ -1996,13 +1997,16 @@ def _date(args: Mapping[str, Any], name: str) -> date:
 _DATE = re.compile("[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
-def ask(question: str, environ: Mapping[str, str]) -> TurnResult:
+def ask(
+    question: str, environ: Mapping[str, str], tools: Sequence[Tool] | None = None
+) -> TurnResult:
     """One turn, with Part I's pieces: the model at OPENAI_BASE_URL (OPENAI_API_KEY,
-    OPENAI_MODEL), Part I's tool, the audit log in FUNCTION_CALLING_DATA."""
+    OPENAI_MODEL), your tools (by default Part I's own; none that writes: it would need
+    Approvals), the audit log in FUNCTION_CALLING_DATA."""
     settings = Settings.from_env(environ)
     audit = AuditLog(Path(environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR) / "audit.log")
     with Client(settings) as client:
-        loop = ToolLoop(client, [DaysBetween()], audit)
+        loop = ToolLoop(client, tools or [DaysBetween()], audit)
         return loop.run(question, ToolContext(customer_id="local"))
 
 
@@ -2023,7 +2027,7 @@ def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
         return 130
     # the model's text, fit for a terminal: no escape sequence runs, no key is shown
     shown = _shown(result.error or result.answer or "", environ.get("OPENAI_API_KEY"), "\n")
-    if result.stop_reason != "answered":
+    if result.stop_reason not in ("answered", "returned_direct"):
         print(f"{result.stop_reason}: {shown}", file=sys.stderr)
         return 1
     print(shown)

@@ -548,6 +548,25 @@ class TheClientSendsOnePostAndShowsNoKeyOnTheCopy(
     """TheClientSendsOnePostAndShowsNoKey, on Part I alone."""
 
 
+class TheMechanismsTurnRunsYourTools(OnTheMechanismCopy):
+    """Part I's `ask` is the turn a copier's program calls: with their tools, or Part I's own."""
+
+    def test_ask_runs_the_tools_it_is_given_and_its_own_by_default(self) -> None:
+        note, _ = rule_tools(self.mod)
+        for tools, call, said in (
+            ([note()], ("note", '{"word":"hi"}'), '{"said":"hi"}'),
+            (None, ("days_between", '{"start":"2026-12-04","end":"2026-12-25"}'), '"days":21'),
+        ):
+            script = [tool_call_reply([call]), text_reply("done")]
+            with self.subTest(tools=tools), ScriptedChatServer(script) as server:
+                data = Path(tempfile.mkdtemp())
+                self.addCleanup(shutil.rmtree, data, True)
+                environ = {"OPENAI_BASE_URL": server.base_url, "FUNCTION_CALLING_DATA": str(data)}
+                result = self.mod.ask("q", environ, tools)
+                self.assertEqual((result.stop_reason, result.answer), ("answered", "done"))
+                self.assertIn(said, json.loads(server.requests[1].body)["messages"][-1]["content"])
+
+
 class AValidCallsResultReachesTheNextRequestOnPartTwo(
     OnPartTwosPieces, AValidCallsResultReachesTheNextRequest
 ):
