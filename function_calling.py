@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #9f2fa392: the whole file, every part kept
+# function_calling.py 2026-12-05 #543bebc7: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -24,10 +24,10 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,037 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,025 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -145,12 +145,8 @@ MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
 MAX_ARGUMENT_DEPTH = 32  # levels of arrays and objects in the model's arguments
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
-MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
 REQUEST_TIMEOUT_S = 600.0  # per request, connect to last byte (a stream's: to its headers)
-STREAM_IDLE_S = 60.0  # then a stream goes on while a byte comes at least this often
 TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds and retries (tools: Workers)
-MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
-MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
 APPROVAL_TTL_S = 24 * 3600  # a pending action nobody decided expires after a day
@@ -185,12 +181,7 @@ class Settings:
     model: str = DEFAULT_MODEL
     api_key: str | None = field(default=None, repr=False)  # repr=False: never in a log line
     timeout: float = REQUEST_TIMEOUT_S
-    stream_idle: float = STREAM_IDLE_S
-    retry_timeouts: bool = False  # a request the server took may still run: _unanswered
-    max_retries: int = MAX_RETRIES
-    max_retry_wait: float = MAX_RETRY_WAIT_S
     max_response_bytes: int = MAX_RESPONSE_BYTES  # a reply, or what a stream assembles
-    max_stream_bytes: int = MAX_STREAM_BYTES  # a stream's bytes on the wire
     # A budget's output bound: OpenAI's reasoning models refuse max_tokens, and servers that
     # know only max_tokens (Ollama) ignore the other. None: by the host.
     output_field: str | None = None
@@ -230,11 +221,8 @@ class Settings:
             object.__setattr__(self, "output_field", f"max_{'completion_' * openai}tokens")
         if self.output_field not in ("max_completion_tokens", "max_tokens"):
             raise ConfigError("output_field must be max_completion_tokens or max_tokens")
-        if (
-            min(self.timeout, self.stream_idle) <= 0
-            or min(self.max_retries, self.max_retry_wait) < 0
-        ):
-            raise ConfigError("timeouts must be positive and retries not negative")
+        if self.timeout <= 0:
+            raise ConfigError("the timeout must be positive")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **choices: Any) -> Settings:
@@ -2040,6 +2028,11 @@ def mechanism_main(argv: Sequence[str], environ: Mapping[str, str] = os.environ)
 
 
 # ----------------------------------------------------------------------------- the transport
+MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at all)
+MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
+STREAM_IDLE_S = 60.0  # after its headers, a stream goes on while a byte comes this often
+MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
+
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
 # request would cost a TCP and (over https) a TLS handshake every round. http.client is the
 # transport urllib itself stands on; used directly, it follows no redirects (a 3xx is an
@@ -2276,8 +2269,19 @@ class ChatClient(Client):
         settings: Settings,
         sleep: Callable[[float], None] = time.sleep,
         jitter: Callable[[], float] = random.random,
+        *,
+        max_retries: int = MAX_RETRIES,
+        max_retry_wait: float = MAX_RETRY_WAIT_S,
+        retry_timeouts: bool = False,  # a request the server took may still run: _unanswered
+        stream_idle: float = STREAM_IDLE_S,
+        max_stream_bytes: int = MAX_STREAM_BYTES,
     ) -> None:
+        if stream_idle <= 0 or min(max_retries, max_retry_wait) < 0:
+            raise ConfigError("timeouts must be positive and retries not negative")
         self.settings = settings
+        self.max_retries, self.max_retry_wait = max_retries, max_retry_wait
+        self.retry_timeouts, self.stream_idle = retry_timeouts, stream_idle
+        self.max_stream_bytes = max_stream_bytes
         _keep_secret(settings.api_key)  # never shown, saved or logged, whoever says it back
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
         self._jitter = jitter
@@ -2336,17 +2340,17 @@ class ChatClient(Client):
         self, body: bytearray, turn_deadline: float, on_text: Callable[[str], None] | None
     ) -> Reply:
         """The first try and the retries."""
-        for attempt in range(self.settings.max_retries + 1):
+        for attempt in range(self.max_retries + 1):
             try:
                 reply = self._post(body, turn_deadline, on_text)
                 return replace(reply, retries=attempt) if attempt else reply  # no copy
             except _RetryableError as failure:
-                if attempt == self.settings.max_retries:
+                if attempt == self.max_retries:
                     tries = f"gave up after {attempt} {'retry' if attempt == 1 else 'retries'}"
                     note = tries if attempt else "not retried: retries are set to 0"
                     raise ApiError(f"{failure} ({note})", failure.status) from None
                 wait = self._retry_wait(failure, attempt, turn_deadline)
-                most = self.settings.max_retries
+                most = self.max_retries
                 _log.warning("%s; retry %d of %d in %.1f s", failure, attempt + 1, most, wait)
                 self._sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -2354,10 +2358,10 @@ class ChatClient(Client):
     def _retry_wait(self, failure: _RetryableError, attempt: int, turn_deadline: float) -> float:
         """The server's hint if it gave one, else exponential backoff with jitter (as the
         official SDKs do: 0.5 s doubling to 8 s, less up to a quarter)."""
-        if failure.wait_hint is not None and failure.wait_hint > self.settings.max_retry_wait:
+        if failure.wait_hint is not None and failure.wait_hint > self.max_retry_wait:
             raise ApiError(
                 f"{failure}; the server asks to wait {failure.wait_hint:.0f} s, more than the"
-                f" {self.settings.max_retry_wait:.0f} s cap on retry waits",
+                f" {self.max_retry_wait:.0f} s cap on retry waits",
                 failure.status,
             )
         wait = failure.wait_hint
@@ -2396,7 +2400,7 @@ class ChatClient(Client):
             self.close()
             reason = _transport_reason(exc)
             if isinstance(exc, TimeoutError):
-                idle, timeout = self.settings.stream_idle, self.settings.timeout
+                idle, timeout = self.stream_idle, self.settings.timeout
                 waited = (
                     f"nothing for {idle:g} s, --stream-idle"
                     if on_text
@@ -2418,7 +2422,7 @@ class ChatClient(Client):
             return ApiError("the model API had the request when the turn's deadline passed")
         timeout = self.settings.timeout
         took = f"the model API took the request but timed out: no reply within {timeout:g} s"
-        if self.settings.retry_timeouts:
+        if self.retry_timeouts:
             return _RetryableError(f"{took} (--timeout)", None, None)
         return ApiError(
             f"{took} (--timeout); not sent again: it may still be writing, and a second"
@@ -2472,10 +2476,10 @@ class ChatClient(Client):
         if on_text and STREAM_READERS and content_type.startswith("text/event-stream"):
             reader = getattr(response.fp, "raw", None)
             if isinstance(reader, _DeadlineReader):  # headers in: now bytes keep it alive
-                reader.stretch(self.settings.stream_idle, turn_deadline)
+                reader.stretch(self.stream_idle, turn_deadline)
             # subtle: the framing of 30,000 events is ten times the answer they carry, so the
             # cap is on what the stream assembles, with a larger one on the bytes on the wire
-            wire = _chunks(response, self.settings.max_stream_bytes)
+            wire = _chunks(response, self.max_stream_bytes)
             return STREAM_READERS[0](wire, on_text, self.settings.max_response_bytes)
         reply = parse_reply(b"".join(_chunks(response, self.settings.max_response_bytes)))
         if on_text and reply.content:  # a server that ignored "stream": the text, at once
@@ -4796,10 +4800,8 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
     settings = Settings.from_env(
         {**os.environ, **{name: value for name, value in chosen.items() if value}},
         timeout=args.timeout,
-        stream_idle=args.stream_idle,
-        retry_timeouts=args.retry_timeouts,
-        max_retries=args.retries,
     )
+    wire = {"stream_idle": args.stream_idle, "retry_timeouts": args.retry_timeouts}
     # a part's options are checked, like the settings, before anything is made
     later = [options(args, app) for options in LOOP_OPTIONS]
     workspace = _open(args, app, create=True)
@@ -4809,7 +4811,7 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         app,
         workspace,
         tools,
-        ChatClient(settings),
+        ChatClient(settings, max_retries=args.retries, **wire),
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
         **chosen,
