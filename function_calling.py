@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #543bebc7: the whole file, every part kept
+# function_calling.py 2026-12-05 #f1ca7f78: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -24,7 +24,7 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,025 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,018 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
@@ -1779,18 +1779,11 @@ class Approvals:
                     "this request is already waiting for a person to approve it"
                 ) from None
             line = {"approval_id": action_id}
-            if record is not None:
-                record(line)  # inside the transaction: if it fails, the action goes with it
-            else:
-                self.audit.record(
-                    "tool_call",
-                    turn_id=context.turn_id,
-                    tool=tool.name,
-                    customer_id=context.customer_id,
-                    arguments=arguments_json,
-                    outcome="proposed",
-                    **line,
-                )
+            if record is not None:  # inside the transaction: if it fails, the action goes too
+                record(line)
+            else:  # filed by a caller of its own, not by dispatch: no call id, no round
+                call, started = ToolCall("", tool.name, arguments_json), time.monotonic()
+                _audit_call(self.audit, call, context, 0, "proposed", started, line, True)
         # the tool's summary first: its own "status" must not say the write is done
         return {
             **summary,
