@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #f1ca7f78: the whole file, every part kept
+# function_calling.py 2026-12-05 #b5d8b4bf: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -27,7 +27,7 @@ a constructor argument whose default is Part I's simple piece and where Part II'
 First reading: Part I, the mechanism, is lines 1 to 2,018 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -2082,16 +2082,9 @@ class _DeadlineReader(io.RawIOBase):
         self.raw.close()
         super().close()
 
-
-class _DeadlineSocket:
-    """What an HTTPResponse is built on: a socket whose makefile() reads by the deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock = sock
-        self.deadline = deadline
-
     def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self.sock, self.deadline))
+        """What an HTTPResponse reads through, as it would a socket's makefile()."""
+        return io.BufferedReader(self)
 
 
 class _TimedHTTPConnection(http.client.HTTPConnection):
@@ -2115,7 +2108,7 @@ class _TimedHTTPConnection(http.client.HTTPConnection):
     def response_class(  # type: ignore[override]  # a method where http.client has a class
         self, sock: socket.socket, *args: Any, **kwargs: Any
     ) -> http.client.HTTPResponse:
-        reader = _DeadlineSocket(sock, self.deadline)
+        reader = _DeadlineReader(sock, self.deadline)
         return _Response(reader, *args, **kwargs)  # type: ignore[arg-type]
 
 
@@ -3007,31 +3000,26 @@ class AuditFile(LineFile):
             finally:
                 os.close(fd)
 
-    def batch(self) -> AbstractContextManager[None]:
-        return _one_fsync(self)
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The lines inside wait for one fsync, as the last open batch ends."""
+        with self._lock:
+            self._batches += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._batches -= 1
+                waiting = self._unsynced and not self._batches  # the last batch, and a line
+                self._unsynced = self._unsynced and not waiting
+            if waiting:
+                _synced(self.path)
 
     def redacted(self, record: dict[str, Any]) -> dict[str, Any]:
         """Secrets cut out: free text's look-alikes, and every secret this process holds (the
         model's arguments too: never the key)."""
         record = {k: _redacted_shapes(v) if k in _FREE_TEXT else v for k, v in record.items()}
         return _redacted_in_use(record)  # type: ignore[no-any-return]
-
-    def open_batch(self) -> None:
-        with self._lock:
-            self._batches += 1
-
-    def close_batch(self) -> None:
-        """The batch's one fsync, once the last open batch closes and a line waits for it."""
-        with self._lock:
-            self._batches -= 1
-            if self._batches or not self._unsynced:
-                return
-            self._unsynced = False
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def _append(self, fd: int, fields: Mapping[str, Any]) -> tuple[int, str]:
         """Write one chained line under the flock; returns its (seq, hash).
@@ -3188,17 +3176,16 @@ def _redacted_spans(text: str, secrets: tuple[str, ...]) -> str:
 _KEY_LIKE = re.compile(r"[\w\-.~+/=]")  # what keys and tokens are made of, in a run
 
 
-@contextmanager
-def _one_fsync(audit_file: AuditFile) -> Iterator[None]:
-    """AuditLog.batch: the file's lines inside wait for one fsync as the block ends."""
-    audit_file.open_batch()
+def _synced(path: Path) -> None:
+    """A batch's one fsync, or AuditError."""
     try:
-        yield
-    finally:
+        fd = os.open(path, os.O_RDONLY)
         try:
-            audit_file.close_batch()
-        except OSError as exc:
-            raise _audit_error(exc) from None
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _audit_error(exc) from None
 
 
 @contextmanager
