@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #b5d8b4bf: the whole file, every part kept
+# function_calling.py 2026-12-05 #c56f567a: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -27,7 +27,7 @@ a constructor argument whose default is Part I's simple piece and where Part II'
 First reading: Part I, the mechanism, is lines 1 to 2,018 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,150 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -2118,6 +2118,12 @@ class _Response(http.client.HTTPResponse):
     read by the request's deadline, as every other)."""
 
     leftover = False  # bytes came after its end: its connection carries no other request
+
+    def flush(self) -> None:
+        # subtle: a response abandoned mid-read (a call that timed out) may be collected at
+        # exit after the reader it reads through; closing it must not fail on that reader
+        if self.fp is None or not self.fp.closed:
+            super().flush()
 
     def _read_status(self) -> tuple[str, int, str]:
         version, status, reason = super()._read_status()  # type: ignore[misc]
