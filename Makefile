@@ -89,6 +89,13 @@ lint: $(LINT_VENV)/.installed
 		$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
 			--no-error-summary $(LINT_VENV)/cut/function_calling.py || exit 1; \
 	done
+	@rm -rf $(LINT_VENV)/cut && mkdir -p $(LINT_VENV)/cut && \
+	$(PYTHON) function_calling.py copy $(LINT_VENV)/cut/function_calling.py --mechanism \
+		>/dev/null && echo "lint: the mechanism's copy (Part I alone)" && \
+	$(LINT_VENV)/bin/ruff check --quiet $(RUFF_RULES) $(LINT_VENV)/cut/function_calling.py && \
+	$(LINT_VENV)/bin/ruff format --check --quiet --line-length 100 $(LINT_VENV)/cut/function_calling.py && \
+	$(LINT_VENV)/bin/mypy --strict --python-version 3.10 --cache-dir $(LINT_VENV)/mypy-cache \
+		--no-error-summary $(LINT_VENV)/cut/function_calling.py
 
 # The inbox in a real headless Chromium (FUNCTION_CALLING_CHROMIUM, else one on PATH; Debian's
 # package `chromium`, which .ci/run installs where missing). `make test` runs it too, when found.

@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #c56f567a: the whole file, every part kept
+# function_calling.py 2026-12-05 #25a3c704: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -24,14 +24,14 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,018 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,019 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,390 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,430 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -57,6 +57,7 @@ if sys.version_info < (3, 10):  # noqa: UP036 -- one line, not a traceback furth
     sys.exit("function_calling.py needs Python 3.10 or newer")
 
 import argparse
+import ast
 import base64
 import codecs
 import collections
@@ -5173,10 +5174,12 @@ def _kept_said(kept: Sequence[str], parts: Sequence[str]) -> str:
 
 
 def _copy_mechanism(out: Path, lines: Sequence[str]) -> int:
-    """Part I alone: the lines to its end marker, __all__ cut to the names they define, and
-    a last line that runs mechanism_main when the copy is run as a script."""
+    """Part I alone: the lines to its end marker, with a docstring that says so, only the
+    imports they use, __all__ cut to the names they define, and a last line that runs
+    mechanism_main when the copy is run as a script."""
     end = next(n for n, line in enumerate(lines) if line.rstrip().endswith(_PART_ONE_END))
-    text = "".join(lines[1 : end + 1])
+    text = _imports_used("".join(lines[1 : end + 1]))
+    text = re.sub(r'(?ms)^First reading:.*?^"""$', _MECHANISM_SAID, text, count=1)
     names = [name for name in __all__ if re.search(rf"^(class|def) {name}\b", text, re.M)]
     listed = "".join(f'    "{name}",\n' for name in names)
     text = re.sub(r"(?ms)^__all__ = \[$.*?^\]$", f"__all__ = [\n{listed}]", text, count=1)
@@ -5190,6 +5193,42 @@ def _copy_mechanism(out: Path, lines: Sequence[str]) -> int:
 
 
 _PART_ONE_END = "end of Part I: the mechanism"
+_MECHANISM_SAID = """This file is Part I of function_calling.py alone, the mechanism, as `copy OUT
+--mechanism` wrote it: python3 OUT "QUESTION" asks the model at OPENAI_BASE_URL (default
+https://api.openai.com/v1) with OPENAI_API_KEY and OPENAI_MODEL (default gpt-4.1-mini), with
+its own tool, days_between, and appends to the audit log in FUNCTION_CALLING_DATA (default
+./.function_calling). Each piece says what it does not survive, and which piece of the whole
+file's Part II, hardening, takes its place through a seam.
+\"\"\""""
+
+
+def _imports_used(text: str) -> str:
+    """`text` without the top-level imports, and names imported, that nothing else in it
+    reads (import http.client: "http.client" is what is read); a platform check whose
+    import goes goes whole, with the blank lines after it."""
+    tree = ast.parse(text)
+    read = {
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load)
+    }
+    lines = text.splitlines(keepends=True)
+    for node in reversed(tree.body):
+        imports = [
+            item for item in ast.walk(node) if isinstance(item, (ast.Import, ast.ImportFrom))
+        ]
+        if not imports or getattr(node, "module", "") == "__future__":
+            continue
+        kept = [a for item in imports for a in item.names if (a.asname or a.name) in read]
+        start, stop = node.lineno - 1, node.end_lineno or node.lineno
+        if isinstance(node, ast.If) and not kept:
+            while stop < len(lines) and not lines[stop].strip():
+                stop += 1
+            lines[start:stop] = []
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and kept != node.names:
+            node.names = kept
+            lines[start:stop] = [ast.unparse(node) + "\n"] if kept else []
+    return "".join(lines)
 
 
 def _stamp(text: str) -> str:

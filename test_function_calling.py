@@ -5682,6 +5682,22 @@ class ShapeTest(unittest.TestCase):
         planted = source.replace("self.runner = runner or InOrder()", "self.runner = Workers()")
         self.assertEqual(forward_names(planted, self.part_one_end), {"Workers"})
 
+    def test_the_mechanisms_copy_imports_what_it_uses_and_says_what_it_is(self) -> None:
+        source = Path(mechanism_copy().__file__).read_text()
+        body = [line for line in source.splitlines() if not line.startswith(("import ", "from "))]
+        rest = "\n".join(body)
+        imported = re.findall(r"^import ([\w.]+)$", source, re.M)
+        for names in re.findall(r"^from (?!__future__)[\w.]+ import (.+)$", source, re.M):
+            imported += names.split(", ")
+        self.assertIn("sqlite3", imported)  # what Part I needs is there
+        unused = [name for name in imported if not re.search(rf"\b{re.escape(name)}\b", rest)]
+        self.assertEqual(unused, [], "every import is used")
+        self.assertNotIn("import ssl", source)  # Part II's transport
+        doc = mechanism_copy().__doc__ or ""
+        self.assertIn('python3 OUT "QUESTION"', " ".join(doc.split()))
+        for elsewhere in ("Commands:", "pending ·", "Part II, hardening (about", "main(app="):
+            self.assertNotIn(elsewhere, doc, "the copy's docstring names only what it holds")
+
     def test_part_one_runs_its_own_tool_and_turn_alone_as_the_mechanisms_copy(self) -> None:
         tools = [
             node.name
