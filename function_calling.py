@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #25a3c704: the whole file, every part kept
+# function_calling.py 2026-12-05 #c42d7871: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -24,14 +24,14 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,019 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,027 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,430 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,460 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -188,14 +188,9 @@ class Settings:
     output_field: str | None = None
 
     def __post_init__(self) -> None:
-        try:  # subtle: else a bad port, [IPv6] address or host label fails mid-request
+        try:  # subtle: else a bad port or [IPv6] address fails mid-request
             parts = urllib.parse.urlsplit(self.base_url)
             parts.port  # noqa: B018 -- read to validate
-            (parts.hostname or "").encode("idna")
-        except UnicodeError:
-            raise ConfigError(
-                "OPENAI_BASE_URL has a host name with a label empty or too long"
-            ) from None
         except ValueError:
             raise ConfigError(
                 "OPENAI_BASE_URL has a port that is not a number from 0 to 65535,"
@@ -204,6 +199,12 @@ class Settings:
         # subtle: a file: or data: URL names no server; it must not get as far as a request
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("OPENAI_BASE_URL must be an http:// or https:// URL")
+        try:  # subtle: else the lookup raises UnicodeError, no OSError, mid-request
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            raise ConfigError(
+                "OPENAI_BASE_URL has a host name with a label empty or too long"
+            ) from None
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if self.api_key and not self.api_key.isascii():
             raise ConfigError("OPENAI_API_KEY holds characters that are not ASCII")
@@ -313,7 +314,7 @@ def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
     """Does `value` (a text, or a decoded JSON value) hold one of `secrets` anywhere: a text
     the start of one, a number one whole? A text that is JSON with an escape (\\u0073k-…)
     is looked into decoded. By a stack, so no depth is too deep."""
-    stack, numbers = [value] if secrets else [], []
+    stack = [value] if secrets else []
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
@@ -326,9 +327,13 @@ def _holds_secret(value: Any, secrets: tuple[str, ...]) -> bool:
                 stack.append(decoded)
             elif _secrets_pattern(secrets).search(item):
                 return True
-        elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            numbers.append(repr(item))  # a number holds a secret only whole
-    return any(secret in number for number in numbers for secret in secrets)
+        elif (
+            isinstance(item, (int, float))
+            and not isinstance(item, bool)
+            and any(secret in repr(item) for secret in secrets)  # a number: its digits whole
+        ):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=64)
@@ -666,18 +671,21 @@ def _chain_end(fd: int) -> tuple[int, int, str]:
 
 def _last_line(fd: int, size: int) -> bytes:
     """The last line's bytes, without its newline, read back from the end (4 KiB, then twice
-    as much each time); AuditError if a crash or a full disk cut it."""
-    start, tail = size, b""
-    while start and b"\n" not in tail[:-1]:
-        step = min(start, max(4096, len(tail)))
-        start -= step
-        tail = os.pread(fd, step, start) + tail
-    if not tail.endswith(b"\n"):
+    as much each time); AuditError, without reading it, if a crash or a full disk cut it."""
+    if os.pread(fd, 1, size - 1) != b"\n":
         raise AuditError(
             "the audit log ends with a partial line, so nothing more is appended; see"
             ' README "When the audit log ends with a cut line"'
         )
-    return tail[:-1].rsplit(b"\n", 1)[-1]
+    blocks, end, step = [], size - 1, 4096
+    while end:
+        start = max(end - step, 0)
+        block = os.pread(fd, end - start, start)
+        blocks.append(block[block.rfind(b"\n") + 1 :])  # all of it if it holds no newline
+        if len(blocks[-1]) < len(block):
+            break
+        end, step = start, step * 2
+    return b"".join(reversed(blocks))
 
 
 def _seq_of(record: Mapping[str, Any] | None) -> int | None:
@@ -1988,7 +1996,7 @@ def ask(
     settings = Settings.from_env(environ)
     audit = AuditLog(Path(environ.get("FUNCTION_CALLING_DATA") or DEFAULT_DATA_DIR) / "audit.log")
     with Client(settings) as client:
-        loop = ToolLoop(client, tools or [DaysBetween()], audit)
+        loop = ToolLoop(client, [DaysBetween()] if tools is None else tools, audit)
         return loop.run(question, ToolContext(customer_id="local"))
 
 
@@ -5203,32 +5211,69 @@ file's Part II, hardening, takes its place through a seam.
 
 
 def _imports_used(text: str) -> str:
-    """`text` without the top-level imports, and names imported, that nothing else in it
-    reads (import http.client: "http.client" is what is read); a platform check whose
-    import goes goes whole, with the blank lines after it."""
+    """`text` without the top-level imports, and names imported, that nothing in it reads
+    (import a.b: if "a.b" is read, or a name under `a` that no other import gives), and
+    without a platform check that only imports and sets names nothing reads (fcntl's)."""
     tree = ast.parse(text)
-    read = {
-        ast.unparse(node)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load)
+    read = _names_read(tree)
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    future = [node for node in imports if getattr(node, "module", "") == "__future__"]
+    given = {
+        (a.asname or a.name).split(".")[0] for n in imports for a in n.names if _bound(a) in read
     }
+
+    def used(alias: ast.alias) -> bool:
+        top = _bound(alias).split(".")[0]
+        return _bound(alias) in read or (top in read and top not in given)
+
     lines = text.splitlines(keepends=True)
     for node in reversed(tree.body):
-        imports = [
-            item for item in ast.walk(node) if isinstance(item, (ast.Import, ast.ImportFrom))
-        ]
-        if not imports or getattr(node, "module", "") == "__future__":
-            continue
-        kept = [a for item in imports for a in item.names if (a.asname or a.name) in read]
         start, stop = node.lineno - 1, node.end_lineno or node.lineno
-        if isinstance(node, ast.If) and not kept:
+        if isinstance(node, ast.If) and _only_sets(node) and not _only_sets(node) & read:
             while stop < len(lines) and not lines[stop].strip():
-                stop += 1
+                stop += 1  # and the blank lines after it
             lines[start:stop] = []
-        elif isinstance(node, (ast.Import, ast.ImportFrom)) and kept != node.names:
-            node.names = kept
-            lines[start:stop] = [ast.unparse(node) + "\n"] if kept else []
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and node not in future:
+            kept = [alias for alias in node.names if used(alias)]
+            if kept != node.names:
+                node.names = kept
+                lines[start:stop] = [ast.unparse(node) + "\n"] if kept else []
     return "".join(lines)
+
+
+def _bound(alias: ast.alias) -> str:
+    return alias.asname or alias.name
+
+
+def _names_read(tree: ast.AST) -> set[str]:
+    """Every name and dotted name read, those of annotations written as strings too."""
+    read: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+            read.add(ast.unparse(node))
+        annotation = getattr(node, "annotation", None) or getattr(node, "returns", None)
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+            with suppress(SyntaxError):
+                read |= _names_read(ast.parse(annotation.value, mode="eval"))
+    return read
+
+
+def _only_sets(check: ast.If) -> set[str]:
+    """The names a top-level `if` binds, if all it does is import them or set them; else
+    none (then it stays)."""
+    body = [*check.body, *check.orelse]
+    names = {
+        _bound(a)
+        for node in body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
+    for node in body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        sets = all(isinstance(t, ast.Name) and t.id in names for t in targets) and targets
+        if not (isinstance(node, (ast.Import, ast.ImportFrom)) or sets):
+            return set()
+    return names
 
 
 def _stamp(text: str) -> str:

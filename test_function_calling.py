@@ -293,6 +293,19 @@ class EveryCallIsAuditedInAChain(MechanismCase):
         check = fc.verify_audit(self.audit_path)
         self.assertEqual((check.records, check.broken_line), (5, None))
 
+    def test_a_long_cut_last_line_is_refused_without_being_read(self) -> None:
+        self.audit.record("first")
+        with self.audit_path.open("ab") as log:  # a crash left 64 MiB of zeros, no newline
+            log.truncate(self.audit_path.stat().st_size + 64 * 1024 * 1024)
+        tracemalloc.start()
+        try:
+            with self.assertRaisesRegex(self.mod.AuditError, "partial line"):
+                self.audit_log(self.audit_path).record("probe")
+            held = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertLess(held, 4 * 1024 * 1024, "the cut line was read whole")
+
     def test_a_log_whose_last_line_is_cut_is_refused_with_one_clear_error(self) -> None:
         self.turn([tool_call_reply([("note", '{"word":"hi"}')]), text_reply("hi")])
         whole = self.audit_path.read_bytes()
@@ -458,6 +471,9 @@ class TheClientSendsOnePostAndShowsNoKey(MechanismCase):
         for url in ("http://a..b/v1", f"http://{'x' * 64}.example/v1"):
             with self.subTest(url=url), self.assertRaisesRegex(self.mod.ConfigError, "host name"):
                 self.mod.Settings(base_url=url, api_key=FAKE_KEY)
+        for url in ("ftp://a..b/x", "file://a..b/etc"):  # the scheme is what is wrong first
+            with self.subTest(url=url), self.assertRaisesRegex(self.mod.ConfigError, "http://"):
+                self.mod.Settings(base_url=url, api_key=FAKE_KEY)
 
     def test_a_server_that_does_not_answer_in_time_is_an_error_by_the_timeout(self) -> None:
         def slow(request: RecordedRequest) -> bytes:
@@ -561,9 +577,11 @@ class TheMechanismsTurnRunsYourTools(OnTheMechanismCopy):
 
     def test_ask_runs_the_tools_it_is_given_and_its_own_by_default(self) -> None:
         note, _ = rule_tools(self.mod)
+        offered = []
         for tools, call, said in (
             ([note()], ("note", '{"word":"hi"}'), '{"said":"hi"}'),
             (None, ("days_between", '{"start":"2026-12-04","end":"2026-12-25"}'), '"days":21'),
+            ([], ("days_between", "{}"), "unknown_tool"),  # none given: none offered
         ):
             script = [tool_call_reply([call]), text_reply("done")]
             with self.subTest(tools=tools), ScriptedChatServer(script) as server:
@@ -573,6 +591,8 @@ class TheMechanismsTurnRunsYourTools(OnTheMechanismCopy):
                 result = self.mod.ask("q", environ, tools)
                 self.assertEqual((result.stop_reason, result.answer), ("answered", "done"))
                 self.assertIn(said, json.loads(server.requests[1].body)["messages"][-1]["content"])
+                offered.append(len(server.requests[0].json().get("tools", [])))
+        self.assertEqual(offered, [1, 1, 0])
 
 
 class AValidCallsResultReachesTheNextRequestOnPartTwo(
@@ -5681,6 +5701,23 @@ class ShapeTest(unittest.TestCase):
         # the check sees one: Part I's loop made to build a Part II runner
         planted = source.replace("self.runner = runner or InOrder()", "self.runner = Workers()")
         self.assertEqual(forward_names(planted, self.part_one_end), {"Workers"})
+
+    def test_the_mechanisms_copy_drops_only_imports_nothing_reads(self) -> None:
+        flock = "if sys.platform == 'win32':\n    fcntl = None\nelse:\n    import fcntl\n"
+        for text, kept, dropped in (
+            ("import os.path\nprint(os.getcwd())\n", "import os.path", None),
+            ("import socket\ndef f(s: 'socket.socket') -> None: ...\n", "import socket", None),
+            ("import http.client\nimport http.server\nhttp.client.HTTPException\n", "", "server"),
+            ("from __future__ import annotations\nimport json\nx = 1\n", "__future__", "json"),
+            (f"import sys\n{flock}    FLOCK = True\nprint(FLOCK)\n", "FLOCK = True", None),
+            (f"import sys\n{flock}\n\nprint(sys.platform)\n", "import sys\nprint(", "fcntl"),
+        ):
+            with self.subTest(text=text):
+                out = fc._imports_used(text)
+                self.assertIn(kept, out)
+                if dropped:
+                    self.assertNotIn(dropped, out)
+                compile(out, "copy", "exec")
 
     def test_the_mechanisms_copy_imports_what_it_uses_and_says_what_it_is(self) -> None:
         source = Path(mechanism_copy().__file__).read_text()
