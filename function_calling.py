@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #c42d7871: the whole file, every part kept
+# function_calling.py 2026-12-05 #3181ed7b: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -18,13 +18,14 @@ writes an audit line and sends the result back. One *round* on the wire:
     a reply without tool_calls is the answer.
 
 Words: a *round* is one model call and the tool calls its reply asks for; a *turn* is one user
-message and all its rounds. A turn ends when a reply asks for no tool, or when a *guard* stops
-it: the round cap, the same calls asked twice in a row, or a budget. The *echo* is the
+message and all its rounds. A turn ends when a reply asks for no tool, when a failure ends it,
+or when a *guard* stops it: the round cap, the same calls asked twice in a row, or a budget
+(TurnResult names each way). The *echo* is the
 assistant message sent back byte for byte as it came (the reply). A tool that writes only
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,027 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,029 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
@@ -145,8 +146,8 @@ DEFAULT_DATA_DIR = ".function_calling"
 MAX_ROUNDS = 8  # model calls per turn; a loop without a cap runs until the bill stops it
 MAX_ARGUMENTS_BYTES = 64 * 1024  # checked before parsing, so a huge text costs nothing
 MAX_ARGUMENT_DEPTH = 32  # levels of arrays and objects in the model's arguments
-MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # read in chunks; never more than this held
-REQUEST_TIMEOUT_S = 600.0  # per request, connect to last byte (a stream's: to its headers)
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a reply longer than this is refused, never held
+REQUEST_TIMEOUT_S = 600.0  # per request (Part I's Client: per wait; ChatClient: to its last byte)
 TURN_TIMEOUT_S = 1800.0  # a total deadline per turn: rounds and retries (tools: Workers)
 MAX_CALLS_PER_REPLY = 16  # calls past this in one reply are answered, not run
 MAX_RESULT_BYTES = 16 * 1024  # a result rides along in every later round: keep it small
@@ -574,8 +575,9 @@ class LineFile:
     """Part I's audit file, its owner's alone: each record one JSON line, {"seq": N, "prev":
     SHA-256 of line N-1, …}, appended and fsynced under a lock, the chain continued from the
     file's last line; a value that holds a secret this process keeps is written [redacted].
-    It does not survive a second writer on the file (the chain forks), a half line a full disk
-    or a crash left, or a secret in an exception's text (Part II's AuditFile)."""
+    It does not survive a second writer (the chain can fork), a short write on a full disk
+    (half a line: every append after it is refused), or a password in an exception's URL
+    (Part II's AuditFile: an flock, the short write taken back, such shapes redacted)."""
 
     @classmethod
     def of(cls, path: Path, fsync: bool, head_file: Path | None) -> LineFile:
@@ -588,8 +590,8 @@ class LineFile:
         self._lock = threading.Lock()
 
     def append(self, record: Mapping[str, Any], sync: bool = True) -> None:
-        """One line, chained to the file's last, on disk when this returns (every line is
-        synced, whatever `sync` says)."""
+        """One line, chained to the file's last, on disk when this returns unless fsync is off
+        (`sync` is AuditFile's: here every line is synced as it is written)."""
         with self._lock:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -1490,7 +1492,7 @@ class ToolLoop:
 
     def _guard(self, turn: _Turn) -> str | None:
         """The guard that stops this turn before the reply's calls run, if one does."""
-        if turn.repeats_previous_calls:  # trap 1: asking again for what it just got
+        if turn.repeats_previous_calls:  # the seed's first trap: asking again for what it got
             return "repeated_calls"
         if turn.rounds >= self.max_rounds:  # a result now could never reach the model
             return "round_cap"
@@ -1617,8 +1619,8 @@ class _Turn:
         return bool(self.calls_now) and self.calls_now == self.calls_before
 
     def add_results(self, results: Iterator[ToolResult]) -> list[ToolResult]:
-        """Append each result as it comes, so a failure midway loses none that ran; returns
-        those of the calls that ran (the rest are answered, and not kept)."""
+        """Append each result as it comes (a failed audit write takes this reply's back:
+        _answer_calls); returns those of the calls that ran (the rest are answered, not kept)."""
         added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
@@ -1825,8 +1827,8 @@ class Approvals:
         return self._decide(action_id, "approved", operator, carry_out)
 
     def reject(self, action_id: str, operator: str, reason: str) -> None:
-        """Close an open action without running it; `reason` is what the model will be told,
-        so it is needed (1 to 500 printable characters): "rejected" alone teaches it nothing."""
+        """Close an open action unrun; `reason` is for the model (a saved conversation tells
+        it), so it is needed (1 to 500 printable characters): "rejected" teaches nothing."""
         if not reason.strip() or len(reason) > 500 or not reason.isprintable():
             raise ApprovalError(f"{action_id}: a rejection needs a reason of 1 to 500 characters")
 
