@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #3181ed7b: the whole file, every part kept
+# function_calling.py 2026-12-05 #03df6b13: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,7 +25,7 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,029 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,030 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
@@ -1173,7 +1173,7 @@ _SKIP_REASONS = {
     "repeated_calls": "the same calls as the previous reply; the turn was stopped",
     "too_many_calls": "this reply asked for more calls than run at once; ask again for the rest",
     "budget": "the turn reached a spending limit, so none of them ran",
-    "audit_failed": "the audit log could not be written",
+    "audit_failed": "the audit log could not be written, so no result of this reply is sent",
     "interrupted": "the user interrupted the turn",
     "incomplete": "the reply was cut at the token limit, so none of its calls ran",
 }
@@ -1188,8 +1188,9 @@ def skip_call(
 
 
 def _not_run_content(reason: str) -> str:
-    """What the model reads for a call that did not run, and why."""
-    return _error_content("not_run", f"not run: {_SKIP_REASONS[reason]}")
+    """What the model reads for a call not run (after a failed audit write: maybe run)."""
+    said = "ran or not, withheld" if reason == "audit_failed" else "not run"
+    return _error_content("not_run", f"{said}: {_SKIP_REASONS[reason]}")
 
 
 # ---------------------------------------------------------------------------------- the loop

@@ -1119,7 +1119,11 @@ class AuditTest(LoopTestCase):
         assert_every_call_answered_once_in_order(self, result.messages)
         (answer,) = [json.loads(m) for m in result.messages if json.loads(m)["role"] == "tool"]
         self.assertNotIn("SHIPPED", answer["content"])  # the order's status: not sent again
-        self.assertEqual(json.loads(answer["content"])["error"], "not_run")
+        told = json.loads(answer["content"])
+        self.assertEqual(told["error"], "not_run")
+        # it ran: the history must not say it did not, only that its result is withheld
+        self.assertIn("withheld", told["message"])
+        self.assertNotIn("not run:", told["message"])
 
     def test_a_lone_surrogate_in_arguments_is_audited(self) -> None:
         body = (
