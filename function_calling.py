@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #03df6b13: the whole file, every part kept
+# function_calling.py 2026-12-05 #efdb2212: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,14 +25,14 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,030 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,029 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,460 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,470 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -679,13 +679,12 @@ def _last_line(fd: int, size: int) -> bytes:
             "the audit log ends with a partial line, so nothing more is appended; see"
             ' README "When the audit log ends with a cut line"'
         )
-    blocks, end, step = [], size - 1, 4096
-    while end:
+    blocks, end, step, newline = [], size - 1, 4096, -1
+    while end and newline < 0:  # back to the newline before it, or the file's start
         start = max(end - step, 0)
         block = os.pread(fd, end - start, start)
-        blocks.append(block[block.rfind(b"\n") + 1 :])  # all of it if it holds no newline
-        if len(blocks[-1]) < len(block):
-            break
+        newline = block.rfind(b"\n")
+        blocks.append(block[newline + 1 :])  # all of it if it holds no newline
         end, step = start, step * 2
     return b"".join(reversed(blocks))
 
@@ -4799,7 +4798,12 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         {**os.environ, **{name: value for name, value in chosen.items() if value}},
         timeout=args.timeout,
     )
-    wire = {"stream_idle": args.stream_idle, "retry_timeouts": args.retry_timeouts}
+    client = ChatClient(
+        settings,
+        max_retries=args.retries,
+        retry_timeouts=args.retry_timeouts,
+        stream_idle=args.stream_idle,
+    )
     # a part's options are checked, like the settings, before anything is made
     later = [options(args, app) for options in LOOP_OPTIONS]
     workspace = _open(args, app, create=True)
@@ -4809,7 +4813,7 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         app,
         workspace,
         tools,
-        ChatClient(settings, max_retries=args.retries, **wire),
+        client,
         max_rounds=args.max_rounds,
         turn_timeout=args.turn_timeout,
         **chosen,
@@ -5220,10 +5224,7 @@ def _imports_used(text: str) -> str:
     tree = ast.parse(text)
     read = _names_read(tree)
     imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    future = [node for node in imports if getattr(node, "module", "") == "__future__"]
-    given = {
-        (a.asname or a.name).split(".")[0] for n in imports for a in n.names if _bound(a) in read
-    }
+    given = {_bound(a).split(".")[0] for node in imports for a in node.names if _bound(a) in read}
 
     def used(alias: ast.alias) -> bool:
         top = _bound(alias).split(".")[0]
@@ -5232,11 +5233,12 @@ def _imports_used(text: str) -> str:
     lines = text.splitlines(keepends=True)
     for node in reversed(tree.body):
         start, stop = node.lineno - 1, node.end_lineno or node.lineno
-        if isinstance(node, ast.If) and _only_sets(node) and not _only_sets(node) & read:
+        sets = _only_sets(node) if isinstance(node, ast.If) else set()
+        if sets and not sets & read:
             while stop < len(lines) and not lines[stop].strip():
                 stop += 1  # and the blank lines after it
             lines[start:stop] = []
-        elif isinstance(node, (ast.Import, ast.ImportFrom)) and node not in future:
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and not _is_future(node):
             kept = [alias for alias in node.names if used(alias)]
             if kept != node.names:
                 node.names = kept
@@ -5246,6 +5248,10 @@ def _imports_used(text: str) -> str:
 
 def _bound(alias: ast.alias) -> str:
     return alias.asname or alias.name
+
+
+def _is_future(node: ast.Import | ast.ImportFrom) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.module == "__future__"
 
 
 def _names_read(tree: ast.AST) -> set[str]:
