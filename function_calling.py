@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #efdb2212: the whole file, every part kept
+# function_calling.py 2026-12-05 #5aeff1e7: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9264,24 +9264,44 @@ class McpServer:
         return self._after_discovery(found, hello, deadline)
 
     def _after_refusal(
-        self, exc: McpRefusedError, hello: tuple[int, _Answer] | None, deadline: float
+        self,
+        exc: McpRefusedError,
+        hello: tuple[int, _Answer] | None,
+        deadline: float,
+        again: bool = True,
     ) -> str:
-        """server/discover refused: a modern server without our version, or a legacy one."""
+        """server/discover refused: a modern server without our version, or a legacy one.
+        A refusal of the version sent by a server that lists it (a restart mid-deploy, a
+        proxy) is asked again, once."""
         versions = exc.data.get("supported") if isinstance(exc.data, dict) else None
-        if exc.code in _UNSUPPORTED_VERSION and isinstance(versions, list):
+        if exc.code not in _UNSUPPORTED_VERSION or not isinstance(versions, list):
+            return self._initialize(hello, deadline)
+        if MCP_MODERN not in versions:
             return self._legacy_or_none(versions, hello, deadline)
-        return self._initialize(hello, deadline)
+        if not again:
+            raise McpError(f"MCP server {self.label} refused revision {MCP_MODERN}, which it lists")
+        left = max(0.0, deadline - time.monotonic())
+        ident, answer = self._ask("server/discover", {}, True, budget=left)
+        try:
+            found = self._await("server/discover", ident, answer, deadline, True, left, True)
+        except McpRefusedError as refused:
+            return self._after_refusal(refused, hello, deadline, again=False)
+        return self._after_discovery(found, hello, deadline)
 
     def _after_discovery(
         self, found: Mapping[str, Any], hello: tuple[int, _Answer] | None, deadline: float
     ) -> str:
-        """server/discover answered: modern if it offers our version, else the handshake."""
+        """server/discover answered: modern if it offers our version, the handshake if it
+        lists a legacy one or none at all (a lenient 2025 server answers `{}` to a method it
+        does not know)."""
         versions = found.get("supportedVersions")
-        if isinstance(versions, list) and MCP_MODERN in versions:
+        if not isinstance(versions, list):
+            return self._initialize(hello, deadline)
+        if MCP_MODERN in versions:
             if hello is not None:
                 self._abandon(hello[0])  # its answer, if one comes, is dropped
             return MCP_MODERN
-        return self._legacy_or_none(versions if isinstance(versions, list) else [], hello, deadline)
+        return self._legacy_or_none(versions, hello, deadline)
 
     def _legacy_or_none(
         self, versions: list[Any], hello: tuple[int, _Answer] | None, deadline: float
@@ -9937,8 +9957,10 @@ class McpHttpServer(McpServer):
             if not (0 < len(given) <= 256 and all(33 <= ord(c) <= 126 for c in given)):
                 raise self._broken_by(f"MCP server {self.label} gave an unusable session id")
             self._session = given
-        elif given is not None and given != self._session:
+        elif given is not None and self._session is not None and given != self._session:
             raise self._broken_by(f"MCP server {self.label} answered for another session")
+        # a session id where none was agreed is not taken up: a 2026-07-28 server keeps no
+        # session, but it (or a proxy before it) may stamp one on every answer
         if response.status == 202:
             _drained_text(response)
             return
@@ -10000,7 +10022,7 @@ class McpHttpServer(McpServer):
     def _refusal(
         self, response: http.client.HTTPResponse, said: str, headers: Mapping[str, str]
     ) -> McpError:
-        status = response.status
+        status, whole = response.status, said
         said = _cut(self._unsaid(said), 2000)  # redacted whole, then cut: no piece is left
         if "Mcp-Session-Id" in headers and _forgot_the_session(status, said):
             return _SessionLostError(f"MCP server {self.label} lost the session")
@@ -10023,11 +10045,12 @@ class McpHttpServer(McpServer):
                 " since the redirect would carry its headers: give the URL it names instead"
             )
         if status < 500:  # a refusal of the probe, say, or of a session it never had
+            error = _error_body(whole) or {}  # JSON-RPC's: its code says why (a revision)
             return McpRefusedError(
                 f"MCP server {self.label} refused the request (HTTP {status}); the detail is"
                 " in the audit log",
-                None,
-                None,
+                error.get("code"),
+                self._unsaid(error.get("data")),
             )
         return McpError(f"MCP server {self.label} failed (HTTP {status}) until the deadline")
 

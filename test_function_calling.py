@@ -9309,7 +9309,7 @@ def main():
             log({"descendant": child.pid})
     if "mute" in BEHAVIOURS:  # reads nothing, answers nothing
         time.sleep(3600)
-    initialized = False
+    initialized = refused = False
     for line in sys.stdin:
         message = json.loads(line)
         log(message)
@@ -9320,13 +9320,18 @@ def main():
             initialized = initialized or method == "notifications/initialized"
             continue
         if REVISION == "modern":
-            if version != MODERN:
+            refuse_once = "version-once" in BEHAVIOURS and not refused
+            if version != MODERN or refuse_once or "version-always" in BEHAVIOURS:
+                refused = True  # "version-once": its own version, refused the first time
                 data = {"supported": [MODERN], "requested": version}
                 error(ident, -32022, "Unsupported protocol version", data)
                 continue
         elif method == "initialize":
             hello = {"protocolVersion": LEGACY, "capabilities": {}, "serverInfo": {"name": "fake"}}
             result(ident, hello)
+            continue
+        elif not initialized and "discover-empty" in BEHAVIOURS:
+            result(ident, {})  # as lenient 2025 servers answer a method they do not know
             continue
         elif not initialized:
             if "silent-probe" not in BEHAVIOURS:
@@ -9628,6 +9633,31 @@ class McpToolsTest(McpCase):
                 self.assertEqual(
                     line["protocol"], "2026-07-28" if revision == "modern" else "2025-11-25"
                 )
+
+    def test_a_discover_answered_without_supported_versions_means_a_legacy_server(
+        self,
+    ) -> None:
+        argv = shlex.split(self.command("legacy", "discover-empty"))
+        with fc.McpServer(argv, audit=self.audit) as server:
+            self.assertEqual(server.protocol, "2025-11-25")
+            self.assertEqual(len(fc.mcp_tools(server)), 6)
+        methods = [m.get("method") for m in self.received() if "started" not in m]
+        self.assertEqual(
+            methods[:3], ["server/discover", "initialize", "notifications/initialized"]
+        )
+
+    def test_a_refusal_of_the_version_sent_that_lists_it_is_asked_again_once(self) -> None:
+        argv = shlex.split(self.command("modern", "version-once"))
+        with fc.McpServer(argv, audit=self.audit) as server:
+            self.assertEqual(server.protocol, "2026-07-28")
+            self.assertEqual(len(fc.mcp_tools(server)), 6)
+        methods = [m.get("method") for m in self.received() if "started" not in m]
+        self.assertEqual(methods, ["server/discover", "server/discover", "tools/list"])
+        argv = shlex.split(self.command("modern", "version-always"))
+        with self.assertRaisesRegex(fc.McpError, "refused revision 2026-07-28, which it lists"):
+            fc.McpServer(argv, audit=self.audit).start()
+        methods = [m.get("method") for m in self.received() if "started" not in m]
+        self.assertEqual(methods[3:], ["server/discover", "server/discover"])  # never a third
 
     def test_a_tool_names_its_server_for_the_person_who_approves_it_without_a_secret(
         self,
@@ -11660,22 +11690,17 @@ class FakeRemoteMcp:
     def answer_post(  # noqa: PLR0911 -- one return per way the fake answers
         self, handler: Any, headers: dict[str, str], message: dict[str, Any]
     ) -> None:
-        if self.token and headers.get("authorization") != f"Bearer {self.token}":
-            challenge = [("WWW-Authenticate", 'Bearer realm="fake", error="invalid_token"')]
-            handler.reply(401, b'{"error":"unauthorized"}', "application/json", challenge)
+        if self.refused(handler, headers, message):
             return
-        if "redirect" in self.behaviours:
-            handler.reply(307, b"", "text/plain", [("Location", "http://127.0.0.1:9/elsewhere")])
+        if self.refuses_version(message):
+            supported = ["2099-01-01"] if "future_only" in self.behaviours else ["2026-07-28"]
+            data = {"supported": supported, "requested": headers.get("mcp-protocol-version")}
+            error = {"code": -32022, "message": "Unsupported protocol version", "data": data}
+            refusal = {"jsonrpc": "2.0", "id": message.get("id"), "error": error}
+            handler.reply(400, json.dumps(refusal).encode(), "application/json")
             return
-        with self.lock:
-            storm = "storm" in self.behaviours or self.failures_left > 0
-            self.failures_left = max(self.failures_left - 1, 0)
-        if storm:
-            handler.reply(503, b"busy", "text/plain")
-            return
-        if "cut_token" in self.behaviours and message.get("method") == "tools/call":
-            said = b"x" * 1990 + self.secret().encode() + b"y" * 100  # straddles the 2,000 cut
-            handler.reply(400, said, "text/plain")
+        if "discover_empty" in self.behaviours and message.get("method") == "server/discover":
+            self.send(handler, message, {"result": {}}, [])  # as lenient 2025 servers answer
             return
         if "declines_hang" in self.behaviours and "method" not in message:
             self.released.wait(timeout=30)  # our answer to its request: never acknowledged
@@ -11709,10 +11734,45 @@ class FakeRemoteMcp:
                 return
             if "other_session" in self.behaviours and message["method"] == "tools/call":
                 extra.append(("Mcp-Session-Id", "s-someone-else"))
+        elif "stamps" in self.behaviours:  # a session id on every answer, none agreed
+            extra.append(("Mcp-Session-Id", "stamp-0001"))
         self.send(handler, message, self.result_of(message), extra)
         if message["method"] == "tools/list" and "restarts" in self.behaviours:
             self.behaviours.discard("restarts")  # it restarts once it has listed its tools:
             self.sessions.clear()  # every session forgotten
+
+    def refused(self, handler: Any, headers: dict[str, str], message: dict[str, Any]) -> bool:
+        """Whether the request was refused before the server looked at it: no token, a
+        redirect, a 5xx storm, or a 400 that says the token back ("cut_token")."""
+        if self.token and headers.get("authorization") != f"Bearer {self.token}":
+            challenge = [("WWW-Authenticate", 'Bearer realm="fake", error="invalid_token"')]
+            handler.reply(401, b'{"error":"unauthorized"}', "application/json", challenge)
+            return True
+        if "redirect" in self.behaviours:
+            handler.reply(307, b"", "text/plain", [("Location", "http://127.0.0.1:9/elsewhere")])
+            return True
+        with self.lock:
+            storm = "storm" in self.behaviours or self.failures_left > 0
+            self.failures_left = max(self.failures_left - 1, 0)
+        if storm:
+            handler.reply(503, b"busy", "text/plain")
+            return True
+        if "cut_token" in self.behaviours and message.get("method") == "tools/call":
+            said = b"x" * 1990 + self.secret().encode() + b"y" * 100  # straddles the 2,000 cut
+            handler.reply(400, said, "text/plain")
+            return True
+        return False
+
+    def refuses_version(self, message: dict[str, Any]) -> bool:
+        """Whether this request is refused as of a revision the server does not speak (HTTP
+        400, its JSON-RPC error listing what it does): its first ("version_once", though it
+        speaks it), every one ("version_always"), or every probe ("future_only")."""
+        with self.lock:
+            if "version_once" in self.behaviours:
+                self.behaviours.discard("version_once")
+                return True
+        probe = message.get("method") == "server/discover"
+        return "version_always" in self.behaviours or ("future_only" in self.behaviours and probe)
 
     def refuse_session(self, handler: Any, message: dict[str, Any]) -> None:
         """A session it does not know: 404 as the spec says, or 400 as the TypeScript SDK
@@ -11894,6 +11954,55 @@ class RemoteMcpTest(LoopTestCase):
                     self.assertTrue(answered)  # one per streamed answer: each carried a ping
                     for reply in answered:
                         self.assertEqual(reply, {"jsonrpc": "2.0", "id": "srv-1", "result": {}})
+
+    def test_a_session_id_on_the_answers_of_a_server_that_gave_none_is_ignored(self) -> None:
+        # a 2026-07-28 server keeps no session, yet it (or a proxy before it) may stamp one
+        with FakeRemoteMcp("modern", behaviours=["stamps"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
+        self.assertTrue(remote.calls())
+        for _, headers, _ in remote.requests:
+            self.assertNotIn("mcp-session-id", headers)  # not taken up: there is no session
+
+    def test_a_discover_answered_without_supported_versions_means_a_legacy_server(
+        self,
+    ) -> None:
+        with FakeRemoteMcp("legacy", behaviours=["discover_empty"]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
+        self.assertEqual(
+            methods[:3], ["server/discover", "initialize", "notifications/initialized"]
+        )
+
+    def test_the_revisions_a_400_lists_are_read_and_the_one_sent_asked_again_once(self) -> None:
+        with FakeRemoteMcp("modern", behaviours=["version_once"]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        posts = [(h, m) for verb, h, m in remote.requests if verb == "POST" and m]
+        methods = [m["method"] for _, m in posts]
+        self.assertEqual(
+            methods, ["server/discover", "server/discover", "tools/list", "tools/call"]
+        )
+        for headers, message in posts:  # every request as the revision says: header and _meta
+            self.assertEqual(headers["mcp-protocol-version"], "2026-07-28")
+            meta = message["params"]["_meta"]
+            self.assertEqual(meta["io.modelcontextprotocol/protocolVersion"], "2026-07-28")
+        for behaviour, said in (
+            ("version_always", "refused revision 2026-07-28, which it lists"),
+            ("future_only", 'speaks "2099-01-01"; this client speaks 2026-07-28'),
+        ):
+            with FakeRemoteMcp("modern", behaviours=[behaviour]) as remote:
+                done, requests = self.ask_remote(remote, self.lookup_turn())
+            self.assertEqual(done.returncode, 1, done.stderr)
+            self.assertIn(said, done.stderr)
+            self.assertEqual(requests, [])
+            methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
+            self.assertNotIn("initialize", methods)  # it said what it speaks: no handshake
+            self.assertLessEqual(methods.count("server/discover"), 2)
 
     def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
         script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
@@ -13439,5 +13548,78 @@ def _run_class(name: str) -> tuple[int, str, float]:
     return child.returncode, child.stdout, time.monotonic() - started
 
 
+# ------------------------------------------------------- the MCP conformance suite's client
+# `make interop` runs the official MCP conformance suite (@modelcontextprotocol/conformance)
+# against this file's MCP client. The suite starts a mock server for each scenario and runs a
+# command with the server's URL last; this is that command, and it does what a user does:
+# `ask` with --mcp-url, against a model (ScriptedChatServer) that calls the tools it is
+# offered, then `pending --json` and `approve` for each call filed, as a person would.
+# Arguments: those the scenario names (MCP_CONFORMANCE_CONTEXT's toolCalls), else made from
+# each tool's schema.
+
+
+def _conformance_arguments(schema: Any) -> dict[str, Any]:
+    """Arguments a model might write for a schema: a value for each required property."""
+    properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    made: dict[str, Any] = {}
+    numbers = iter(range(2, 1000))
+    for name in schema.get("required", []) if isinstance(schema, dict) else []:
+        kind = properties.get(name, {}).get("type")
+        if kind in ("number", "integer"):
+            made[name] = next(numbers)
+        elif kind == "boolean":
+            made[name] = True
+        elif kind == "string":
+            made[name] = "us-west1"
+    return made
+
+
+def _conformance_calls(request: RecordedRequest) -> bytes:
+    """The model's first reply: a call of each tool offered (those the scenario names, if it
+    names any), with the scenario's arguments or ones made from the schema."""
+    offered = {t["function"]["name"]: t["function"] for t in request.json().get("tools", [])}
+    context = json.loads(os.environ.get("MCP_CONFORMANCE_CONTEXT") or "{}")
+    named = context.get("toolCalls") if isinstance(context, dict) else None
+    calls: list[tuple[str, str]] = []
+    if named:
+        for call in named:
+            wire = fc.mcp_wire_name(call["name"])
+            if wire in offered:
+                calls.append((wire, json.dumps(call.get("arguments", {}))))
+    else:
+        for wire, function in offered.items():
+            arguments = _conformance_arguments(function.get("parameters"))
+            calls.append((wire, json.dumps(arguments)))
+    return tool_call_reply(calls) if calls else text_reply("There is no tool to call.")
+
+
+def _conformance_client(url: str) -> int:
+    """One scenario, as a user meets it: ask, then approve each call filed; the exit code."""
+    with (
+        tempfile.TemporaryDirectory() as data,
+        ScriptedChatServer([_conformance_calls, text_reply("Done.")]) as model,
+    ):
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": model.base_url,
+            "OPENAI_API_KEY": FAKE_KEY,
+            "FUNCTION_CALLING_DATA": data,
+        }
+        cli = [sys.executable, str(MODULE)]
+        mcp = ["--mcp-url", url, "--mcp-timeout", "10", "--mcp-startup-timeout", "10"]
+        asked = subprocess.run([*cli, "ask", "Use the tools.", *mcp], env=env, check=False)
+        listed = subprocess.run(
+            [*cli, "pending", "--json"], env=env, stdout=subprocess.PIPE, check=False
+        )
+        status = asked.returncode or listed.returncode
+        for line in listed.stdout.splitlines():
+            action = json.loads(line)["action_id"]
+            approved = subprocess.run([*cli, "approve", action, *mcp], env=env, check=False)
+            status = status or approved.returncode
+        return status
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--mcp-conformance-client"]:  # the suite's command: URL last
+        sys.exit(_conformance_client(sys.argv[-1]))
     sys.exit(_run_in_shards() if len(sys.argv) == 1 else _run_with_summary(sys.argv))
