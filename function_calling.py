@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #5aeff1e7: the whole file, every part kept
+# function_calling.py 2026-12-05 #07ee639a: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9069,6 +9069,8 @@ class McpServer:
     inherited.
     """
 
+    mirrors_headers: ClassVar[bool] = False  # x-mcp-header: only Streamable HTTP has headers
+
     def __init__(
         self,
         command: Sequence[str],
@@ -9751,6 +9753,8 @@ class McpHttpServer(McpServer):
     and the session is ended with DELETE when this closes. `headers` go with every request
     (and their values are redacted from anything the server says)."""
 
+    mirrors_headers = True
+
     def __init__(
         self,
         url: str,
@@ -9784,6 +9788,19 @@ class McpHttpServer(McpServer):
         self._session: str | None = None  # the server's Mcp-Session-Id, once it gave one
         self._renewing = threading.Lock()  # one new session at a time, however many lost it
         self._open = False
+        self._mirrored: dict[str, list[Mirrored]] = {}  # by tool: its arguments as headers
+
+    def list_tools(self) -> list[Any]:
+        """Every tool the server lists; what each sends as headers is kept for its calls."""
+        listed = super().list_tools()
+        self._mirrored = {}
+        for tool in listed:
+            name = tool.get("name") if isinstance(tool, dict) else None
+            schema = tool.get("inputSchema") if isinstance(tool, dict) else None
+            if isinstance(name, str) and isinstance(schema, dict):
+                with suppress(ValueError):  # such a tool is left out: mcp_tools says why
+                    self._mirrored[name] = _mirrored(schema)
+        return listed
 
     # -- the session (what the process is on stdio)
 
@@ -9939,13 +9956,28 @@ class McpHttpServer(McpServer):
             method, params = message.get("method"), message.get("params")
             if isinstance(method, str):  # 2026-07-28: what a gateway routes by
                 headers["Mcp-Method"] = method
-            name = params.get("name") if isinstance(params, dict) else None
-            if isinstance(name, str) and name.isascii() and name.isprintable():
-                headers["Mcp-Name"] = name
+            params = params if isinstance(params, dict) else {}
+            name = params.get("name")
+            if isinstance(name, str):
+                headers["Mcp-Name"] = _header_value(name)
+            if method == "tools/call" and isinstance(name, str):
+                headers.update(self._parameter_headers(name, params.get("arguments")))
         elif self.protocol:
             headers["MCP-Protocol-Version"] = self.protocol
         if self._session is not None:
             headers["Mcp-Session-Id"] = self._session
+        return headers
+
+    def _parameter_headers(self, tool: str, arguments: Any) -> dict[str, str]:
+        """Mcp-Param-NAME for each argument the tool's schema annotates that has a value:
+        none for one absent or null."""
+        headers: dict[str, str] = {}
+        for path, header, _ in self._mirrored.get(tool, []):
+            value = _value_at(arguments, path)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 5.0 is the integer 5, in JSON Schema's sense
+            if isinstance(value, (str, int)):
+                headers[f"Mcp-Param-{header}"] = _header_value(value)
         return headers
 
     def _read_messages(
@@ -10206,12 +10238,26 @@ class McpTool(Tool):
 
     server: ClassVar[McpServer]
     mcp_name: ClassVar[str]
+    mirrored: ClassVar[tuple[Mirrored, ...]] = ()  # the arguments that go as headers too
 
     def schema_problem(self) -> str | None:
         return None  # mcp_tools checked it, with its own rules for servers' schemas
 
     def validate(self, args: dict[str, Any]) -> None:
+        """The server's inputSchema, checked here. An optional argument given as null whose
+        schema is of one other type is taken out, as not given: models trained on strict
+        mode write null for an argument they leave out."""
+        properties, required = self.parameters.get("properties"), self.parameters.get("required")
+        for name in [name for name, value in args.items() if value is None]:
+            kind = properties.get(name, {}).get("type") if isinstance(properties, dict) else None
+            if isinstance(kind, str) and kind != "null" and name not in (required or ()):
+                del args[name]
         problem = json_schema_violation(args, self.parameters)
+        for path, _, kind in self.mirrored:
+            value = _value_at(args, path)
+            if problem is None and kind == "integer" and abs(value or 0) > MAX_HEADER_INTEGER:
+                expected = f"an integer from -{MAX_HEADER_INTEGER} to {MAX_HEADER_INTEGER}"
+                problem = _rejection(".".join(path), f"{expected} (it goes as a header)", value)
         if problem:
             raise ArgumentError(problem)
 
@@ -10320,6 +10366,83 @@ def mcp_wire_name(mcp_name: str) -> str:
     return f"{fitted}_{hashlib.sha256(mcp_name.encode()).hexdigest()[:8]}"
 
 
+# Arguments that go as headers too, over Streamable HTTP (SEP-2243): a property annotated
+# "x-mcp-header": NAME goes as Mcp-Param-NAME as well, so that a gateway can route on it without
+# reading the body. Each is (its property path, NAME, its type).
+Mirrored: TypeAlias = tuple[tuple[str, ...], str, str]
+_HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token
+_NOT_SCHEMAS = frozenset(("enum", "const", "default", "examples"))  # values, not schemas
+MAX_HEADER_INTEGER = 2**53 - 1  # what a JavaScript reader of the header holds exactly
+
+
+def _mirrored(schema: Mapping[str, Any]) -> list[Mirrored]:
+    """The annotated properties of an inputSchema, in schema order; ValueError naming the
+    first annotation that breaks a rule: one only on a property reached by `properties` keys
+    alone, of type string, integer or boolean, naming a header (a token) no other names."""
+    found: list[Mirrored] = []
+    queue: collections.deque[tuple[tuple[str, ...], tuple[str, ...], Any, bool]]
+    queue = collections.deque([((), ("inputSchema",), schema, True)])
+    while queue:  # breadth first: the first of two alike is the one kept
+        path, where, node, reachable = queue.popleft()
+        items = enumerate(node) if isinstance(node, list) else node.items()
+        for key, value in items if isinstance(node, (dict, list)) else ():
+            if key == "properties" and isinstance(value, dict) and isinstance(node, dict):
+                queue.extend(
+                    ((*path, name), (*where, key, name), sub, reachable)
+                    for name, sub in value.items()
+                )
+            elif key not in _NOT_SCHEMAS and isinstance(value, (dict, list)):
+                queue.append((path, (*where, str(key)), value, False))
+        if isinstance(node, dict) and "x-mcp-header" in node:
+            found.append(_annotation(node, path, ".".join(where), reachable, found))
+    return found
+
+
+def _annotation(
+    node: Mapping[str, Any],
+    path: tuple[str, ...],
+    where: str,
+    reachable: bool,
+    found: list[Mirrored],
+) -> Mirrored:
+    """One x-mcp-header annotation, if it keeps every rule (see _mirrored)."""
+    header, kind = node["x-mcp-header"], node.get("type")
+    if not (reachable and path):
+        raise ValueError(f"{where}: x-mcp-header is not on a property")
+    if not (isinstance(header, str) and _HEADER_TOKEN.fullmatch(header)):
+        raise ValueError(f"{where}: x-mcp-header must be a header name (an HTTP token)")
+    if kind not in ("string", "integer", "boolean"):
+        shown = kind if isinstance(kind, str) else "none of one kind"
+        raise ValueError(
+            f"{where}: x-mcp-header is on type {_cut(shown, 40)}; a header carries a string,"
+            " an integer or a boolean"
+        )
+    if any(header.lower() == other.lower() for _, other, _ in found):
+        raise ValueError(f"{where}: x-mcp-header names {header} a second time")
+    return path, header, kind
+
+
+def _header_value(value: str | int) -> str:
+    """A value as a header carries it (SEP-2243): a boolean as true or false, an integer in
+    decimal, a text as it is if it is printable ASCII with no space at either end and not
+    itself shaped =?base64?…?=, else that shape around the Base64 of its UTF-8."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    sentinel = value.startswith("=?base64?") and value.endswith("?=")
+    if all(" " <= c <= "~" for c in value) and value == value.strip(" ") and not sentinel:
+        return value
+    return "=?base64?" + base64.b64encode(value.encode("utf-8")).decode("ascii") + "?="
+
+
+def _value_at(arguments: Any, path: Sequence[str]) -> Any:
+    """The value at a property path of the arguments, or None where there is none."""
+    for name in path:
+        arguments = arguments.get(name) if isinstance(arguments, dict) else None
+    return arguments
+
+
 def mcp_tools(
     server: McpServer,
     read_only: Iterable[str] = (),
@@ -10338,7 +10461,7 @@ def mcp_tools(
     left_out = [] if left_out is None else left_out
     for listed in server.list_tools():
         name = listed.get("name") if isinstance(listed, dict) else None
-        problem = _unusable(listed, unchecked)
+        problem = _unusable(listed, unchecked, server.mirrors_headers)
         if problem is None:
             tools.append(_mcp_tool(server, listed, read_only))
             continue
@@ -10356,8 +10479,9 @@ def mcp_tools(
     return tools
 
 
-def _unusable(listed: Any, unchecked: set[str]) -> str | None:
-    """Why a listed tool cannot be offered, if it cannot."""
+def _unusable(listed: Any, unchecked: set[str], mirrors: bool) -> str | None:
+    """Why a listed tool cannot be offered, if it cannot (`mirrors`: over Streamable HTTP,
+    where its x-mcp-header annotations must keep the rules)."""
     name = listed.get("name") if isinstance(listed, dict) else None
     if not (isinstance(name, str) and 0 < len(name) <= 128 and name.isprintable()):
         return "its name is not 1 to 128 printable characters"
@@ -10367,6 +10491,11 @@ def _unusable(listed: Any, unchecked: set[str]) -> str | None:
     if len(_compact(schema)) > MAX_MCP_SCHEMA_BYTES:
         return "its inputSchema is over 64 KiB"
     problem = _unrunnable(name, listed.get("execution"))
+    if problem is None and mirrors:
+        try:
+            _mirrored(schema)
+        except ValueError as exc:
+            problem = str(exc)
     if problem is None:
         found = json_schema_problem(schema, unchecked=name in unchecked)
         problem = found and f"{found}; pass --mcp-unchecked {name} to accept it unchecked"
@@ -10393,6 +10522,7 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
 
     Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
+    Bound.mirrored = tuple(_mirrored(schema)) if server.mirrors_headers else ()
     # its command, or its URL without the query, as the person approving it reads it: what
     # looks like a secret on a command line (--api-key=…, an sk-… key) redacted, as in the log
     Bound.source = f"MCP server {_redacted_shapes(server.label)}"
@@ -10583,7 +10713,7 @@ def _mcp_headers(named: Sequence[str], environ: Mapping[str, str]) -> dict[str, 
         name, equals, variable = pair.partition("=")
         if not (equals and _HEADER_NAME.fullmatch(name) and variable):
             raise ConfigError(f"--mcp-header {_quoted(pair)}: expected NAME=VARIABLE")
-        if name.lower() in _MCP_OWN_HEADERS:
+        if name.lower() in _MCP_OWN_HEADERS or name.lower().startswith("mcp-param-"):
             raise ConfigError(f"--mcp-header {name}: this client writes that header itself")
         value = environ.get(variable, "")
         if not value:

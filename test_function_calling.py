@@ -11600,6 +11600,55 @@ REMOTE_TOOLS = [
     },
 ]
 
+# Tools whose arguments ride as headers too (SEP-2243, x-mcp-header): "route" and "météo" are
+# fit; each other one breaks one rule, and is left out.
+HEADER_TOOLS = [
+    {
+        "name": "route",
+        "description": "Route a query.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {
+                "region": {"type": "string", "x-mcp-header": "Region"},
+                "priority": {"type": "integer", "x-mcp-header": "Priority"},
+                "dry": {"type": "boolean", "x-mcp-header": "Dry-Run"},
+                "note": {"type": "string", "x-mcp-header": "Note"},
+                "where": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "string", "x-mcp-header": "Zone"}},
+                },
+                "query": {"type": "string"},
+            },
+            "required": ["region", "query"],
+        },
+    },
+    {"name": "météo", "inputSchema": {"type": "object", "properties": {}}},
+    *(
+        {"name": name, "inputSchema": {"type": "object", "properties": properties}}
+        for name, properties in (
+            ("empty", {"v": {"type": "string", "x-mcp-header": ""}}),
+            ("spaced", {"v": {"type": "string", "x-mcp-header": "My Region"}}),
+            ("accented", {"v": {"type": "string", "x-mcp-header": "Région"}}),
+            ("numeric", {"v": {"type": "number", "x-mcp-header": "Ratio"}}),
+            ("listed", {"v": {"type": "array", "x-mcp-header": "Items"}}),
+            ("nothing", {"v": {"type": "null", "x-mcp-header": "Nil"}}),
+            (
+                "named_twice",
+                {
+                    "a": {"type": "string", "x-mcp-header": "Zone"},
+                    "b": {"type": "string", "x-mcp-header": "zone"},
+                },
+            ),
+            (
+                "in_items",
+                {"v": {"type": "array", "items": {"type": "string", "x-mcp-header": "Item"}}},
+            ),
+            ("in_any_of", {"v": {"anyOf": [{"type": "string", "x-mcp-header": "Either"}]}}),
+            ("not_text", {"v": {"type": "string", "x-mcp-header": 7}}),
+        )
+    ),
+]
+
 
 class FakeRemoteMcp:
     """A Streamable HTTP MCP server on 127.0.0.1 in the suite's own process: `revision`
@@ -11799,7 +11848,8 @@ class FakeRemoteMcp:
             left_out = {"name": f"leak-{token}", "inputSchema": {"type": "string"}}
             return {"result": {"tools": [told, *REMOTE_TOOLS[1:], left_out]}}
         if method == "tools/list":
-            return {"result": {"tools": REMOTE_TOOLS}}
+            mirrors = HEADER_TOOLS if "mirrors" in self.behaviours else []
+            return {"result": {"tools": [*REMOTE_TOOLS, *mirrors]}}
         if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
             block = {"type": "text", "text": f"invalid token {self.secret()}"}
             return {"result": {"content": [block], "isError": True}}
@@ -12003,6 +12053,103 @@ class RemoteMcpTest(LoopTestCase):
             methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
             self.assertNotIn("initialize", methods)  # it said what it speaks: no handshake
             self.assertLessEqual(methods.count("server/discover"), 2)
+
+    def test_annotated_arguments_ride_as_mcp_param_headers_encoded_as_the_spec_says(
+        self,
+    ) -> None:
+        def sentinel(text: str) -> str:
+            return "=?base64?" + base64.b64encode(text.encode()).decode() + "?="
+
+        given = {
+            "region": "us-west1",
+            "priority": 42,
+            "dry": False,
+            "note": " Hello, 世界 ",
+            "where": {"zone": "=?base64?eu?="},
+            "query": "SELECT 1",
+        }
+        bare = {"region": "eu west", "query": "SELECT 2", "note": None}  # null: not given
+        calls = [("route", json.dumps(given)), ("route", json.dumps(bare))]
+        weather = fc.mcp_wire_name("météo")
+        script = [tool_call_reply([*calls, (weather, "{}")]), text_reply("Routed.")]
+        with FakeRemoteMcp("modern", behaviours=["mirrors"]) as remote:
+            done, _ = self.ask_remote(
+                remote, script, "--mcp-read-only", "route", "--mcp-read-only", "météo"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "Routed.\n"), done.stderr)
+        sent = {  # the calls run at once: told apart by what they carry, not by their order
+            m["params"]["arguments"].get("region", m["params"]["name"]): (h, m["params"])
+            for _, h, m in remote.requests
+            if m and m["method"] == "tools/call"
+        }
+        (first, _), (second, second_params) = sent["us-west1"], sent["eu west"]
+        third = sent["météo"][0]
+        mirrored = {k: v for k, v in first.items() if k.startswith("mcp-param-")}
+        self.assertEqual(
+            mirrored,
+            {
+                "mcp-param-region": "us-west1",
+                "mcp-param-priority": "42",
+                "mcp-param-dry-run": "false",
+                "mcp-param-note": sentinel(" Hello, 世界 "),
+                "mcp-param-zone": sentinel("=?base64?eu?="),  # looks encoded: encoded
+            },
+        )
+        self.assertEqual(second["mcp-param-region"], "eu west")  # inner spaces are plain
+        for absent in ("priority", "dry-run", "note", "zone", "query"):
+            self.assertNotIn(f"mcp-param-{absent}", second)  # not given, or null
+        self.assertNotIn("note", second_params["arguments"])  # a null optional: left out
+        self.assertEqual(third["mcp-name"], sentinel("météo"))
+        self.assertEqual(first["mcp-name"], "route")
+
+    def test_an_annotated_integer_past_what_a_header_reader_holds_is_refused_before_it_leaves(
+        self,
+    ) -> None:
+        arguments = json.dumps({"region": "eu", "query": "x", "priority": 2**53})
+        script = [tool_call_reply([("route", arguments)]), text_reply("ok")]
+        with FakeRemoteMcp("modern", behaviours=["mirrors"]) as remote:
+            done, requests = self.ask_remote(remote, script, "--mcp-read-only", "route")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        self.assertEqual(result["error"], "invalid_arguments")
+        self.assertIn("priority", result["message"])
+        self.assertEqual(remote.calls(), [])
+
+    def test_a_header_the_arguments_set_is_not_one_a_flag_can_set(self) -> None:
+        with FakeRemoteMcp("modern", behaviours=["mirrors"]) as remote:
+            done, requests = self.ask_remote(
+                remote, [text_reply("ok")], "--mcp-header", "Mcp-Param-Region=R", R="eu"
+            )
+        self.assertEqual(done.returncode, 2)
+        self.assertIn("Mcp-Param-Region: this client writes that header itself", done.stderr)
+        self.assertEqual((requests, remote.requests), ([], []))
+
+    def test_a_tool_whose_x_mcp_header_breaks_a_rule_is_left_out_and_the_rest_offered(
+        self,
+    ) -> None:
+        with FakeRemoteMcp("modern", behaviours=["mirrors"]) as remote:
+            done, requests = self.ask_remote(remote, [text_reply("ok")])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        offered = {t["function"]["name"] for t in requests[0].json()["tools"]}
+        self.assertLessEqual({"lookup", "cancel", "route", fc.mcp_wire_name("météo")}, offered)
+        (listing,) = self.audit_records("mcp_tools")
+        reasons = {t["mcp_name"]: t["reason"] for t in listing["left_out"]}
+        self.assertEqual(len(reasons), 10)
+        self.assertFalse(offered & set(reasons))
+        for name, said in (
+            ("empty", "inputSchema.properties.v: x-mcp-header must be a header name"),
+            ("spaced", "inputSchema.properties.v: x-mcp-header must be a header name"),
+            ("accented", "inputSchema.properties.v: x-mcp-header must be a header name"),
+            ("not_text", "inputSchema.properties.v: x-mcp-header must be a header name"),
+            ("numeric", "inputSchema.properties.v: x-mcp-header is on type number"),
+            ("listed", "inputSchema.properties.v: x-mcp-header is on type array"),
+            ("nothing", "inputSchema.properties.v: x-mcp-header is on type null"),
+            ("named_twice", "inputSchema.properties.b: x-mcp-header names zone a second time"),
+            ("in_items", "inputSchema.properties.v.items: x-mcp-header is not on a property"),
+            ("in_any_of", "inputSchema.properties.v.anyOf.0: x-mcp-header is not on a property"),
+        ):
+            self.assertTrue(reasons[name].startswith(said), (name, reasons[name]))
+            self.assertIn(f"tool {name} left out: {said}", done.stderr)
 
     def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
         script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
