@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #07ee639a: the whole file, every part kept
+# function_calling.py 2026-12-05 #a5181ab0: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -28,7 +28,7 @@ a constructor argument whose default is Part I's simple piece and where Part II'
 First reading: Part I, the mechanism, is lines 1 to 2,029 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,160 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,170 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -2199,11 +2199,14 @@ _log = logging.getLogger("function_calling")
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
 
-def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
+def _sse_data(
+    chunks: Iterable[bytes], max_event: int, stream: dict[str, str] | None = None
+) -> Iterator[str]:
     """The data of each server-sent event, framed as the SSE spec says: LF, CRLF or CR line
     endings; `data:` with or without its space, several joined by "\n"; comment lines (":",
-    such as ": OPENROUTER PROCESSING" keep-alives) ignored, as are `event:`, `id:` and
-    `retry:`; a blank line ends an event. As the WHATWG rules say: one byte-order mark at the
+    such as ": OPENROUTER PROCESSING" keep-alives) ignored, as is `event:`; `id:` and `retry:`
+    kept in `stream` if given (the id once its event has ended: what a resumption names); a
+    blank line ends an event. As the WHATWG rules say: one byte-order mark at the
     start is skipped, and bytes that are not UTF-8 become U+FFFD (the event's JSON then names
     what it can; nothing raises a UnicodeDecodeError). An event, the line still arriving
     included, of more than `max_event` characters (so bytes) is refused as it grows: a line
@@ -2229,8 +2232,11 @@ def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
             whole = "".join((*line, piece)) if line else piece
             line, line_size = [], 0
             if whole:
-                data_size += _take_field(whole, data)
-            elif data:
+                data_size += _take_field(whole, data, stream)
+                continue
+            if stream is not None and "next_id" in stream:  # the event ended: its id holds
+                stream["id"] = stream.pop("next_id")
+            if data:
                 yield "\n".join(data)
                 data, data_size = [], 0
         if rest:
@@ -2238,18 +2244,25 @@ def _sse_data(chunks: Iterable[bytes], max_event: int) -> Iterator[str]:
             line_size += len(rest)
         if data_size + line_size > max_event:
             raise ApiError(f"the stream carried an event of more than {max_event} bytes")
-    _take_field("".join(line), data)
+    _take_field("".join(line), data, stream)
     if data:  # the spec drops an event without its blank line; a server closing after it means it
         yield "\n".join(data)
 
 
-def _take_field(line: str, data: list[str]) -> int:
-    """A `data:` line's value added to `data`; returns its length (0 for any other line)."""
+def _take_field(line: str, data: list[str], stream: dict[str, str] | None) -> int:
+    """A `data:` line's value added to `data`, an `id:` or `retry:` one's kept in `stream`
+    (if given, and as the spec has it: an id without NUL, a retry of digits); returns the
+    length added to `data`."""
     name, _, value = line.partition(":")
-    if name != "data":
-        return 0
-    data.append(value[1:] if value.startswith(" ") else value)
-    return len(data[-1])
+    value = value[1:] if value.startswith(" ") else value
+    if name == "data":
+        data.append(value)
+        return len(value)
+    if stream is not None and name == "id" and "\0" not in value:
+        stream["next_id"] = value
+    elif stream is not None and name == "retry" and value.isascii() and value.isdigit():
+        stream["retry"] = value
+    return 0
 
 
 # What reads a streamed reply, where a part further down does (the stream): its chunks as
@@ -9743,6 +9756,7 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 # byte of it: the connection, the answer's headers, and its whole body or stream.
 
 MCP_HTTP_RETRY_S = 0.25  # the first wait after a 5xx; each next one doubles, within the deadline
+MCP_RESUME_MIN_WAIT_S = 0.1  # before a stream is resumed, however short a wait the server asks
 MCP_SAID_BYTES = 2000  # of what broke the protocol, this much goes to the audit log
 
 
@@ -9931,18 +9945,62 @@ class McpHttpServer(McpServer):
     def _messages(
         self, message: Mapping[str, Any], deadline: float, modern: bool
     ) -> Generator[dict[str, Any], None, None]:
-        """The JSON-RPC messages the server answers one POST with, as they come; a response
-        left before its end leaves its connection closed (it cannot carry another)."""
+        """The JSON-RPC messages the server answers one POST with, as they come. A stream
+        the server ends before its answer, its events having ids, is resumed where it
+        stopped, with GET and Last-Event-ID, after the wait its `retry:` asks (SEP-1699);
+        again, should that one end too, all within the deadline."""
         headers = self._headers_for(message, modern)
-        connection, response = self._posted(_compact(message).encode(), headers, deadline)
+        exchange = self._posted(_compact(message).encode(), headers, deadline)
+        stream: dict[str, str] = {}  # its last event's id, and its retry, once it gives them
+        while True:
+            yield from self._read_from(*exchange, message, stream)
+            last = stream.get("id", "")
+            if not (0 < len(last) <= 256 and all(" " <= c <= "~" for c in last)):
+                return  # not resumable: an id a header cannot carry, or none
+            wait = max(int(stream.get("retry", "1000")) / 1000, MCP_RESUME_MIN_WAIT_S)
+            if time.monotonic() + wait >= deadline:
+                raise McpTimeoutError(
+                    f"MCP server {self.label}: no answer to {message['method']} by the"
+                    " deadline (it closed the stream before its answer)"
+                )
+            time.sleep(wait)
+            exchange = self._resumed(last, deadline)
+
+    def _read_from(
+        self,
+        connection: _TimedHTTPConnection,
+        response: http.client.HTTPResponse,
+        sent: Mapping[str, Any],
+        stream: dict[str, str],
+    ) -> Iterator[dict[str, Any]]:
+        """The messages of one response; one left before its end leaves its connection
+        closed (it cannot carry another)."""
         try:
-            yield from self._read_messages(response, message)
+            yield from self._read_messages(response, sent, stream)
         finally:
             if response.isclosed() and self._broken is None:
                 with self._lock:
                     self._idle.append(connection)  # read to its end: it can carry another
             else:
                 connection.close()
+
+    def _resumed(
+        self, last: str, deadline: float
+    ) -> tuple[_TimedHTTPConnection, http.client.HTTPResponse]:
+        """A GET that resumes a stream after its event `last`: the response, once it is one
+        to read (a refusal is an McpError saying what the server wants)."""
+        headers = {"Accept": "text/event-stream", "Last-Event-ID": last}
+        if self.protocol:
+            headers["MCP-Protocol-Version"] = self.protocol
+        if self._session is not None:
+            headers["Mcp-Session-Id"] = self._session
+        connection = self._connection_for(deadline)
+        response = self._exchange("GET", b"", headers, deadline, connection)
+        if response.status >= 300:
+            said = _drained_text(response)
+            connection.close()
+            raise self._refusal(response, said, headers)
+        return connection, response
 
     def _headers_for(self, message: Mapping[str, Any], modern: bool) -> dict[str, str]:
         """A message's headers: its revision's, and its session's (the --mcp-header ones are
@@ -9981,7 +10039,7 @@ class McpHttpServer(McpServer):
         return headers
 
     def _read_messages(
-        self, response: http.client.HTTPResponse, sent: Mapping[str, Any]
+        self, response: http.client.HTTPResponse, sent: Mapping[str, Any], stream: dict[str, str]
     ) -> Iterator[dict[str, Any]]:
         kind = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
         given = response.getheader("Mcp-Session-Id")
@@ -9999,7 +10057,7 @@ class McpHttpServer(McpServer):
         try:
             body = _chunks(response, self.max_message_bytes)
             if kind == "text/event-stream":
-                for data in _sse_data(body, self.max_message_bytes):
+                for data in _sse_data(body, self.max_message_bytes, stream):
                     # subtle: a server that can resume a stream opens it with an event of an
                     # id and empty data (2025-11-25), which carries no message
                     if data.strip():

@@ -11672,6 +11672,9 @@ class FakeRemoteMcp:
         self.lock = threading.Lock()
         self.together = threading.Barrier(2)  # "together": a call is answered once two wait
         self.released = threading.Event()  # "declines_hang": our declines wait for this
+        self.closed_at: list[float] = []  # "resumes": when each stream closed unanswered
+        self.get_times: list[float] = []  # when each GET came
+        self.held: dict[str, bytes] = {}  # "resumes": answers by the event id after which
 
     def __enter__(self) -> FakeRemoteMcp:
         owner = self
@@ -11682,6 +11685,12 @@ class FakeRemoteMcp:
 
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def do_GET(self) -> None:
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                owner.get_times.append(time.monotonic())
+                owner.requests.append(("GET", headers, None))
+                owner.resume(self, headers)
 
             def do_DELETE(self) -> None:
                 headers = {k.lower(): v for k, v in self.headers.items()}
@@ -11812,6 +11821,42 @@ class FakeRemoteMcp:
             return True
         return False
 
+    def answer_of(
+        self, message: dict[str, Any], outcome: dict[str, Any], hostile: set[str]
+    ) -> bytes:
+        """The answer's bytes: to another id ("lie"), to the token ("id_token"), or over the
+        cap ("huge"), where the behaviours say."""
+        if "huge" in hostile:
+            return b'{"jsonrpc":"2.0","id":1,"result":{"pad":"' + b"x" * (5 << 20) + b'"}}'
+        ident = self.secret() if "id_token" in hostile else message["id"]
+        ident = message["id"] + 1000 if "lie" in hostile else ident
+        return json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
+
+    def close_unanswered(self, out: Any, answer: bytes) -> None:
+        """A stream that ends after one event with an id, its answer held for a GET."""
+        self.held["e-1"] = answer
+        out.write(b"id: e-1\nretry: 300\ndata: \n\n")
+        out.flush()
+        self.closed_at.append(time.monotonic())
+
+    def resume(self, handler: Any, headers: dict[str, str]) -> None:
+        """A GET: a stream resumed after its last event ("resumes": the answer held back;
+        "resumes_never": closed again at once, as if still working), else 405."""
+        held = self.held.get(headers.get("last-event-id", ""))
+        if held is None or not {"resumes", "resumes_never"} & self.behaviours:
+            handler.reply(405, b"", "text/plain")
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        handler.close_connection = True
+        if "resumes_never" in self.behaviours:
+            handler.wfile.write(b"retry: 200\n\n")
+        else:
+            handler.wfile.write(b"id: e-2\ndata: " + held + b"\n\n")
+        handler.wfile.flush()
+        self.closed_at.append(time.monotonic())
+
     def refuses_version(self, message: dict[str, Any]) -> bool:
         """Whether this request is refused as of a revision the server does not speak (HTTP
         400, its JSON-RPC error listing what it does): its first ("version_once", though it
@@ -11883,12 +11928,7 @@ class FakeRemoteMcp:
         extra: Sequence[tuple[str, str]],
     ) -> None:
         hostile = self.behaviours if message["method"] == "tools/call" else set()
-        ident = message["id"] + (1000 if "lie" in hostile else 0)
-        if "id_token" in hostile:
-            ident = self.secret()
-        answer = json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
-        if "huge" in hostile:
-            answer = b'{"jsonrpc":"2.0","id":1,"result":{"pad":"' + b"x" * (5 << 20) + b'"}}'
+        answer = self.answer_of(message, outcome, hostile)
         streams = {"endless", "garbage", "linger", "declines_hang"}
         streamed = self.answer == "sse" or streams & hostile
         if "ctype_token" in hostile:
@@ -11907,6 +11947,9 @@ class FakeRemoteMcp:
         # as a server with an event store opens each stream: ids, and data that is empty
         priming = f"id: {secrets.token_hex(8)}\ndata: \n\nid: 2\ndata:\n\n".encode()
         out.write(priming if "priming" in self.behaviours else b"")
+        if {"resumes", "resumes_never"} & hostile:  # closed at once: resumed with GET
+            self.close_unanswered(out, answer)
+            return
         note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "hi"}}
         ping = {"jsonrpc": "2.0", "id": "srv-1", "method": "ping"}
         out.write(b": warming up\n\nevent: message\ndata: " + json.dumps(note).encode() + b"\n\n")
@@ -12150,6 +12193,36 @@ class RemoteMcpTest(LoopTestCase):
         ):
             self.assertTrue(reasons[name].startswith(said), (name, reasons[name]))
             self.assertIn(f"tool {name} left out: {said}", done.stderr)
+
+    def test_a_stream_closed_before_its_answer_is_resumed_after_the_wait_it_asks(self) -> None:
+        with FakeRemoteMcp("legacy", "sse", behaviours=["resumes"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+            )
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], "lookup done")
+        posted = next(
+            i for i, r in enumerate(remote.requests) if r[2] and r[2].get("method") == "tools/call"
+        )
+        session = remote.requests[posted][1]["mcp-session-id"]
+        (get,) = [h for verb, h, _ in remote.requests if verb == "GET"]
+        self.assertEqual(get["last-event-id"], "e-1")
+        self.assertEqual(get["mcp-session-id"], session)
+        self.assertEqual(get["accept"], "text/event-stream")
+        closed, resumed = remote.closed_at[0], remote.get_times[0]
+        self.assertGreaterEqual(resumed - closed, 0.29)  # retry: 300 (ms), never sooner
+
+    def test_a_stream_that_is_closed_again_and_again_ends_the_call_by_its_deadline(self) -> None:
+        with FakeRemoteMcp("legacy", "sse", behaviours=["resumes_never"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-timeout", "1", "--mcp-read-only", "lookup"
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        self.assertEqual(result["error"], "timeout")
+        gets = [h for verb, h, _ in remote.requests if verb == "GET"]
+        self.assertTrue(gets)
+        self.assertLessEqual(len(gets), 5)  # one per 200 ms asked, within the 1 s deadline
 
     def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
         script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
