@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #a5181ab0: the whole file, every part kept
+# function_calling.py 2026-12-05 #e30fe7a1: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9030,6 +9030,12 @@ MAX_MCP_DESCRIPTION_CHARS = 4096  # a tool's description rides along in every re
 MAX_MCP_SCHEMA_BYTES = 64 * 1024  # and so does its inputSchema
 MAX_MCP_PAGES = 64  # of tools/list
 MCP_IDEMPOTENCY_KEY = "dev.function-calling/idempotencyKey"  # in tools/call's _meta
+MAX_MCP_INPUT_ROUNDS = 8  # a call sent again with what a server asked for (2026-07-28)
+MAX_MCP_INPUT_REQUESTS = 8  # questions in one InputRequiredResult
+MAX_MCP_FORM_FIELDS = 32  # in a form a server asks the user to fill
+# Who answers a server's question (elicitation, form mode): (the server's label, its message,
+# its form, a deadline) to an ElicitResult, such as {"action": "accept", "content": {…}}.
+Asker: TypeAlias = Callable[[str, str, Mapping[str, Any], float], dict[str, Any]]
 _UNSUPPORTED_VERSION = (-32004, -32022)  # codes seen for UnsupportedProtocolVersionError
 
 
@@ -9079,7 +9085,8 @@ class McpServer:
     2025-11-25 initialize handshake follows. A server silent for `probe_timeout` is asked for
     the handshake as well, and the first answer decides; one that answers neither within
     `startup_timeout` is stopped. `env` is the child's whole environment: nothing of ours is
-    inherited.
+    inherited. A question the server asks its user (elicitation, form mode) goes to `asker`,
+    within the call's deadline, and the answer is checked against the server's form.
     """
 
     mirrors_headers: ClassVar[bool] = False  # x-mcp-header: only Streamable HTTP has headers
@@ -9094,9 +9101,11 @@ class McpServer:
         startup_timeout: float = MCP_STARTUP_TIMEOUT_S,
         max_message_bytes: int = MAX_MCP_MESSAGE_BYTES,
         audit: AuditLog | None = None,
+        asker: Asker | None = None,
     ) -> None:
         if not command:
             raise ConfigError("an MCP server needs a command to start it")
+        self.asker = asker  # None: a server's question is declined, and none is offered
         self.command = list(command)
         self.label = _cut(shlex.join(self.command), 200)  # for the user and the audit only
         self.env = dict(env or {})
@@ -9167,11 +9176,71 @@ class McpServer:
     def call_tool(
         self, name: str, arguments: Mapping[str, Any], meta: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
-        """tools/call; the result as the server sent it (content, structuredContent, isError)."""
-        params: dict[str, Any] = {"name": name, "arguments": dict(arguments)}
+        """tools/call; the result as the server sent it (content, structuredContent, isError).
+        A call it answers with an InputRequiredResult (2026-07-28) is sent again, as a new
+        request, with the answers to what it asked and its requestState exactly as given."""
+        call: dict[str, Any] = {"name": name, "arguments": dict(arguments)}
         if meta:
-            params["_meta"] = dict(meta)
-        return self.request("tools/call", params)
+            call["_meta"] = dict(meta)
+        params = call
+        for _ in range(MAX_MCP_INPUT_ROUNDS):
+            result = self.request("tools/call", params)
+            if result.get("resultType") != "input_required":
+                return result
+            params = {**call, **self._inputs(result)}
+        raise McpError(
+            f"MCP server {self.label} asked for input {MAX_MCP_INPUT_ROUNDS} times in one call"
+        )
+
+    def _inputs(self, result: Mapping[str, Any]) -> dict[str, Any]:
+        """What a call is sent again with: the answer to each question the server asked
+        (inputResponses), and its requestState as it came, never read."""
+        wanted = result.get("inputRequests") or {}
+        if not isinstance(wanted, dict) or len(wanted) > MAX_MCP_INPUT_REQUESTS:
+            raise McpError(f"MCP server {self.label} asked for input this client cannot read")
+        answers: dict[str, Any] = {}
+        for key, request in wanted.items():
+            method = request.get("method") if isinstance(request, dict) else None
+            if method != "elicitation/create":
+                shown = method if isinstance(method, str) and method.isprintable() else "?"
+                raise McpError(
+                    f"MCP server {self.label} asked for {_cut(shown, 80)}, which this client"
+                    " does not offer"
+                )
+            answers[key] = self._elicited(request.get("params"), time.monotonic() + self.timeout)
+        given: dict[str, Any] = {"inputResponses": answers} if answers else {}
+        if "requestState" in result:
+            if not isinstance(result["requestState"], str):
+                raise McpError(f"MCP server {self.label} gave a requestState that is no string")
+            given["requestState"] = result["requestState"]
+        return given
+
+    def _elicited(self, params: Any, deadline: float) -> dict[str, Any]:
+        """The user's answer to a server's question: asked through the asker, by `deadline`,
+        and checked against the server's form; declined at once without an asker, for a
+        form this client cannot check, or for a page to open (url mode). An answer that
+        holds a secret of this process is never sent. The question and the answer are
+        audited; one that cannot be is cancelled."""
+        params = params if isinstance(params, dict) else {}
+        message, form = params.get("message"), params.get("requestedSchema")
+        answer: dict[str, Any] = {"action": "decline"}
+        form_mode = params.get("mode", "form") == "form" and isinstance(message, str)
+        if self.asker is not None and form_mode and _form_problem(form) is None:
+            answer = self.asker(self.label, str(message), form, deadline)
+            content = answer.get("content")
+            accepted = answer.get("action") == "accept" and isinstance(content, dict)
+            if accepted and (
+                json_schema_violation(content, form) or _holds_secret(content, _IN_USE)
+            ):
+                answer = {"action": "decline"}
+            elif not accepted:
+                answer = {"action": "cancel" if answer.get("action") == "cancel" else "decline"}
+        try:
+            question = _cut(message, 2000) if isinstance(message, str) else None
+            self.record("mcp_elicitation", question=question, **answer)
+        except AuditError:
+            return {"action": "cancel"}  # no line, no answer
+        return answer
 
     def request(
         self, method: str, params: Mapping[str, Any], timeout: float | None = None
@@ -9186,6 +9255,19 @@ class McpServer:
 
     def _usable(self) -> bool:
         return self._process is not None and self._broken is None
+
+    def _offered(self) -> dict[str, Any]:
+        """What this client says it can do: ask its user, in a form, if it has an asker."""
+        return {"elicitation": {"form": {}}} if self.asker is not None else {}
+
+    def _hello(self) -> dict[str, Any]:
+        """initialize's params (2025-11-25)."""
+        capabilities = self._offered()
+        return {
+            "protocolVersion": MCP_LEGACY,
+            "capabilities": capabilities,
+            "clientInfo": MCP_CLIENT_INFO,
+        }
 
     def close(self) -> None:
         """Close stdin, give the server MCP_CLOSE_GRACE_S to exit, then SIGTERM, then SIGKILL
@@ -9260,7 +9342,7 @@ class McpServer:
             # starting (a first `npx -y` downloads it before it reads a byte). Restarting it
             # would break the download halfway (npx's cache is left broken) and pay for it
             # again; so the handshake is asked on the same process, and the first answer wins.
-            hello = self._ask("initialize", _HELLO, False, either)
+            hello = self._ask("initialize", self._hello(), False, either)
             if not either.wait(max(0.0, deadline - time.monotonic())):
                 self._abandon(probe[0], hello[0])
                 raise McpError(
@@ -9333,7 +9415,7 @@ class McpServer:
         """The 2025-11-25 handshake, its initialize already asked (`hello`) or asked now."""
         if hello is None:
             left = max(0.0, deadline - time.monotonic())
-            hello = self._ask("initialize", _HELLO, False, budget=left)
+            hello = self._ask("initialize", self._hello(), False, budget=left)
         result = self._await("initialize", *hello, deadline, False, self.startup_timeout)
         version = result.get("protocolVersion")
         if version not in MCP_LEGACY_ANSWERS:
@@ -9371,7 +9453,10 @@ class McpServer:
         """Send one request, written within `budget` (else the timeout); its answer comes to
         the _Answer returned."""
         if modern:
-            params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
+            params = {
+                **params,
+                "_meta": {**params.get("_meta", {}), **_modern_meta(self._offered())},
+            }
         answer = _Answer(woken)
         with self._lock:
             process = self._process
@@ -9442,10 +9527,11 @@ class McpServer:
         if not isinstance(result, dict):
             raise McpError(f"MCP server {self.label}: {method} answered with no result object")
         kind = result.get("resultType", "complete")
-        if modern and kind != "complete":
+        asks = kind == "input_required" and method == "tools/call"  # call_tool answers it
+        if modern and kind != "complete" and not asks:
             raise McpError(
                 f"MCP server {self.label}: {method} answered {_quoted(kind)}, which asks for"
-                " something this client does not do (it offers no capabilities)"
+                " something this client does not do"
             )
         return result
 
@@ -9507,9 +9593,15 @@ class McpServer:
             garbage = McpError(f"MCP server {self.label} wrote something that is not JSON-RPC")
             self._break(garbage, process)
             return False
-        if "method" in message:  # a request or notification of the server's own
-            if "id" in message:
-                self._decline(message, process)
+        if "method" in message and "id" in message:  # a request of the server's own
+            if message["method"] == "elicitation/create":  # a person may take a while
+                deadline = time.monotonic() + self.timeout
+                args = (self._answered(message, deadline), process)
+                threading.Thread(target=self._reply, args=args, daemon=True).start()
+            else:
+                self._reply(lambda: _declined(message), process)
+            return True
+        if "method" in message:  # a notification
             return True
         ident = message.get("id")
         with self._lock:
@@ -9524,9 +9616,24 @@ class McpServer:
         answer.deliver(message=message)
         return True
 
-    def _decline(self, request: Mapping[str, Any], process: subprocess.Popen[bytes]) -> None:
+    def _answered(
+        self, request: Mapping[str, Any], deadline: float
+    ) -> Callable[[], dict[str, Any]]:
+        """Our answer to a server's own request, to be worked out when called: ping answered,
+        elicitation/create the user's (_elicited), anything else "method not found"."""
+        if request.get("method") != "elicitation/create" or self.asker is None:
+            return lambda: _declined(request)
+        return lambda: {
+            "jsonrpc": "2.0",
+            "id": request["id"],
+            "result": self._elicited(request.get("params"), deadline),
+        }
+
+    def _reply(
+        self, answer: Callable[[], dict[str, Any]], process: subprocess.Popen[bytes]
+    ) -> None:
         with suppress(McpError):
-            self._send(_declined(request), self.timeout, process)
+            self._send(answer(), self.timeout, process)
 
     def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
         """Keep the start of the server's stderr for the audit log; read (and count) the rest,
@@ -9651,17 +9758,14 @@ def _missing_variables(said: str, given: Mapping[str, str]) -> Iterator[str]:
 
 
 def _declined(request: Mapping[str, Any]) -> dict[str, Any]:
-    """Our answer to a server's own request: ping is answered, anything else is "method not
-    found" (this client offers no sampling, roots or elicitation)."""
+    """Our answer to a server's own request we do not put to the user: ping is answered,
+    anything else is "method not found" (this client offers no sampling or roots)."""
     reply: dict[str, Any] = {"jsonrpc": "2.0", "id": request["id"]}
     if request.get("method") == "ping":
         reply["result"] = {}
     else:
         reply["error"] = {"code": -32601, "message": "this client offers no such method"}
     return reply
-
-
-_HELLO = {"protocolVersion": MCP_LEGACY, "capabilities": {}, "clientInfo": MCP_CLIENT_INFO}
 
 
 def _secret_values(values: Iterable[str]) -> tuple[str, ...]:
@@ -9709,12 +9813,27 @@ def _unreadable_to_children() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
-def _modern_meta() -> dict[str, Any]:
+def _modern_meta(capabilities: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "io.modelcontextprotocol/protocolVersion": MCP_MODERN,
-        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientCapabilities": dict(capabilities),
         "io.modelcontextprotocol/clientInfo": MCP_CLIENT_INFO,
     }
+
+
+def _form_problem(form: Any) -> str | None:
+    """Why a form a server asks the user to fill cannot be put to them, if it cannot: it must
+    be an object of at most MAX_MCP_FORM_FIELDS fields, each of one plain type, which the
+    validator can check."""
+    fields = form.get("properties") if isinstance(form, dict) else None
+    if not isinstance(fields, dict) or form.get("type") != "object":
+        return "not an object of fields"
+    if len(fields) > MAX_MCP_FORM_FIELDS:
+        return f"more than {MAX_MCP_FORM_FIELDS} fields"
+    plain = ("string", "number", "integer", "boolean", "array")
+    if any(not isinstance(f, dict) or f.get("type") not in plain for f in fields.values()):
+        return "a field that is not a string, number, integer, boolean or list of choices"
+    return json_schema_problem(form)
 
 
 def _watchdog(mark: str) -> subprocess.Popen[bytes] | None:
@@ -9780,6 +9899,7 @@ class McpHttpServer(McpServer):
         max_message_bytes: int = MAX_MCP_MESSAGE_BYTES,
         audit: AuditLog | None = None,
         tls: ssl.SSLContext | None = None,
+        asker: Asker | None = None,
     ) -> None:
         super().__init__(
             [url],
@@ -9788,6 +9908,7 @@ class McpHttpServer(McpServer):
             startup_timeout=startup_timeout,
             max_message_bytes=max_message_bytes,
             audit=audit,
+            asker=asker,
         )
         self._url = _mcp_url(url)
         # the label, in every message and log line, leaves out the query: it may hold a key
@@ -9869,7 +9990,10 @@ class McpHttpServer(McpServer):
     ) -> tuple[int, _Answer]:
         """POST one request; its answer, or its failure, is delivered before this returns."""
         if modern:
-            params = {**params, "_meta": {**params.get("_meta", {}), **_modern_meta()}}
+            params = {
+                **params,
+                "_meta": {**params.get("_meta", {}), **_modern_meta(self._offered())},
+            }
         answer = _Answer(woken)
         with self._lock:
             if not self._usable():
@@ -9934,7 +10058,7 @@ class McpHttpServer(McpServer):
             if "method" in got:
                 if "id" in got:
                     with suppress(McpError):  # as on stdio: our answer is a courtesy
-                        self._notify(_declined(got), deadline)
+                        self._notify(self._answered(got, deadline)(), deadline)
                 continue
             if got.get("id") == message["id"] and ("result" in got or "error" in got):
                 return got
@@ -10674,6 +10798,7 @@ class _McpFlags(ToolSource):
                     timeout=args.mcp_timeout,
                     startup_timeout=args.mcp_startup_timeout,
                     audit=audit,
+                    asker=_asker(),
                 )
                 stack.enter_context(server)
                 tools += mcp_tools(server, read_only, unchecked, left_out)
@@ -10684,6 +10809,7 @@ class _McpFlags(ToolSource):
                     timeout=args.mcp_timeout,
                     startup_timeout=args.mcp_startup_timeout,
                     audit=audit,
+                    asker=_asker(),
                 )
                 try:
                     stack.enter_context(remote)
@@ -10720,6 +10846,12 @@ class _McpFlags(ToolSource):
             return f"it is a tool of the MCP server {where}"
         flags = "".join(f" --mcp-env {shlex.quote(str(name))}" for name in env.get(server, []))
         return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}{flags}"
+
+
+def _asker() -> Asker:
+    """Who answers a server's question: the person at this terminal, if there is one (stdin
+    and stderr both a terminal); else nobody, and the server gets a decline at once."""
+    return lambda label, message, form, deadline: {"action": "decline"}
 
 
 class _McpUrlFlag(argparse.Action):

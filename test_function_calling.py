@@ -9250,6 +9250,13 @@ def call(ident, name, arguments):
                        " binding_sha256, summary_json, created_at, expires_at, status) VALUES"
                        " (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
         result(ident, {"content": [{"type": "text", "text": "done"}]})
+    elif "elicits" in BEHAVIOURS:  # asks its user, and waits for the answer on its stdin
+        form = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+        send({"jsonrpc": "2.0", "id": "ask-1", "method": "elicitation/create",
+              "params": {"message": "Sure?", "requestedSchema": form}})
+        answer = json.loads(sys.stdin.readline())
+        log(answer)
+        result(ident, {"content": [{"type": "text", "text": json.dumps(answer.get("result"))}]})
     elif "rpc-error" in BEHAVIOURS:
         error(ident, -32603, "Internal error at /srv/secret/db.py: connection refused")
     elif "big" in BEHAVIOURS:
@@ -9645,6 +9652,18 @@ class McpToolsTest(McpCase):
         self.assertEqual(
             methods[:3], ["server/discover", "initialize", "notifications/initialized"]
         )
+
+    def test_a_server_on_stdio_that_asks_the_user_gets_a_decline_without_a_terminal(
+        self,
+    ) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["elicits"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], '{"action": "decline"}')
+        hello = next(m for m in self.received() if m.get("method") == "initialize")
+        self.assertEqual(hello["params"]["capabilities"], {"elicitation": {"form": {}}})
+        (asked,) = self.audit_records("mcp_elicitation")
+        self.assertEqual((asked["question"], asked["action"]), ("Sure?", "decline"))
 
     def test_a_refusal_of_the_version_sent_that_lists_it_is_asked_again_once(self) -> None:
         argv = shlex.split(self.command("modern", "version-once"))
@@ -11600,6 +11619,21 @@ REMOTE_TOOLS = [
     },
 ]
 
+# What a server asks the user (elicitation, form mode): its message, with an escape sequence
+# a terminal must not run, and the form, with defaults (SEP-1034).
+ASKED = "Which account?\x1b[2J Say it in full."
+ASKED_FORM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "description": "Your name", "default": "Ada"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "plan": {"type": "string", "enum": ["basic", "pro"], "default": "basic"},
+        "news": {"type": "boolean", "default": True},
+    },
+    "required": ["age"],
+}
+ASKED_STATE = 'opaque "state" é\u2028 1'  # echoed exactly as it came: never read, never changed
+
 # Tools whose arguments ride as headers too (SEP-2243, x-mcp-header): "route" and "météo" are
 # fit; each other one breaks one rule, and is left out.
 HEADER_TOOLS = [
@@ -11674,6 +11708,8 @@ class FakeRemoteMcp:
         self.released = threading.Event()  # "declines_hang": our declines wait for this
         self.closed_at: list[float] = []  # "resumes": when each stream closed unanswered
         self.get_times: list[float] = []  # when each GET came
+        self.answers: list[dict[str, Any]] = []  # "elicits" (legacy): our answers to it
+        self.answered = threading.Event()
         self.held: dict[str, bytes] = {}  # "resumes": answers by the event id after which
 
     def __enter__(self) -> FakeRemoteMcp:
@@ -11760,11 +11796,8 @@ class FakeRemoteMcp:
         if "discover_empty" in self.behaviours and message.get("method") == "server/discover":
             self.send(handler, message, {"result": {}}, [])  # as lenient 2025 servers answer
             return
-        if "declines_hang" in self.behaviours and "method" not in message:
-            self.released.wait(timeout=30)  # our answer to its request: never acknowledged
-            handler.reply(202, b"", "text/plain")
-            return
         if "method" not in message or "id" not in message:  # our answers, notifications
+            self.take_answer(message)
             handler.reply(202, b"", "text/plain")
             return
         session = headers.get("mcp-session-id")
@@ -11799,6 +11832,15 @@ class FakeRemoteMcp:
             self.behaviours.discard("restarts")  # it restarts once it has listed its tools:
             self.sessions.clear()  # every session forgotten
 
+    def take_answer(self, message: dict[str, Any]) -> None:
+        """Our answer to a request of its own (or a notification), before it is acknowledged:
+        to its question ("elicits": the call goes on), or left waiting ("declines_hang")."""
+        if "method" not in message and str(message.get("id", "")).startswith("srv-ask"):
+            self.answers.append(message)
+            self.answered.set()
+        elif "declines_hang" in self.behaviours and "method" not in message:
+            self.released.wait(timeout=30)  # never acknowledged in time
+
     def refused(self, handler: Any, headers: dict[str, str], message: dict[str, Any]) -> bool:
         """Whether the request was refused before the server looked at it: no token, a
         redirect, a 5xx storm, or a 400 that says the token back ("cut_token")."""
@@ -11831,6 +11873,34 @@ class FakeRemoteMcp:
         ident = self.secret() if "id_token" in hostile else message["id"]
         ident = message["id"] + 1000 if "lie" in hostile else ident
         return json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
+
+    def after_asking(self, out: Any, message: dict[str, Any]) -> bytes:
+        """A 2025-11-25 call that asks the user on its stream, and answers with what came."""
+        question = {"message": ASKED, "requestedSchema": ASKED_FORM}
+        ask = {"jsonrpc": "2.0", "id": "srv-ask-1", "method": "elicitation/create"}
+        out.write(b"data: " + json.dumps({**ask, "params": question}).encode() + b"\n\n")
+        out.flush()
+        self.answered.wait(timeout=60)
+        said = json.dumps(self.answers[-1].get("result") if self.answers else None)
+        result = {"content": [{"type": "text", "text": said}]}
+        return json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}).encode()
+
+    def input_required(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A 2026-07-28 call that needs the user first (multi round-trip requests): asked
+        with an InputRequiredResult (its state, unless "elicits_stateless"), then answered
+        with what the retry carried; "asks_forever" never answers, "samples" asks for
+        what this client does not offer."""
+        if "inputResponses" in params and "asks_forever" not in self.behaviours:
+            given = {k: params.get(k) for k in ("inputResponses", "requestState")}
+            return {"result": {"content": [{"type": "text", "text": json.dumps(given)}]}}
+        question = {"mode": "form", "message": ASKED, "requestedSchema": ASKED_FORM}
+        wanted = {"who": {"method": "elicitation/create", "params": question}}
+        if "samples" in self.behaviours:
+            wanted = {"llm": {"method": "sampling/createMessage", "params": {"messages": []}}}
+        result = {"resultType": "input_required", "inputRequests": wanted}
+        if "elicits_stateless" not in self.behaviours:
+            result["requestState"] = ASKED_STATE
+        return {"result": result}
 
     def close_unanswered(self, out: Any, answer: bytes) -> None:
         """A stream that ends after one event with an id, its answer held for a GET."""
@@ -11878,9 +11948,7 @@ class FakeRemoteMcp:
         else:
             handler.reply(404, b'{"error":"no such session"}', "application/json")
 
-    def result_of(  # noqa: PLR0911 -- one return per answer the fake gives
-        self, message: dict[str, Any]
-    ) -> dict[str, Any]:
+    def result_of(self, message: dict[str, Any]) -> dict[str, Any]:
         method, params = message["method"], message.get("params", {})
         if method == "server/discover":
             if self.revision != "modern":
@@ -11895,30 +11963,39 @@ class FakeRemoteMcp:
         if method == "tools/list":
             mirrors = HEADER_TOOLS if "mirrors" in self.behaviours else []
             return {"result": {"tools": [*REMOTE_TOOLS, *mirrors]}}
-        if method == "tools/call" and "say_token" in self.behaviours:  # the bare token, back
+        if method == "tools/call":
+            return self.call_result(params)
+        return {"error": {"code": -32601, "message": "Method not found"}}
+
+    def call_result(  # noqa: PLR0911 -- one return per answer the fake gives
+        self, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A tools/call's outcome, as the behaviours say."""
+        if "say_token" in self.behaviours:  # the bare token, back
             block = {"type": "text", "text": f"invalid token {self.secret()}"}
             return {"result": {"content": [block], "isError": True}}
-        if method == "tools/call" and {"rpc_token", "rpc_token_upper"} & self.behaviours:
+        if {"rpc_token", "rpc_token_upper"} & self.behaviours:
             upper = "rpc_token_upper" in self.behaviours  # said back in a case of its own
             said = self.secret().upper() if upper else self.secret()
             return {"error": {"code": -32603, "message": f"invalid token {said}"}}
-        if method == "tools/call" and "rpc_secret" in self.behaviours:  # secrets of its own
+        if "rpc_secret" in self.behaviours:  # secrets of its own
             error = {"code": -32603, "message": 'upstream said "token": "zz-9f8e7d6c5b4a"'}
             return {"error": {**error, "data": {"password": "pw-1a2b3c4d5e6f"}}}
-        if method == "tools/call" and "numeric" in self.behaviours:
+        if "numeric" in self.behaviours:
             counted = {"type": "text", "text": "counted"}
             return {"result": {"content": [counted], "structuredContent": {"n": 9123456789}}}
-        if method == "tools/call" and "together" in self.behaviours:
+        if "together" in self.behaviours:
             self.together.wait(timeout=10)  # raises, and the call fails, unless two are in
-        if method == "tools/call" and "echo_ok" in self.behaviours:  # in a result
+        asks = {"elicits", "elicits_stateless", "asks_forever", "samples"} & self.behaviours
+        if asks and self.revision == "modern":
+            return self.input_required(params)
+        if "echo_ok" in self.behaviours:  # in a result
             said = f"you sent {json.dumps(self.requests[-1][1])}"
             return {"result": {"content": [{"type": "text", "text": said}]}}
-        if method == "tools/call" and "echo" in self.behaviours:  # what it was sent, back
+        if "echo" in self.behaviours:  # what it was sent, back
             said = f"refused: you sent {json.dumps(self.requests[-1][1])}"
             return {"error": {"code": -32603, "message": said}}
-        if method == "tools/call":
-            return {"result": {"content": [{"type": "text", "text": f"{params['name']} done"}]}}
-        return {"error": {"code": -32601, "message": "Method not found"}}
+        return {"result": {"content": [{"type": "text", "text": f"{params['name']} done"}]}}
 
     def send(
         self,
@@ -11950,6 +12027,8 @@ class FakeRemoteMcp:
         if {"resumes", "resumes_never"} & hostile:  # closed at once: resumed with GET
             self.close_unanswered(out, answer)
             return
+        if "elicits" in hostile and self.revision == "legacy":  # asks, then waits for us
+            answer = self.after_asking(out, message)
         note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "hi"}}
         ping = {"jsonrpc": "2.0", "id": "srv-1", "method": "ping"}
         out.write(b": warming up\n\nevent: message\ndata: " + json.dumps(note).encode() + b"\n\n")
@@ -12223,6 +12302,62 @@ class RemoteMcpTest(LoopTestCase):
         gets = [h for verb, h, _ in remote.requests if verb == "GET"]
         self.assertTrue(gets)
         self.assertLessEqual(len(gets), 5)  # one per 200 ms asked, within the 1 s deadline
+
+    def test_a_server_that_asks_the_user_gets_a_decline_at_once_without_a_terminal(self) -> None:
+        for revision in ("legacy", "modern"):
+            remote = FakeRemoteMcp(revision, "sse", behaviours=["elicits"])
+            with self.subTest(revision), remote:
+                self.audit_path.unlink(missing_ok=True)
+                done, requests = self.ask_remote(
+                    remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+                )
+                self.assertEqual(done.returncode, 0, done.stderr)
+                content = json.loads(tool_results(requests[1])[0]["content"])
+                declined = {"action": "decline"}
+                self.assertEqual(
+                    content if revision == "legacy" else content["inputResponses"]["who"],
+                    declined,
+                )
+                (asked,) = self.audit_records("mcp_elicitation")
+                self.assertEqual((asked["question"], asked["action"]), (ASKED, "decline"))
+                posts = [m for verb, _, m in remote.requests if verb == "POST" and m]
+                offered = (  # what this client says it can do: ask its user, in a form
+                    posts[1]["params"]["capabilities"]
+                    if revision == "legacy"
+                    else posts[0]["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
+                )
+                self.assertEqual(offered, {"elicitation": {"form": {}}})
+
+    def test_a_call_that_needs_input_is_sent_again_with_the_answers_and_its_state_as_given(
+        self,
+    ) -> None:
+        for behaviour, state in (("elicits", ASKED_STATE), ("elicits_stateless", None)):
+            with FakeRemoteMcp("modern", behaviours=[behaviour]) as remote:
+                done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+            self.assertEqual(done.returncode, 0, done.stderr)
+            first, retry = [
+                m for _, _, m in remote.requests if m and m.get("method") == "tools/call"
+            ]
+            self.assertNotEqual(first["id"], retry["id"])  # two requests, not one sent twice
+            self.assertNotIn("inputResponses", first["params"])
+            self.assertEqual(retry["params"]["arguments"], first["params"]["arguments"])
+            self.assertEqual(retry["params"]["inputResponses"], {"who": {"action": "decline"}})
+            self.assertEqual(retry["params"].get("requestState", None), state)
+            self.assertEqual("requestState" in retry["params"], state is not None)
+
+    def test_a_server_that_asks_without_end_or_for_what_is_not_offered_fails_the_call(
+        self,
+    ) -> None:
+        for behaviour, said in (
+            ("asks_forever", "asked for input 8 times in one call"),
+            ("samples", "asked for sampling/createMessage, which this client does not offer"),
+        ):
+            with FakeRemoteMcp("modern", behaviours=[behaviour]) as remote:
+                done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+            self.assertEqual(done.returncode, 1, done.stderr)
+            self.assertIn(said, self.audit_records()[-1]["error"])
+            calls = [m for _, _, m in remote.requests if m and m.get("method") == "tools/call"]
+            self.assertEqual(len(calls), 8 if behaviour == "asks_forever" else 1)
 
     def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
         script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
@@ -13815,10 +13950,8 @@ def _conformance_calls(request: RecordedRequest) -> bytes:
 
 def _conformance_client(url: str) -> int:
     """One scenario, as a user meets it: ask, then approve each call filed; the exit code."""
-    with (
-        tempfile.TemporaryDirectory() as data,
-        ScriptedChatServer([_conformance_calls, text_reply("Done.")]) as model,
-    ):
+    model = ScriptedChatServer([_conformance_calls, text_reply("Done.")])
+    with tempfile.TemporaryDirectory() as data, model:
         env = {
             **os.environ,
             "OPENAI_BASE_URL": model.base_url,
