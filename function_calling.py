@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #e30fe7a1: the whole file, every part kept
+# function_calling.py 2026-12-05 #c0b2ca9c: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -10851,7 +10851,145 @@ class _McpFlags(ToolSource):
 def _asker() -> Asker:
     """Who answers a server's question: the person at this terminal, if there is one (stdin
     and stderr both a terminal); else nobody, and the server gets a decline at once."""
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        return _ask_at_terminal
     return lambda label, message, form, deadline: {"action": "decline"}
+
+
+_ASKING = threading.Lock()  # one question at a time at the terminal, however many calls ask
+_TRIES = 3  # a field typed wrong this many times cancels the form
+
+
+def _ask_at_terminal(
+    label: str, message: str, form: Mapping[str, Any], deadline: float
+) -> dict[str, Any]:
+    """A server's question put to the person at this terminal: its text escaped, labelled
+    with the server's name; then each field, an empty line taking the server's default
+    (SEP-1034), and what is typed checked against the field's schema, and asked again if it
+    does not fit. Cancelled if no answer comes by `deadline` (the call's own)."""
+    if not _ASKING.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        return {"action": "cancel"}
+    try:
+        left = max(0.0, deadline - time.monotonic())
+        text = _escaped(_redacted_in_use(message), keep="\n").replace("\n", "\n  ")
+        _say(f"MCP server {_redacted_shapes(label)} asks (answer within {left:.0f} s):\n  {text}")
+        choice = (_typed("answer it (a), decline (d) or cancel (c)? ", deadline) or "c").lower()
+        if choice.strip() not in ("a", "answer", "d", "decline"):
+            return {"action": "cancel"}
+        if choice.strip() in ("d", "decline"):
+            return {"action": "decline"}
+        content: dict[str, Any] = {}
+        for name, field in form["properties"].items():
+            filled = _filled(name, field, name in form.get("required", ()), deadline)
+            if filled is None:
+                return {"action": "cancel"}
+            if filled:
+                content[name] = filled[0]
+        return {"action": "accept", "content": content}
+    finally:
+        _ASKING.release()
+
+
+def _filled(
+    name: str, field: Mapping[str, Any], required: bool, deadline: float
+) -> tuple[Any, ...] | None:
+    """One field of a form as the person fills it: (value,), () if left empty, or None if
+    cancelled (no answer in time, or typed wrong _TRIES times)."""
+    prompt = "  " + _cut(_escaped(name), 60)
+    about = field.get("description") or field.get("title")
+    if isinstance(about, str) and about:
+        prompt += f" ({_cut(_escaped(_redacted_in_use(about)), 120)})"
+    choices = _choices(field)
+    if choices:
+        prompt += f" [{choices}]"
+    default = field.get("default")
+    if default is not None:
+        prompt += f" [empty: {_cut(_escaped(_as_typed(default)), 60)}]"
+    for _ in range(_TRIES):
+        typed = _typed(prompt + ": ", deadline)
+        if typed is None:
+            return None
+        if not typed.strip() and (default is not None or not required):
+            return () if default is None else (default,)
+        try:
+            value = _read_as(typed.strip(), field)
+        except ValueError as exc:
+            _say(f"    {exc}")
+            continue
+        problem = json_schema_violation(value, field, _cut(name, 60))
+        if problem is None and _holds_secret(value, _IN_USE):
+            problem = "that holds a credential of this application, which no server gets"
+        if problem is None:
+            return (value,)
+        _say(f"    {_cut(_escaped(_redacted_in_use(problem)), 200)}")
+    return None
+
+
+def _choices(field: Mapping[str, Any]) -> str:
+    """A field's choices as shown: yes or no, its enum (or titled oneOf), or none."""
+    if field.get("type") == "boolean":
+        return "yes or no"
+    listed = field.get("items", {}) if field.get("type") == "array" else field
+    options = listed.get("enum") if isinstance(listed, dict) else None
+    if not isinstance(options, list):
+        one_of = listed.get("oneOf") if isinstance(listed, dict) else None
+        options = (
+            [o.get("const") for o in one_of if isinstance(o, dict)]
+            if isinstance(one_of, list)
+            else []
+        )
+    shown = ", ".join(_cut(_escaped(_as_typed(option)), 40) for option in options[:20])
+    return (
+        shown
+        + (", …" if len(options) > 20 else "")
+        + (" (several: a, b)" if listed is not field and shown else "")
+    )
+
+
+def _as_typed(value: Any) -> str:
+    """A value as a person would type it: yes or no, a number, a text as it is."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return value if isinstance(value, str) else _compact(value)
+
+
+def _read_as(typed: str, field: Mapping[str, Any]) -> Any:
+    """What was typed, as a value of the field's type; ValueError saying what was expected."""
+    kind = field.get("type")
+    if kind == "boolean":
+        if typed.lower() in ("y", "yes", "true"):
+            return True
+        if typed.lower() in ("n", "no", "false"):
+            return False
+        raise ValueError("expected yes or no")
+    if kind == "integer":
+        if not re.fullmatch(r"-?[0-9]{1,16}", typed):
+            raise ValueError("expected an integer")
+        return int(typed)
+    if kind == "number":
+        number = float(typed) if re.fullmatch(r"-?[0-9]{1,16}(\.[0-9]{1,16})?", typed) else None
+        if number is None:
+            raise ValueError("expected a number")
+        return number
+    if kind == "array":
+        return [part.strip() for part in typed.split(",") if part.strip()]
+    return typed
+
+
+def _typed(prompt: str, deadline: float) -> str | None:
+    """One line the person types after `prompt`, or None if none comes by `deadline`."""
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([sys.stdin], [], [], left)[0]:
+        _say("(no answer in time)")
+        return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 class _McpUrlFlag(argparse.Action):

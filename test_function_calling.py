@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import pty
 import pwd
 import random
 import re
@@ -739,6 +740,38 @@ class LoopTestCase(unittest.TestCase):
         self.assertEqual(result.get("error"), code, result)
         for fragment in fragments:
             self.assertIn(fragment, result["message"])
+
+
+def at_a_terminal(
+    command: Sequence[str], env: dict[str, str], cwd: Path, replies: Sequence[tuple[str, str]]
+) -> tuple[int, str]:
+    """Run `command` with a terminal for its stdin, stdout and stderr, as a person would; each
+    reply (what it waits for, what is typed then) is typed once the output since the last one
+    shows what it waits for. Its exit code and all it wrote (what was typed echoed)."""
+    main, child = pty.openpty()
+    process = subprocess.Popen(
+        command, stdin=child, stdout=child, stderr=child, env=env, cwd=cwd, start_new_session=True
+    )
+    os.close(child)
+    written, mark, pending = b"", 0, list(replies)
+    deadline = time.monotonic() + 120  # a hang, not a slow machine, should trip it
+    while time.monotonic() < deadline:
+        if pending and pending[0][0].encode() in written[mark:]:
+            mark = len(written)
+            os.write(main, pending.pop(0)[1].encode() + b"\n")
+        if not select.select([main], [], [], 0.1)[0]:
+            continue
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: every end of the terminal is closed, the command has ended
+            chunk = b""
+        if not chunk:
+            break
+        written += chunk
+    else:
+        process.kill()
+    os.close(main)
+    return process.wait(timeout=60), written.decode("utf-8", "replace")
 
 
 def tool_results(request: RecordedRequest) -> list[dict[str, Any]]:
@@ -12327,6 +12360,68 @@ class RemoteMcpTest(LoopTestCase):
                     else posts[0]["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"]
                 )
                 self.assertEqual(offered, {"elicitation": {"form": {}}})
+
+    def ask_at_a_terminal(
+        self, remote: FakeRemoteMcp, replies: Sequence[tuple[str, str]], *flags: str
+    ) -> tuple[int, str, list[RecordedRequest]]:
+        with ScriptedChatServer(self.lookup_turn()) as model:
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "NO_PROXY": "127.0.0.1",
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+                "OPENAI_BASE_URL": model.base_url,
+                "OPENAI_API_KEY": FAKE_KEY,
+            }
+            command = [sys.executable, str(MODULE), "ask", "Is ABC-123 in stock?"]
+            flags = ("--mcp-url", remote.url, "--mcp-read-only", "lookup", *flags)
+            code, shown = at_a_terminal([*command, *flags], env, self.data_dir, replies)
+        self.assertNotIn("Traceback", shown)
+        return code, shown, model.requests
+
+    def test_a_person_at_a_terminal_answers_a_servers_form_its_defaults_and_rules_kept(
+        self,
+    ) -> None:
+        replies = [
+            ("answer it (a), decline (d) or cancel (c)?", "a"),
+            ("name (Your name) [empty: Ada]:", ""),  # the server's default (SEP-1034)
+            ("age", "forty"),
+            ("expected an integer", "200"),
+            ("age: expected a number at most 150", "41"),
+            ("plan [basic, pro] [empty: basic]:", ""),
+            ("news [yes or no] [empty: yes]:", "n"),
+        ]
+        for revision in ("legacy", "modern"):
+            with self.subTest(revision):
+                self.audit_path.unlink(missing_ok=True)
+                with FakeRemoteMcp(revision, "sse", behaviours=["elicits"]) as remote:
+                    code, shown, requests = self.ask_at_a_terminal(remote, replies)
+                self.assertEqual(code, 0, shown)
+                content = json.loads(tool_results(requests[1])[0]["content"])
+                answer = content if revision == "legacy" else content["inputResponses"]["who"]
+                form = {"name": "Ada", "age": 41, "plan": "basic", "news": False}
+                self.assertEqual(answer, {"action": "accept", "content": form})
+                self.assertIn(f"MCP server {remote.url} asks", shown)
+                self.assertIn("Which account?\\x1b[2J Say it in full.", shown)
+                self.assertNotIn("\x1b[2J", shown)  # shown escaped, never run
+                (asked,) = self.audit_records("mcp_elicitation")
+                self.assertEqual((asked["action"], asked["content"]), ("accept", form))
+
+    def test_a_person_cannot_hand_a_server_the_api_key_and_may_cancel(self) -> None:
+        replies = [
+            ("(c)?", "a"),
+            ("name", f"it is {FAKE_KEY}"),
+            ("holds a credential of this application", "Bob"),
+            ("age", "c"),  # not a number: asked again; then no answer, no form
+        ]
+        with FakeRemoteMcp("modern", behaviours=["elicits"]) as remote:
+            code, shown, requests = self.ask_at_a_terminal(remote, replies, "--mcp-timeout", "3")
+        self.assertEqual(code, 0, shown)
+        content = json.loads(tool_results(requests[1])[0]["content"])
+        self.assertEqual(content["inputResponses"]["who"], {"action": "cancel"})
+        self.assertIn("(no answer in time)", shown)
+        self.assertNotIn(FAKE_KEY, "".join(r.body.decode() for r in requests))
+        self.assertNotIn(FAKE_KEY, json.dumps(remote.requests))
+        self.assertNotIn(FAKE_KEY, self.audit_path.read_text())
 
     def test_a_call_that_needs_input_is_sent_again_with_the_answers_and_its_state_as_given(
         self,
