@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #c0b2ca9c: the whole file, every part kept
+# function_calling.py 2026-12-05 #2fa283a0: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9876,6 +9876,7 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 
 MCP_HTTP_RETRY_S = 0.25  # the first wait after a 5xx; each next one doubles, within the deadline
 MCP_RESUME_MIN_WAIT_S = 0.1  # before a stream is resumed, however short a wait the server asks
+MCP_LISTEN_S = 300.0  # the session's own stream is opened again after this long (a deadline)
 MCP_SAID_BYTES = 2000  # of what broke the protocol, this much goes to the audit log
 
 
@@ -9924,6 +9925,7 @@ class McpHttpServer(McpServer):
         self._renewing = threading.Lock()  # one new session at a time, however many lost it
         self._open = False
         self._mirrored: dict[str, list[Mirrored]] = {}  # by tool: its arguments as headers
+        self._listening: tuple[threading.Event, list[_TimedHTTPConnection]] | None = None
 
     def list_tools(self) -> list[Any]:
         """Every tool the server lists; what each sends as headers is kept for its calls."""
@@ -9951,6 +9953,7 @@ class McpHttpServer(McpServer):
         with self._lock:
             was_open, self._open = self._open, False
             session, self._session = self._session, None
+        self._stop_listening()
         if not was_open:
             return
         if session is not None:
@@ -9976,6 +9979,56 @@ class McpHttpServer(McpServer):
         except McpRefusedError as exc:
             return self._after_refusal(exc, None, deadline)
         return self._after_discovery(found, None, deadline)
+
+    def _initialize(self, hello: tuple[int, _Answer] | None, deadline: float) -> str:
+        """The 2025-11-25 handshake, then the session's own stream opened (_listen)."""
+        version = super()._initialize(hello, deadline)
+        self._listen()
+        return version
+
+    def _listen(self) -> None:
+        """Open the session's own stream (GET) on a thread of its own: what a 2025-11-25
+        server sends there, relating it to no call of ours (the TypeScript SDK's requests
+        made without one), is read as it comes, and a request of its own answered at once,
+        as on a call's stream. A server that offers none (405) is left at that."""
+        self._stop_listening()
+        stop, held = threading.Event(), list[_TimedHTTPConnection]()
+        self._listening = (stop, held)
+        args = (stop, held, self._session)
+        threading.Thread(target=self._listened, args=args, daemon=True).start()
+
+    def _listened(
+        self, stop: threading.Event, held: list[_TimedHTTPConnection], session: str | None
+    ) -> None:
+        """The session's own stream, opened again (after its retry:, or MCP_LISTEN_S, its
+        deadline) until the session ends or `stop` is set."""
+        stream: dict[str, str] = {}
+        while not stop.is_set() and self._open and self._session == session:
+            try:
+                connection, response = self._get(stream.get("id", ""), MCP_LISTEN_S)
+            except McpError:
+                return  # 405, as a server that keeps no such stream answers: none, then
+            held[:] = [connection]
+            with suppress(McpError):
+                for got in self._read_messages(response, {}, stream):
+                    if "method" in got and "id" in got:
+                        deadline = time.monotonic() + self.timeout
+                        with suppress(McpError):
+                            self._notify(self._answered(got, deadline)(), deadline)
+            connection.close()
+            stop.wait(max(int(stream.get("retry", "1000")) / 1000, MCP_RESUME_MIN_WAIT_S))
+
+    def _stop_listening(self) -> None:
+        """End the session's own stream, if one is open: its reader wakes and ends."""
+        listening, self._listening = self._listening, None
+        if listening is None:
+            return
+        stop, held = listening
+        stop.set()
+        for connection in held:
+            if connection.sock is not None:
+                with suppress(OSError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
 
     # -- the messages
 
@@ -10088,7 +10141,7 @@ class McpHttpServer(McpServer):
                     " deadline (it closed the stream before its answer)"
                 )
             time.sleep(wait)
-            exchange = self._resumed(last, deadline)
+            exchange = self._get(last, deadline - time.monotonic())
 
     def _read_from(
         self,
@@ -10108,12 +10161,16 @@ class McpHttpServer(McpServer):
             else:
                 connection.close()
 
-    def _resumed(
-        self, last: str, deadline: float
+    def _get(
+        self, last: str, timeout: float
     ) -> tuple[_TimedHTTPConnection, http.client.HTTPResponse]:
-        """A GET that resumes a stream after its event `last`: the response, once it is one
-        to read (a refusal is an McpError saying what the server wants)."""
-        headers = {"Accept": "text/event-stream", "Last-Event-ID": last}
+        """A GET of a stream, read to its end within `timeout`: one resumed after its event
+        `last`, or the session's own (`last` empty). The response, once it is one to read (a
+        refusal is an McpError saying what the server wants)."""
+        deadline = time.monotonic() + timeout
+        headers = {"Accept": "text/event-stream"}
+        if last:
+            headers["Last-Event-ID"] = last
         if self.protocol:
             headers["MCP-Protocol-Version"] = self.protocol
         if self._session is not None:
@@ -10123,7 +10180,7 @@ class McpHttpServer(McpServer):
         if response.status >= 300:
             said = _drained_text(response)
             connection.close()
-            raise self._refusal(response, said, headers)
+            raise self._refusal(response, said, headers, quiet=response.status == 405 and not last)
         return connection, response
 
     def _headers_for(self, message: Mapping[str, Any], modern: bool) -> dict[str, str]:
@@ -10234,13 +10291,19 @@ class McpHttpServer(McpServer):
             raise self._refusal(response, said, headers)
 
     def _refusal(
-        self, response: http.client.HTTPResponse, said: str, headers: Mapping[str, str]
+        self,
+        response: http.client.HTTPResponse,
+        said: str,
+        headers: Mapping[str, str],
+        quiet: bool = False,
     ) -> McpError:
+        """What a refusal means, as an McpError; audited, unless it is expected (`quiet`, or
+        the probe's)."""
         status, whole = response.status, said
         said = _cut(self._unsaid(said), 2000)  # redacted whole, then cut: no piece is left
         if "Mcp-Session-Id" in headers and _forgot_the_session(status, said):
             return _SessionLostError(f"MCP server {self.label} lost the session")
-        if headers.get("Mcp-Method") != "server/discover":  # the probe's refusal is expected
+        if headers.get("Mcp-Method") != "server/discover" and not quiet:  # else expected
             with suppress(AuditError):
                 self.record("mcp_error", status=status, error=said)
         if status == 401:

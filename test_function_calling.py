@@ -743,22 +743,30 @@ class LoopTestCase(unittest.TestCase):
 
 
 def at_a_terminal(
-    command: Sequence[str], env: dict[str, str], cwd: Path, replies: Sequence[tuple[str, str]]
+    command: Sequence[str],
+    env: dict[str, str],
+    cwd: Path | None,
+    replies: Sequence[tuple[str, str]] | Callable[[str], str | None],
 ) -> tuple[int, str]:
     """Run `command` with a terminal for its stdin, stdout and stderr, as a person would; each
     reply (what it waits for, what is typed then) is typed once the output since the last one
-    shows what it waits for. Its exit code and all it wrote (what was typed echoed)."""
+    shows what it waits for (or `replies` is a person: given that output, what they type, or
+    None to wait). Its exit code and all it wrote (what was typed echoed)."""
     main, child = pty.openpty()
     process = subprocess.Popen(
         command, stdin=child, stdout=child, stderr=child, env=env, cwd=cwd, start_new_session=True
     )
     os.close(child)
-    written, mark, pending = b"", 0, list(replies)
+    written, mark, pending = b"", 0, [] if callable(replies) else list(replies)
     deadline = time.monotonic() + 120  # a hang, not a slow machine, should trip it
     while time.monotonic() < deadline:
-        if pending and pending[0][0].encode() in written[mark:]:
+        shown = written[mark:].decode("utf-8", "replace")
+        typed = replies(shown) if callable(replies) else None
+        if pending and pending[0][0] in shown:
+            typed = pending.pop(0)[1]
+        if typed is not None:
             mark = len(written)
-            os.write(main, pending.pop(0)[1].encode() + b"\n")
+            os.write(main, typed.encode() + b"\n")
         if not select.select([main], [], [], 0.1)[0]:
             continue
         try:
@@ -11743,6 +11751,8 @@ class FakeRemoteMcp:
         self.get_times: list[float] = []  # when each GET came
         self.answers: list[dict[str, Any]] = []  # "elicits" (legacy): our answers to it
         self.answered = threading.Event()
+        self.listening: Any = None  # "asks_on_get": the session's own stream, once opened
+        self.writing = threading.Lock()
         self.held: dict[str, bytes] = {}  # "resumes": answers by the event id after which
 
     def __enter__(self) -> FakeRemoteMcp:
@@ -11907,6 +11917,21 @@ class FakeRemoteMcp:
         ident = message["id"] + 1000 if "lie" in hostile else ident
         return json.dumps({"jsonrpc": "2.0", "id": ident, **outcome}).encode()
 
+    def asked_on_its_stream(self) -> dict[str, Any]:
+        """A call that asks the user on the session's own stream (GET), not on the call's,
+        as the TypeScript SDK does for a request it relates to none; answered with what came
+        (null if nothing came in 20 s)."""
+        question = {"message": ASKED, "requestedSchema": ASKED_FORM}
+        ask = {"jsonrpc": "2.0", "id": "srv-ask-2", "method": "elicitation/create"}
+        with self.writing:
+            if self.listening is not None:
+                self.listening.write(b"data: " + json.dumps({**ask, "params": question}).encode())
+                self.listening.write(b"\n\n")
+                self.listening.flush()
+        self.answered.wait(timeout=20)
+        said = json.dumps(self.answers[-1].get("result") if self.answers else None)
+        return {"result": {"content": [{"type": "text", "text": said}]}}
+
     def after_asking(self, out: Any, message: dict[str, Any]) -> bytes:
         """A 2025-11-25 call that asks the user on its stream, and answers with what came."""
         question = {"message": ASKED, "requestedSchema": ASKED_FORM}
@@ -11944,7 +11969,19 @@ class FakeRemoteMcp:
 
     def resume(self, handler: Any, headers: dict[str, str]) -> None:
         """A GET: a stream resumed after its last event ("resumes": the answer held back;
-        "resumes_never": closed again at once, as if still working), else 405."""
+        "resumes_never": closed again at once, as if still working), the session's own
+        stream ("asks_on_get": kept open until the server stops), else 405."""
+        if "asks_on_get" in self.behaviours and "last-event-id" not in headers:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.end_headers()
+            handler.close_connection = True
+            with self.writing:
+                handler.wfile.write(b": open\n\n")
+                handler.wfile.flush()
+                self.listening = handler.wfile
+            self.released.wait(timeout=120)
+            return
         held = self.held.get(headers.get("last-event-id", ""))
         if held is None or not {"resumes", "resumes_never"} & self.behaviours:
             handler.reply(405, b"", "text/plain")
@@ -12019,6 +12056,8 @@ class FakeRemoteMcp:
             return {"result": {"content": [counted], "structuredContent": {"n": 9123456789}}}
         if "together" in self.behaviours:
             self.together.wait(timeout=10)  # raises, and the call fails, unless two are in
+        if "asks_on_get" in self.behaviours:  # its question on the session's own stream
+            return self.asked_on_its_stream()
         asks = {"elicits", "elicits_stateless", "asks_forever", "samples"} & self.behaviours
         if asks and self.revision == "modern":
             return self.input_required(params)
@@ -12317,11 +12356,11 @@ class RemoteMcpTest(LoopTestCase):
             i for i, r in enumerate(remote.requests) if r[2] and r[2].get("method") == "tools/call"
         )
         session = remote.requests[posted][1]["mcp-session-id"]
-        (get,) = [h for verb, h, _ in remote.requests if verb == "GET"]
+        (get,) = [h for verb, h, _ in remote.requests if verb == "GET" and "last-event-id" in h]
         self.assertEqual(get["last-event-id"], "e-1")
         self.assertEqual(get["mcp-session-id"], session)
         self.assertEqual(get["accept"], "text/event-stream")
-        closed, resumed = remote.closed_at[0], remote.get_times[0]
+        closed, resumed = remote.closed_at[0], remote.get_times[-1]
         self.assertGreaterEqual(resumed - closed, 0.29)  # retry: 300 (ms), never sooner
 
     def test_a_stream_that_is_closed_again_and_again_ends_the_call_by_its_deadline(self) -> None:
@@ -12332,7 +12371,7 @@ class RemoteMcpTest(LoopTestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         (result,) = tool_results(requests[1])
         self.assertEqual(result["error"], "timeout")
-        gets = [h for verb, h, _ in remote.requests if verb == "GET"]
+        gets = [h for verb, h, _ in remote.requests if verb == "GET" and "last-event-id" in h]
         self.assertTrue(gets)
         self.assertLessEqual(len(gets), 5)  # one per 200 ms asked, within the 1 s deadline
 
@@ -12422,6 +12461,18 @@ class RemoteMcpTest(LoopTestCase):
         self.assertNotIn(FAKE_KEY, "".join(r.body.decode() for r in requests))
         self.assertNotIn(FAKE_KEY, json.dumps(remote.requests))
         self.assertNotIn(FAKE_KEY, self.audit_path.read_text())
+
+    def test_a_question_on_the_sessions_own_stream_is_answered_at_once(self) -> None:
+        with FakeRemoteMcp("legacy", behaviours=["asks_on_get"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup", "--mcp-timeout", "40"
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], '{"action": "decline"}')
+        (opened, *_) = [h for verb, h, _ in remote.requests if verb == "GET"]
+        self.assertEqual(opened["accept"], "text/event-stream")
+        self.assertTrue(opened["mcp-session-id"].startswith("s-"))
+        self.assertEqual(remote.answers[0]["id"], "srv-ask-2")
 
     def test_a_call_that_needs_input_is_sent_again_with_the_answers_and_its_state_as_given(
         self,
@@ -14043,8 +14094,18 @@ def _conformance_calls(request: RecordedRequest) -> bytes:
     return tool_call_reply(calls) if calls else text_reply("There is no tool to call.")
 
 
+def _conformance_person(shown: str) -> str | None:
+    """A person at the terminal who answers what a server asks, each field's default taken."""
+    if shown.endswith("(c)? "):
+        return "a"
+    if shown.endswith(": ") and shown.rsplit("\n", 1)[-1].startswith("  "):
+        return ""  # a field of the form: its default, or left empty
+    return None
+
+
 def _conformance_client(url: str) -> int:
-    """One scenario, as a user meets it: ask, then approve each call filed; the exit code."""
+    """One scenario, as a user meets it: ask, then approve each call filed, at a terminal
+    (where the tool runs, and a server's question is answered); the exit code."""
     model = ScriptedChatServer([_conformance_calls, text_reply("Done.")])
     with tempfile.TemporaryDirectory() as data, model:
         env = {
@@ -14062,8 +14123,10 @@ def _conformance_client(url: str) -> int:
         status = asked.returncode or listed.returncode
         for line in listed.stdout.splitlines():
             action = json.loads(line)["action_id"]
-            approved = subprocess.run([*cli, "approve", action, *mcp], env=env, check=False)
-            status = status or approved.returncode
+            command = [*cli, "approve", action, *mcp]
+            approved, shown = at_a_terminal(command, env, None, _conformance_person)
+            sys.stderr.write(shown)
+            status = status or approved
         return status
 
 
