@@ -111,14 +111,29 @@ $(LINT_VENV)/.installed:
 # The README's MCP servers (on stdio, and over Streamable HTTP with a token) on the official
 # Python SDK, both majors (2: the 2026-07-28 revision, 1: the 2025-11-25 handshake), and on
 # the TypeScript SDK beside its reference server (server-everything, with npm where there is
-# node), downloaded into .venv-mcp/; the module itself never needs them.
+# node); then the official MCP conformance suite's required client scenarios for both
+# revisions (it prints N of M, and names the scenarios still expected to fail). All of it is
+# downloaded into .venv-mcp/; the module itself never needs them.
 interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
 	@$(MAKE) --no-print-directory $(MCP_VENV)/ts/.installed || echo "npm could not install the TypeScript servers: they are skipped"
+	@$(MAKE) --no-print-directory $(MCP_VENV)/conformance/.installed || echo "npm could not install the MCP conformance suite: it is skipped"
 	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
 	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
 	FUNCTION_CALLING_MCP_TS=$(abspath $(MCP_VENV))/ts \
+	FUNCTION_CALLING_MCP_CONFORMANCE=$(abspath $(MCP_VENV))/conformance \
 	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest \
-		RealTypeScriptMcpServerTest 2>&1
+		RealTypeScriptMcpServerTest McpConformanceTest 2>&1
+
+# The suite needs Node 22 or newer (fs.globSync): where the system's is older, npm's `node`
+# package puts one beside it.
+CONFORMANCE = @modelcontextprotocol/conformance@0.2.0-alpha.12
+$(MCP_VENV)/conformance/.installed:
+	rm -rf $(MCP_VENV)/conformance
+	mkdir -p $(MCP_VENV)/conformance
+	npm install --prefix $(MCP_VENV)/conformance --silent --no-audit --no-fund $(CONFORMANCE)
+	node -e 'process.exit(+(process.versions.node.split(".")[0] < 22))' 2>/dev/null || \
+		npm install --prefix $(MCP_VENV)/conformance --silent --no-audit --no-fund node@22
+	touch $@
 
 $(MCP_VENV)/2/.installed:
 	rm -rf $(MCP_VENV)/2
