@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #2fa283a0: the whole file, every part kept
+# function_calling.py 2026-12-05 #651a5632: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -10100,9 +10100,9 @@ class McpHttpServer(McpServer):
         self, came: Iterator[dict[str, Any]], message: Mapping[str, Any], deadline: float
     ) -> dict[str, Any]:
         """The answer to `message` among what came: the server's notifications are dropped,
-        its requests declined, and an answer to anything else breaks the session. Declines
-        are sent within the call's deadline, and nothing is taken once it has passed: a
-        server that asks and asks must not stretch the call."""
+        its requests answered (_answered), and an answer to anything else breaks the session.
+        Our answers are sent within the call's deadline, and nothing is taken once it has
+        passed: a server that asks and asks must not stretch the call."""
         for got in came:
             if time.monotonic() >= deadline:
                 raise McpTimeoutError(
