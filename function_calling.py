@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #651a5632: the whole file, every part kept
+# function_calling.py 2026-12-05 #13d92bd1: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -32,7 +32,7 @@ the loop · approvals · a tool and a turn, together. Part II, hardening (about 
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,470 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,480 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -2261,6 +2261,7 @@ def _take_field(line: str, data: list[str], stream: dict[str, str] | None) -> in
     if stream is not None and name == "id" and "\0" not in value:
         stream["next_id"] = value
     elif stream is not None and name == "retry" and value.isascii() and value.isdigit():
+        value = value[-9:] if len(value) <= 9 else "999999999"  # past a day is a day or more
         stream["retry"] = value
     return 0
 
@@ -4915,17 +4916,26 @@ def _question(text: str, most: int) -> str:
     return text
 
 
+# Set while a turn or an approval runs, the person at the terminal waiting on it rather than
+# typing into it (`chat` reads the next question only between turns): a question a tool's
+# server asks may be put to them then, and only then (a part further down may ask).
+_PERSON_WAITING = threading.Event()
+
+
 def _turn(
     loop: ToolLoop, question: str, args: argparse.Namespace, turns: _Turns
 ) -> tuple[TurnResult, _Printer | None]:
     """One turn for the CLI, streamed if asked; Ctrl-C still ends the printed line."""
     printer = _Printer() if args.stream else None
+    _PERSON_WAITING.set()
     try:
         result = turns.run(loop, question, ToolContext(args.customer), printer)
     except KeyboardInterrupt:
         if printer:
             printer.end_line()
         raise
+    finally:
+        _PERSON_WAITING.clear()
     return result, printer
 
 
@@ -5061,12 +5071,15 @@ def _cmd_approve(args: argparse.Namespace, app: App) -> int:
         waiting = any(a.action_id == args.action_id for a in workspace.approvals.pending())
         extra = _source_tools(args, workspace.audit, stack) if waiting else []
         tools = checked_tools([*app.tools(workspace.database), *extra])
+        _PERSON_WAITING.set()
         try:
             approvals = workspace.approvals
             outcome = approvals.approve(args.action_id, tools, args.operator, args.arguments)
         except ApprovalError as exc:
             hint = _missing_tool_hint(workspace, args.action_id, tools)
             raise ApprovalError(f"{exc}{hint}", exc.detail) from None
+        finally:
+            _PERSON_WAITING.clear()
     print(f"approved {args.action_id} by {args.operator}: {canonical_json(outcome)}")
     return EXIT_OK
 
@@ -9130,6 +9143,8 @@ class McpServer:
         self._stderr_tail = b""  # the last bytes of it, for a death at start
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._stderr_bytes = 0
+        self._asking = threading.Lock()  # held while a question of this server is asked
+        self.mirrored: dict[str, list[Mirrored]] = {}  # by tool: its arguments as headers
 
     def __enter__(self) -> McpServer:
         self.start()
@@ -9182,17 +9197,20 @@ class McpServer:
         call: dict[str, Any] = {"name": name, "arguments": dict(arguments)}
         if meta:
             call["_meta"] = dict(meta)
-        params = call
+        params, deadline = call, time.monotonic() + self.timeout  # one, for every round
         for _ in range(MAX_MCP_INPUT_ROUNDS):
-            result = self.request("tools/call", params)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise McpTimeoutError(f"MCP server {self.label}: no result by the call's deadline")
+            result = self.request("tools/call", params, left)
             if result.get("resultType") != "input_required":
                 return result
-            params = {**call, **self._inputs(result)}
+            params = {**call, **self._inputs(result, deadline)}
         raise McpError(
             f"MCP server {self.label} asked for input {MAX_MCP_INPUT_ROUNDS} times in one call"
         )
 
-    def _inputs(self, result: Mapping[str, Any]) -> dict[str, Any]:
+    def _inputs(self, result: Mapping[str, Any], deadline: float) -> dict[str, Any]:
         """What a call is sent again with: the answer to each question the server asked
         (inputResponses), and its requestState as it came, never read."""
         wanted = result.get("inputRequests") or {}
@@ -9207,7 +9225,7 @@ class McpServer:
                     f"MCP server {self.label} asked for {_cut(shown, 80)}, which this client"
                     " does not offer"
                 )
-            answers[key] = self._elicited(request.get("params"), time.monotonic() + self.timeout)
+            answers[key] = self._elicited(request.get("params"), deadline)
         given: dict[str, Any] = {"inputResponses": answers} if answers else {}
         if "requestState" in result:
             if not isinstance(result["requestState"], str):
@@ -9225,8 +9243,9 @@ class McpServer:
         message, form = params.get("message"), params.get("requestedSchema")
         answer: dict[str, Any] = {"action": "decline"}
         form_mode = params.get("mode", "form") == "form" and isinstance(message, str)
-        if self.asker is not None and form_mode and _form_problem(form) is None:
-            answer = self.asker(self.label, str(message), form, deadline)
+        left = deadline - time.monotonic()
+        if self.asker is not None and form_mode and left > 0 and _form_problem(form) is None:
+            answer = self.asker(self.label, message, form, deadline)
             content = answer.get("content")
             accepted = answer.get("action") == "accept" and isinstance(content, dict)
             if accepted and (
@@ -9594,12 +9613,15 @@ class McpServer:
             self._break(garbage, process)
             return False
         if "method" in message and "id" in message:  # a request of the server's own
-            if message["method"] == "elicitation/create":  # a person may take a while
-                deadline = time.monotonic() + self.timeout
-                args = (self._answered(message, deadline), process)
-                threading.Thread(target=self._reply, args=args, daemon=True).start()
+            reply = self._answered(message, time.monotonic() + self.timeout)
+            # a question a person answers takes a while: on a thread of its own, one at a
+            # time; while one is asked, the next is declined (a flood starts no threads)
+            asking = message["method"] == "elicitation/create" and self.asker is not None
+            if asking and self._asking.acquire(blocking=False):
+                args = (reply, process, self._asking)
+                threading.Thread(target=_quietly(self._reply), args=args, daemon=True).start()
             else:
-                self._reply(lambda: _declined(message), process)
+                self._reply(self._answered(message, 0.0) if asking else reply, process)
             return True
         if "method" in message:  # a notification
             return True
@@ -9621,7 +9643,7 @@ class McpServer:
     ) -> Callable[[], dict[str, Any]]:
         """Our answer to a server's own request, to be worked out when called: ping answered,
         elicitation/create the user's (_elicited), anything else "method not found"."""
-        if request.get("method") != "elicitation/create" or self.asker is None:
+        if request.get("method") != "elicitation/create":
             return lambda: _declined(request)
         return lambda: {
             "jsonrpc": "2.0",
@@ -9630,10 +9652,19 @@ class McpServer:
         }
 
     def _reply(
-        self, answer: Callable[[], dict[str, Any]], process: subprocess.Popen[bytes]
+        self,
+        answer: Callable[[], dict[str, Any]],
+        process: subprocess.Popen[bytes],
+        asking: threading.Lock | None = None,
     ) -> None:
-        with suppress(McpError):
-            self._send(answer(), self.timeout, process)
+        """Work out our answer to a server's request and send it (then let the next question
+        be asked, if this one was)."""
+        try:
+            with suppress(McpError):
+                self._send(answer(), self.timeout, process)
+        finally:
+            if asking is not None:
+                asking.release()
 
     def _read_stderr(self, process: subprocess.Popen[bytes]) -> None:
         """Keep the start of the server's stderr for the audit log; read (and count) the rest,
@@ -9877,6 +9908,7 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 MCP_HTTP_RETRY_S = 0.25  # the first wait after a 5xx; each next one doubles, within the deadline
 MCP_RESUME_MIN_WAIT_S = 0.1  # before a stream is resumed, however short a wait the server asks
 MCP_LISTEN_S = 300.0  # the session's own stream is opened again after this long (a deadline)
+MCP_LISTEN_MIN_WAIT_S = 1.0  # before it is opened again, however short a wait the server asks
 MCP_SAID_BYTES = 2000  # of what broke the protocol, this much goes to the audit log
 
 
@@ -9924,19 +9956,18 @@ class McpHttpServer(McpServer):
         self._session: str | None = None  # the server's Mcp-Session-Id, once it gave one
         self._renewing = threading.Lock()  # one new session at a time, however many lost it
         self._open = False
-        self._mirrored: dict[str, list[Mirrored]] = {}  # by tool: its arguments as headers
         self._listening: tuple[threading.Event, list[_TimedHTTPConnection]] | None = None
 
     def list_tools(self) -> list[Any]:
         """Every tool the server lists; what each sends as headers is kept for its calls."""
         listed = super().list_tools()
-        self._mirrored = {}
+        self.mirrored = {}
         for tool in listed:
             name = tool.get("name") if isinstance(tool, dict) else None
             schema = tool.get("inputSchema") if isinstance(tool, dict) else None
-            if isinstance(name, str) and isinstance(schema, dict):
+            if isinstance(name, str) and _fits(schema):
                 with suppress(ValueError):  # such a tool is left out: mcp_tools says why
-                    self._mirrored[name] = _mirrored(schema)
+                    self.mirrored[name] = _mirrored(schema)  # type: ignore[arg-type]
         return listed
 
     # -- the session (what the process is on stdio)
@@ -9993,9 +10024,10 @@ class McpHttpServer(McpServer):
         as on a call's stream. A server that offers none (405) is left at that."""
         self._stop_listening()
         stop, held = threading.Event(), list[_TimedHTTPConnection]()
-        self._listening = (stop, held)
+        with self._lock:
+            self._listening = (stop, held)
         args = (stop, held, self._session)
-        threading.Thread(target=self._listened, args=args, daemon=True).start()
+        threading.Thread(target=_quietly(self._listened), args=args, daemon=True).start()
 
     def _listened(
         self, stop: threading.Event, held: list[_TimedHTTPConnection], session: str | None
@@ -10005,22 +10037,28 @@ class McpHttpServer(McpServer):
         stream: dict[str, str] = {}
         while not stop.is_set() and self._open and self._session == session:
             try:
-                connection, response = self._get(stream.get("id", ""), MCP_LISTEN_S)
-            except McpError:
-                return  # 405, as a server that keeps no such stream answers: none, then
+                connection, response = self._get(_resume_point(stream, 0)[0], MCP_LISTEN_S)
+            except McpRefusedError:
+                return  # 405, as a server that keeps no such stream answers (any 4xx): none
+            except McpError:  # a network error, a 5xx, no answer in time: opened again
+                stop.wait(MCP_LISTEN_MIN_WAIT_S)
+                continue
             held[:] = [connection]
             with suppress(McpError):
                 for got in self._read_messages(response, {}, stream):
+                    if stop.is_set():
+                        break  # the session ended meanwhile: nothing more is answered
                     if "method" in got and "id" in got:
                         deadline = time.monotonic() + self.timeout
                         with suppress(McpError):
                             self._notify(self._answered(got, deadline)(), deadline)
             connection.close()
-            stop.wait(max(int(stream.get("retry", "1000")) / 1000, MCP_RESUME_MIN_WAIT_S))
+            stop.wait(_resume_point(stream, MCP_LISTEN_MIN_WAIT_S)[1])
 
     def _stop_listening(self) -> None:
         """End the session's own stream, if one is open: its reader wakes and ends."""
-        listening, self._listening = self._listening, None
+        with self._lock:
+            listening, self._listening = self._listening, None
         if listening is None:
             return
         stop, held = listening
@@ -10131,17 +10169,22 @@ class McpHttpServer(McpServer):
         stream: dict[str, str] = {}  # its last event's id, and its retry, once it gives them
         while True:
             yield from self._read_from(*exchange, message, stream)
-            last = stream.get("id", "")
-            if not (0 < len(last) <= 256 and all(" " <= c <= "~" for c in last)):
+            last, wait = _resume_point(stream, MCP_RESUME_MIN_WAIT_S)
+            if not last:
                 return  # not resumable: an id a header cannot carry, or none
-            wait = max(int(stream.get("retry", "1000")) / 1000, MCP_RESUME_MIN_WAIT_S)
             if time.monotonic() + wait >= deadline:
                 raise McpTimeoutError(
                     f"MCP server {self.label}: no answer to {message['method']} by the"
                     " deadline (it closed the stream before its answer)"
                 )
             time.sleep(wait)
-            exchange = self._get(last, deadline - time.monotonic())
+            try:
+                exchange = self._get(last, deadline - time.monotonic())
+            except _SessionLostError:  # it took the call: sent again, a write could run twice
+                raise McpError(
+                    f"MCP server {self.label} lost the session while {message['method']} was"
+                    " under way; it is not sent again, since it may have run"
+                ) from None
 
     def _read_from(
         self,
@@ -10211,7 +10254,7 @@ class McpHttpServer(McpServer):
         """Mcp-Param-NAME for each argument the tool's schema annotates that has a value:
         none for one absent or null."""
         headers: dict[str, str] = {}
-        for path, header, _ in self._mirrored.get(tool, []):
+        for path, header, _ in self.mirrored.get(tool, []):
             value = _value_at(arguments, path)
             if isinstance(value, float) and value.is_integer():
                 value = int(value)  # 5.0 is the integer 5, in JSON Schema's sense
@@ -10458,6 +10501,26 @@ def _mcp_connection(
     return _TimedHTTPConnection(host, url.port, deadline=deadline)
 
 
+def _resume_point(stream: Mapping[str, str], least: float) -> tuple[str, float]:
+    """Where a stream may be taken up again: its last event's id ("" if it gave none, or one
+    a header cannot carry), and the wait its retry: asks (1 s if none), at least `least`."""
+    last = stream.get("id", "")
+    if not (0 < len(last) <= 256 and all(" " <= c <= "~" for c in last)):
+        last = ""
+    return last, max(int(stream.get("retry", "1000")) / 1000, least)
+
+
+def _quietly(work: Callable[..., None]) -> Callable[..., None]:
+    """`work` for a thread of its own, which ends quietly whatever goes wrong: a thread that
+    dies prints a traceback, and no traceback reaches a user."""
+
+    def run(*args: Any) -> None:
+        with suppress(Exception):
+            work(*args)
+
+    return run
+
+
 def _drained_text(response: http.client.HTTPResponse) -> str:
     """What a response said, its first 64 KiB (cut shorter once redacted, for the audit log);
     read to its end when that is short, so that the connection can carry another request."""
@@ -10494,15 +10557,15 @@ class McpTool(Tool):
         mode write null for an argument they leave out."""
         properties, required = self.parameters.get("properties"), self.parameters.get("required")
         for name in [name for name, value in args.items() if value is None]:
-            kind = properties.get(name, {}).get("type") if isinstance(properties, dict) else None
+            field = properties.get(name) if isinstance(properties, dict) else None
+            kind = field.get("type") if isinstance(field, dict) else None
             if isinstance(kind, str) and kind != "null" and name not in (required or ()):
                 del args[name]
         problem = json_schema_violation(args, self.parameters)
-        for path, _, kind in self.mirrored:
-            value = _value_at(args, path)
-            if problem is None and kind == "integer" and abs(value or 0) > MAX_HEADER_INTEGER:
-                expected = f"an integer from -{MAX_HEADER_INTEGER} to {MAX_HEADER_INTEGER}"
-                problem = _rejection(".".join(path), f"{expected} (it goes as a header)", value)
+        for path, _, kind in self.mirrored if problem is None else ():
+            problem = _header_problem(".".join(path), kind, _value_at(args, path))
+            if problem:
+                break
         if problem:
             raise ArgumentError(problem)
 
@@ -10615,9 +10678,9 @@ def mcp_wire_name(mcp_name: str) -> str:
 # "x-mcp-header": NAME goes as Mcp-Param-NAME as well, so that a gateway can route on it without
 # reading the body. Each is (its property path, NAME, its type).
 Mirrored: TypeAlias = tuple[tuple[str, ...], str, str]
-_HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token
 _NOT_SCHEMAS = frozenset(("enum", "const", "default", "examples"))  # values, not schemas
 MAX_HEADER_INTEGER = 2**53 - 1  # what a JavaScript reader of the header holds exactly
+MAX_HEADER_VALUE_BYTES = 4096  # what an argument may be as a header: servers refuse 8 KiB
 
 
 def _mirrored(schema: Mapping[str, Any]) -> list[Mirrored]:
@@ -10629,8 +10692,12 @@ def _mirrored(schema: Mapping[str, Any]) -> list[Mirrored]:
     queue = collections.deque([((), ("inputSchema",), schema, True)])
     while queue:  # breadth first: the first of two alike is the one kept
         path, where, node, reachable = queue.popleft()
-        items = enumerate(node) if isinstance(node, list) else node.items()
-        for key, value in items if isinstance(node, (dict, list)) else ():
+        items = (
+            enumerate(node)
+            if isinstance(node, list)
+            else (node.items() if isinstance(node, dict) else ())
+        )
+        for key, value in items:
             if key == "properties" and isinstance(value, dict) and isinstance(node, dict):
                 queue.extend(
                     ((*path, name), (*where, key, name), sub, reachable)
@@ -10654,7 +10721,7 @@ def _annotation(
     header, kind = node["x-mcp-header"], node.get("type")
     if not (reachable and path):
         raise ValueError(f"{where}: x-mcp-header is not on a property")
-    if not (isinstance(header, str) and _HEADER_TOKEN.fullmatch(header)):
+    if not (isinstance(header, str) and _HEADER_NAME.fullmatch(header)):  # RFC 9110's token
         raise ValueError(f"{where}: x-mcp-header must be a header name (an HTTP token)")
     if kind not in ("string", "integer", "boolean"):
         shown = kind if isinstance(kind, str) else "none of one kind"
@@ -10665,6 +10732,18 @@ def _annotation(
     if any(header.lower() == other.lower() for _, other, _ in found):
         raise ValueError(f"{where}: x-mcp-header names {header} a second time")
     return path, header, kind
+
+
+def _header_problem(name: str, kind: str, value: Any) -> str | None:
+    """What keeps an argument's value from going as a header, if anything: an integer a
+    JavaScript reader would round, a text longer than a server takes in a header."""
+    if kind == "integer" and isinstance(value, (int, float)) and abs(value) > MAX_HEADER_INTEGER:
+        expected = f"an integer from -{MAX_HEADER_INTEGER} to {MAX_HEADER_INTEGER}"
+        return _rejection(name, f"{expected} (it goes as a header)", value)
+    if isinstance(value, str) and len(_header_value(value)) > MAX_HEADER_VALUE_BYTES:
+        expected = f"at most {MAX_HEADER_VALUE_BYTES} bytes as a header (it goes as one)"
+        return _rejection(name, expected, value)
+    return None
 
 
 def _header_value(value: str | int) -> str:
@@ -10724,6 +10803,15 @@ def mcp_tools(
     return tools
 
 
+def _fits(schema: Any) -> bool:
+    """An inputSchema small enough to read: an object, of at most 64 KiB and 64 levels."""
+    return (
+        isinstance(schema, dict)
+        and len(_compact(schema)) <= MAX_MCP_SCHEMA_BYTES
+        and not _nested_deeper_than(schema, MAX_SCHEMA_DEPTH)
+    )
+
+
 def _unusable(listed: Any, unchecked: set[str], mirrors: bool) -> str | None:
     """Why a listed tool cannot be offered, if it cannot (`mirrors`: over Streamable HTTP,
     where its x-mcp-header annotations must keep the rules)."""
@@ -10733,8 +10821,8 @@ def _unusable(listed: Any, unchecked: set[str], mirrors: bool) -> str | None:
     schema = listed.get("inputSchema")
     if not isinstance(schema, dict) or schema.get("type") != "object":
         return "its inputSchema is not an object schema"
-    if len(_compact(schema)) > MAX_MCP_SCHEMA_BYTES:
-        return "its inputSchema is over 64 KiB"
+    if not _fits(schema):
+        return "its inputSchema is over 64 KiB, or nests deeper than 64 levels"
     problem = _unrunnable(name, listed.get("execution"))
     if problem is None and mirrors:
         try:
@@ -10767,7 +10855,7 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
 
     Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
-    Bound.mirrored = tuple(_mirrored(schema)) if server.mirrors_headers else ()
+    Bound.mirrored = tuple(server.mirrored.get(name, ()))
     # its command, or its URL without the query, as the person approving it reads it: what
     # looks like a secret on a command line (--api-key=…, an sk-… key) redacted, as in the log
     Bound.source = f"MCP server {_redacted_shapes(server.label)}"
@@ -10921,6 +11009,7 @@ def _asker() -> Asker:
 
 _ASKING = threading.Lock()  # one question at a time at the terminal, however many calls ask
 _TRIES = 3  # a field typed wrong this many times cancels the form
+MCP_SHOWN_CHARS = 2000  # of a server's question, what the terminal shows (the log keeps as much)
 
 
 def _ask_at_terminal(
@@ -10930,11 +11019,14 @@ def _ask_at_terminal(
     with the server's name; then each field, an empty line taking the server's default
     (SEP-1034), and what is typed checked against the field's schema, and asked again if it
     does not fit. Cancelled if no answer comes by `deadline` (the call's own)."""
+    if not _PERSON_WAITING.is_set():  # between turns the terminal is the chat's: nobody asks
+        return {"action": "decline"}
     if not _ASKING.acquire(timeout=max(0.0, deadline - time.monotonic())):
         return {"action": "cancel"}
     try:
         left = max(0.0, deadline - time.monotonic())
-        text = _escaped(_redacted_in_use(message), keep="\n").replace("\n", "\n  ")
+        shown = _cut(_redacted_in_use(message), MCP_SHOWN_CHARS)
+        text = _escaped(shown, keep="\n").replace("\n", "\n  ")
         _say(f"MCP server {_redacted_shapes(label)} asks (answer within {left:.0f} s):\n  {text}")
         choice = (_typed("answer it (a), decline (d) or cancel (c)? ", deadline) or "c").lower()
         if choice.strip() not in ("a", "answer", "d", "decline"):
@@ -10966,6 +11058,8 @@ def _filled(
     if choices:
         prompt += f" [{choices}]"
     default = field.get("default")
+    if json_schema_violation(default, field) or _holds_secret(default, _IN_USE):
+        default = None  # a default the field itself refuses is no default
     if default is not None:
         prompt += f" [empty: {_cut(_escaped(_as_typed(default)), 60)}]"
     for _ in range(_TRIES):

@@ -9291,6 +9291,14 @@ def call(ident, name, arguments):
                        " binding_sha256, summary_json, created_at, expires_at, status) VALUES"
                        " (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
         result(ident, {"content": [{"type": "text", "text": "done"}]})
+    elif "asks_flood" in BEHAVIOURS:  # asks 50 times at once, then answers with the count
+        form = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+        for n in range(50):
+            send({"jsonrpc": "2.0", "id": f"ask-{n}", "method": "elicitation/create",
+                  "params": {"message": "Sure?", "requestedSchema": form}})
+        answers = [json.loads(sys.stdin.readline()) for _ in range(50)]
+        log({"answers": answers})
+        result(ident, {"content": [{"type": "text", "text": str(len(answers))}]})
     elif "elicits" in BEHAVIOURS:  # asks its user, and waits for the answer on its stdin
         form = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
         send({"jsonrpc": "2.0", "id": "ask-1", "method": "elicitation/create",
@@ -9705,6 +9713,28 @@ class McpToolsTest(McpCase):
         self.assertEqual(hello["params"]["capabilities"], {"elicitation": {"form": {}}})
         (asked,) = self.audit_records("mcp_elicitation")
         self.assertEqual((asked["question"], asked["action"]), ("Sure?", "decline"))
+
+    def test_a_flood_of_questions_on_stdio_is_answered_with_few_threads(self) -> None:
+        asking, most, lock = [0], [0], threading.Lock()
+
+        def slow_person(label: str, message: str, form: Any, deadline: float) -> dict[str, Any]:
+            with lock:
+                asking[0] += 1
+                most[0] = max(most[0], asking[0])
+            time.sleep(0.2)
+            with lock:
+                asking[0] -= 1
+            return {"action": "accept", "content": {"ok": True}}
+
+        argv = shlex.split(self.command("legacy", "asks_flood"))
+        with fc.McpServer(argv, audit=self.audit, asker=slow_person) as server:
+            result = server.call_tool("stock.lookup", {"sku": "ABC-123"})
+        self.assertEqual(result["content"][0]["text"], "50")  # every question answered
+        self.assertLessEqual(most[0], 1)  # one at a time: the rest declined, not queued
+        (logged,) = [m["answers"] for m in self.received() if "answers" in m]
+        accepted = [a for a in logged if a["result"]["action"] == "accept"]
+        self.assertTrue(accepted)
+        self.assertEqual(len(self.audit_records("mcp_elicitation")), 50)
 
     def test_a_refusal_of_the_version_sent_that_lists_it_is_asked_again_once(self) -> None:
         argv = shlex.split(self.command("modern", "version-once"))
@@ -11770,7 +11800,7 @@ HEADER_TOOLS = [
             "required": ["region", "query"],
         },
     },
-    {"name": "météo", "inputSchema": {"type": "object", "properties": {}}},
+    {"name": "météo", "inputSchema": {"type": "object", "properties": {"any": True}}},
     *(
         {"name": name, "inputSchema": {"type": "object", "properties": properties}}
         for name, properties in (
@@ -12021,6 +12051,8 @@ class FakeRemoteMcp:
         with an InputRequiredResult (its state, unless "elicits_stateless"), then answered
         with what the retry carried; "asks_forever" never answers, "samples" asks for
         what this client does not offer."""
+        if "slow_asks" in self.behaviours:
+            time.sleep(0.5)
         if "inputResponses" in params and "asks_forever" not in self.behaviours:
             given = {k: params.get(k) for k in ("inputResponses", "requestState")}
             return {"result": {"content": [{"type": "text", "text": json.dumps(given)}]}}
@@ -12041,23 +12073,20 @@ class FakeRemoteMcp:
         self.closed_at.append(time.monotonic())
 
     def resume(self, handler: Any, headers: dict[str, str]) -> None:
-        """A GET: a stream resumed after its last event ("resumes": the answer held back;
-        "resumes_never": closed again at once, as if still working), the session's own
-        stream ("asks_on_get": kept open until the server stops), else 405."""
-        if "asks_on_get" in self.behaviours and "last-event-id" not in headers:
-            handler.send_response(200)
-            handler.send_header("Content-Type", "text/event-stream")
-            handler.end_headers()
-            handler.close_connection = True
-            with self.writing:
-                handler.wfile.write(b": open\n\n")
-                handler.wfile.flush()
-                self.listening = handler.wfile
-            self.released.wait(timeout=120)
+        """A GET: the session's own stream (own_stream), or a stream resumed after its last
+        event ("resumes": the answer held back; "resumes_never": closed again at once, as if
+        still working; "resumes_lost": the session forgotten meanwhile, 404), else 405."""
+        last = headers.get("last-event-id")
+        if last is None and {"asks_on_get", "asks_idle", "odd_stream"} & self.behaviours:
+            self.own_stream(handler)
             return
-        held = self.held.get(headers.get("last-event-id", ""))
-        if held is None or not {"resumes", "resumes_never"} & self.behaviours:
+        held = self.held.get(last or "")
+        resumes = {"resumes", "resumes_never", "resumes_lost"} & self.behaviours
+        if held is None or not resumes:
             handler.reply(405, b"", "text/plain")
+            return
+        if "resumes_lost" in self.behaviours:
+            handler.reply(404, b'{"error":"no such session"}', "application/json")
             return
         handler.send_response(200)
         handler.send_header("Content-Type", "text/event-stream")
@@ -12069,6 +12098,29 @@ class FakeRemoteMcp:
             handler.wfile.write(b"id: e-2\ndata: " + held + b"\n\n")
         handler.wfile.flush()
         self.closed_at.append(time.monotonic())
+
+    def own_stream(self, handler: Any) -> None:
+        """The session's own stream: kept open until the server stops ("asks_on_get": its
+        calls ask on it; "asks_idle": it asks at once, no call under way), or ended at once
+        with an id no header can carry and a retry: of 5,000 digits ("odd_stream")."""
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.end_headers()
+        handler.close_connection = True
+        if "odd_stream" in self.behaviours:
+            handler.wfile.write("id: €\nretry: ".encode() + b"9" * 5000 + b"\ndata: \n\n")
+            handler.wfile.flush()
+            return
+        with self.writing:
+            handler.wfile.write(b": open\n\n")
+            if "asks_idle" in self.behaviours:
+                question = {"message": ASKED, "requestedSchema": ASKED_FORM}
+                ask = {"jsonrpc": "2.0", "id": "srv-ask-3", "method": "elicitation/create"}
+                handler.wfile.write(b"data: " + json.dumps({**ask, "params": question}).encode())
+                handler.wfile.write(b"\n\n")
+            handler.wfile.flush()
+            self.listening = handler.wfile
+        self.released.wait(timeout=120)
 
     def refuses_version(self, message: dict[str, Any]) -> bool:
         """Whether this request is refused as of a revision the server does not speak (HTTP
@@ -12169,7 +12221,7 @@ class FakeRemoteMcp:
         # as a server with an event store opens each stream: ids, and data that is empty
         priming = f"id: {secrets.token_hex(8)}\ndata: \n\nid: 2\ndata:\n\n".encode()
         out.write(priming if "priming" in self.behaviours else b"")
-        if {"resumes", "resumes_never"} & hostile:  # closed at once: resumed with GET
+        if {"resumes", "resumes_never", "resumes_lost"} & hostile:  # closed: resumed with GET
             self.close_unanswered(out, answer)
             return
         if "elicits" in hostile and self.revision == "legacy":  # asks, then waits for us
@@ -12338,7 +12390,7 @@ class RemoteMcpTest(LoopTestCase):
         bare = {"region": "eu west", "query": "SELECT 2", "note": None}  # null: not given
         calls = [("route", json.dumps(given)), ("route", json.dumps(bare))]
         weather = fc.mcp_wire_name("météo")
-        script = [tool_call_reply([*calls, (weather, "{}")]), text_reply("Routed.")]
+        script = [tool_call_reply([*calls, (weather, '{"any": null}')]), text_reply("Routed.")]
         with FakeRemoteMcp("modern", behaviours=["mirrors"]) as remote:
             done, _ = self.ask_remote(
                 remote, script, "--mcp-read-only", "route", "--mcp-read-only", "météo"
@@ -12523,17 +12575,31 @@ class RemoteMcpTest(LoopTestCase):
             ("(c)?", "a"),
             ("name", f"it is {FAKE_KEY}"),
             ("holds a credential of this application", "Bob"),
-            ("age", "c"),  # not a number: asked again; then no answer, no form
+            ("age", "41"),
+            ("plan", ""),
+            ("news", ""),
         ]
         with FakeRemoteMcp("modern", behaviours=["elicits"]) as remote:
-            code, shown, requests = self.ask_at_a_terminal(remote, replies, "--mcp-timeout", "3")
+            code, shown, requests = self.ask_at_a_terminal(remote, replies)
         self.assertEqual(code, 0, shown)
         content = json.loads(tool_results(requests[1])[0]["content"])
-        self.assertEqual(content["inputResponses"]["who"], {"action": "cancel"})
-        self.assertIn("(no answer in time)", shown)
+        form = {"name": "Bob", "age": 41, "plan": "basic", "news": True}
+        self.assertEqual(content["inputResponses"]["who"], {"action": "accept", "content": form})
         self.assertNotIn(FAKE_KEY, "".join(r.body.decode() for r in requests))
         self.assertNotIn(FAKE_KEY, json.dumps(remote.requests))
         self.assertNotIn(FAKE_KEY, self.audit_path.read_text())
+        with FakeRemoteMcp("modern", behaviours=["elicits"]) as remote:
+            code, shown, requests = self.ask_at_a_terminal(remote, [("(c)?", "c")])
+        content = json.loads(tool_results(requests[1])[0]["content"])
+        self.assertEqual(content["inputResponses"]["who"], {"action": "cancel"})
+
+    def test_a_question_nobody_answers_in_time_ends_the_call_by_its_deadline(self) -> None:
+        with FakeRemoteMcp("modern", behaviours=["elicits"]) as remote:
+            code, shown, requests = self.ask_at_a_terminal(remote, [], "--mcp-timeout", "2")
+        self.assertEqual(code, 0, shown)
+        self.assertIn("(no answer in time)", shown)
+        self.assertEqual(tool_results(requests[1])[0]["error"], "timeout")
+        self.assertEqual(len(remote.calls()), 1)  # no time was left to send it again
 
     def test_a_question_on_the_sessions_own_stream_is_answered_at_once(self) -> None:
         with FakeRemoteMcp("legacy", behaviours=["asks_on_get"]) as remote:
@@ -12577,6 +12643,50 @@ class RemoteMcpTest(LoopTestCase):
             self.assertIn(said, self.audit_records()[-1]["error"])
             calls = [m for _, _, m in remote.requests if m and m.get("method") == "tools/call"]
             self.assertEqual(len(calls), 8 if behaviour == "asks_forever" else 1)
+
+    def test_a_call_whose_resumption_finds_the_session_lost_is_never_sent_again(self) -> None:
+        # the server took the call (its stream had event ids): sent again, a write could run twice
+        with FakeRemoteMcp("legacy", "sse", behaviours=["resumes_lost"]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(len(remote.calls()), 1)
+        self.assertIn("may have run", self.audit_records()[-1]["error"])
+
+    def test_a_call_that_asks_and_asks_ends_by_its_one_deadline(self) -> None:
+        with FakeRemoteMcp("modern", behaviours=["asks_forever", "slow_asks"]) as remote:
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup", "--mcp-timeout", "2"
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["error"], "timeout")
+        self.assertLessEqual(len(remote.calls()), 4)  # 0.5 s each: 2 s holds no more
+
+    def test_an_own_stream_with_an_id_no_header_carries_ends_quietly(self) -> None:
+        with FakeRemoteMcp("legacy", behaviours=["odd_stream"]) as remote:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+        gets = [h for verb, h, _ in remote.requests if verb == "GET"]
+        self.assertTrue(gets)
+        self.assertFalse([h for h in gets if "last-event-id" in h])  # never sent: € is no header
+
+    def test_a_question_while_no_turn_runs_is_declined_not_read_from_the_chat(self) -> None:
+        with FakeRemoteMcp("legacy", behaviours=["asks_idle"]) as remote:
+
+            def person(shown: str) -> str | None:
+                return "/quit" if "you> " in shown and remote.answered.wait(30) else None
+
+            env = {
+                "PATH": os.environ.get("PATH", ""),
+                "NO_PROXY": "127.0.0.1",
+                "FUNCTION_CALLING_DATA": str(self.data_dir),
+                "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+                "OPENAI_API_KEY": FAKE_KEY,
+            }
+            command = [sys.executable, str(MODULE), "chat", "--mcp-url", remote.url]
+            code, shown = at_a_terminal(command, env, self.data_dir, person)
+        self.assertEqual(code, 0, shown)
+        self.assertEqual(remote.answers[0]["result"], {"action": "decline"})
+        self.assertNotIn("(c)?", shown)  # never put to the person: the chat owns the terminal
 
     def test_a_write_waits_for_a_human_and_approve_reaches_the_server(self) -> None:
         script = [tool_call_reply([("cancel", '{"orderId": "A-1"}')]), text_reply("Filed.")]
