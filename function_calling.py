@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #13d92bd1: the whole file, every part kept
+# function_calling.py 2026-12-05 #7eec8200: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9050,6 +9050,7 @@ MAX_MCP_FORM_FIELDS = 32  # in a form a server asks the user to fill
 # its form, a deadline) to an ElicitResult, such as {"action": "accept", "content": {…}}.
 Asker: TypeAlias = Callable[[str, str, Mapping[str, Any], float], dict[str, Any]]
 _UNSUPPORTED_VERSION = (-32004, -32022)  # codes seen for UnsupportedProtocolVersionError
+MCP_HEADER_MISMATCH = -32020  # Mcp-Param-* headers the server reads differently: not run
 
 
 class McpError(ToolSourceError):
@@ -9193,16 +9194,25 @@ class McpServer:
     ) -> dict[str, Any]:
         """tools/call; the result as the server sent it (content, structuredContent, isError).
         A call it answers with an InputRequiredResult (2026-07-28) is sent again, as a new
-        request, with the answers to what it asked and its requestState exactly as given."""
+        request, with the answers to what it asked and its requestState exactly as given; one
+        it refuses with HeaderMismatch, once, after its tools are listed again."""
         call: dict[str, Any] = {"name": name, "arguments": dict(arguments)}
         if meta:
             call["_meta"] = dict(meta)
         params, deadline = call, time.monotonic() + self.timeout  # one, for every round
+        listed_again = False
         for _ in range(MAX_MCP_INPUT_ROUNDS):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise McpTimeoutError(f"MCP server {self.label}: no result by the call's deadline")
-            result = self.request("tools/call", params, left)
+            try:
+                result = self.request("tools/call", params, left)
+            except McpRefusedError as exc:  # HeaderMismatch: refused before it ran (SEP-2243)
+                if exc.code != MCP_HEADER_MISMATCH or listed_again:
+                    raise
+                listed_again = True
+                self.list_tools()  # its x-mcp-header annotations changed: the headers follow
+                continue
             if result.get("resultType") != "input_required":
                 return result
             params = {**call, **self._inputs(result, deadline)}

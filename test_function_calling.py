@@ -11932,6 +11932,12 @@ class FakeRemoteMcp:
     ) -> None:
         if self.refused(handler, headers, message):
             return
+        if "mismatch_once" in self.behaviours and message.get("method") == "tools/call":
+            self.behaviours.discard("mismatch_once")  # refused before it ran: headers stale
+            error = {"code": -32020, "message": "Header mismatch: Mcp-Param-Region is missing"}
+            refusal = {"jsonrpc": "2.0", "id": message.get("id"), "error": error}
+            handler.reply(400, json.dumps(refusal).encode(), "application/json")
+            return
         if self.refuses_version(message):
             supported = ["2099-01-01"] if "future_only" in self.behaviours else ["2026-07-28"]
             data = {"supported": supported, "requested": headers.get("mcp-protocol-version")}
@@ -12420,6 +12426,17 @@ class RemoteMcpTest(LoopTestCase):
         self.assertNotIn("note", second_params["arguments"])  # a null optional: left out
         self.assertEqual(third["mcp-name"], sentinel("météo"))
         self.assertEqual(first["mcp-name"], "route")
+
+    def test_a_header_mismatch_lists_the_tools_again_and_sends_the_call_once_more(self) -> None:
+        arguments = json.dumps({"region": "eu", "query": "x"})
+        script = [tool_call_reply([("route", arguments)]), text_reply("Routed.")]
+        with FakeRemoteMcp("modern", behaviours=["mirrors", "mismatch_once"]) as remote:
+            done, requests = self.ask_remote(remote, script, "--mcp-read-only", "route")
+        self.assertEqual((done.returncode, done.stdout), (0, "Routed.\n"), done.stderr)
+        self.assertEqual(tool_results(requests[1])[0]["content"], "route done")
+        methods = [m["method"] for _, _, m in remote.requests if m and "method" in m]
+        self.assertEqual(methods.count("tools/list"), 2)  # its annotations, read again
+        self.assertEqual(methods.count("tools/call"), 2)  # refused before it ran, then sent
 
     def test_an_annotated_integer_past_what_a_header_reader_holds_is_refused_before_it_leaves(
         self,
