@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #7eec8200: the whole file, every part kept
+# function_calling.py 2026-12-05 #b77ca97d: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9291,10 +9291,9 @@ class McpServer:
 
     def _hello(self) -> dict[str, Any]:
         """initialize's params (2025-11-25)."""
-        capabilities = self._offered()
         return {
             "protocolVersion": MCP_LEGACY,
-            "capabilities": capabilities,
+            "capabilities": self._offered(),
             "clientInfo": MCP_CLIENT_INFO,
         }
 
@@ -9623,15 +9622,18 @@ class McpServer:
             self._break(garbage, process)
             return False
         if "method" in message and "id" in message:  # a request of the server's own
-            reply = self._answered(message, time.monotonic() + self.timeout)
             # a question a person answers takes a while: on a thread of its own, one at a
-            # time; while one is asked, the next is declined (a flood starts no threads)
+            # time; while one is asked, the next is declined at once (its deadline passed),
+            # so a flood starts no threads
             asking = message["method"] == "elicitation/create" and self.asker is not None
-            if asking and self._asking.acquire(blocking=False):
+            threaded = asking and self._asking.acquire(blocking=False)
+            deadline = time.monotonic() + self.timeout if threaded or not asking else 0.0
+            reply = self._answered(message, deadline)
+            if threaded:
                 args = (reply, process, self._asking)
                 threading.Thread(target=_quietly(self._reply), args=args, daemon=True).start()
             else:
-                self._reply(self._answered(message, 0.0) if asking else reply, process)
+                self._reply(reply, process)
             return True
         if "method" in message:  # a notification
             return True
@@ -10556,7 +10558,6 @@ class McpTool(Tool):
 
     server: ClassVar[McpServer]
     mcp_name: ClassVar[str]
-    mirrored: ClassVar[tuple[Mirrored, ...]] = ()  # the arguments that go as headers too
 
     def schema_problem(self) -> str | None:
         return None  # mcp_tools checked it, with its own rules for servers' schemas
@@ -10572,7 +10573,9 @@ class McpTool(Tool):
             if isinstance(kind, str) and kind != "null" and name not in (required or ()):
                 del args[name]
         problem = json_schema_violation(args, self.parameters)
-        for path, _, kind in self.mirrored if problem is None else ():
+        # the arguments that go as headers too, as the server's latest listing says
+        mirrored = self.server.mirrored.get(self.mcp_name, []) if problem is None else []
+        for path, _, kind in mirrored:
             problem = _header_problem(".".join(path), kind, _value_at(args, path))
             if problem:
                 break
@@ -10865,7 +10868,6 @@ def _mcp_tool(server: McpServer, listed: Mapping[str, Any], read_only: set[str])
 
     Bound.name, Bound.description, Bound.parameters = wire_name, description, schema
     Bound.writes, Bound.server, Bound.mcp_name = name not in read_only, server, name
-    Bound.mirrored = tuple(server.mirrored.get(name, ()))
     # its command, or its URL without the query, as the person approving it reads it: what
     # looks like a secret on a command line (--api-key=…, an sk-… key) redacted, as in the log
     Bound.source = f"MCP server {_redacted_shapes(server.label)}"
@@ -11038,10 +11040,11 @@ def _ask_at_terminal(
         shown = _cut(_redacted_in_use(message), MCP_SHOWN_CHARS)
         text = _escaped(shown, keep="\n").replace("\n", "\n  ")
         _say(f"MCP server {_redacted_shapes(label)} asks (answer within {left:.0f} s):\n  {text}")
-        choice = (_typed("answer it (a), decline (d) or cancel (c)? ", deadline) or "c").lower()
-        if choice.strip() not in ("a", "answer", "d", "decline"):
+        typed = _typed("answer it (a), decline (d) or cancel (c)? ", deadline) or "c"
+        choice = typed.strip().lower()
+        if choice not in ("a", "answer", "d", "decline"):
             return {"action": "cancel"}
-        if choice.strip() in ("d", "decline"):
+        if choice in ("d", "decline"):
             return {"action": "decline"}
         content: dict[str, Any] = {}
         for name, field in form["properties"].items():

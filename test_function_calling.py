@@ -714,14 +714,9 @@ class LoopTestCase(unittest.TestCase):
         stdin: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run the module as a user would, in a clean environment; never a traceback."""
-        base = {
-            "PATH": os.environ.get("PATH", ""),
-            "NO_PROXY": "127.0.0.1",
-            "FUNCTION_CALLING_DATA": str(self.data_dir),
-        }
         done = subprocess.run(
             [sys.executable, str(MODULE), *args],
-            env={**base, **(env or {})},
+            env=self.cli_env(env),
             cwd=cwd or self.data_dir,
             input=stdin or "",
             capture_output=True,
@@ -731,6 +726,15 @@ class LoopTestCase(unittest.TestCase):
         )
         self.assertNotIn("Traceback", done.stderr)
         return done
+
+    def cli_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The clean environment the module runs in as a user runs it, `env` over it."""
+        base = {
+            "PATH": os.environ.get("PATH", ""),
+            "NO_PROXY": "127.0.0.1",
+            "FUNCTION_CALLING_DATA": str(self.data_dir),
+        }
+        return {**base, **(env or {})}
 
     def audit_records(self, event: str = "tool_call") -> list[dict[str, Any]]:
         lines = self.audit_path.read_text(encoding="ascii").splitlines()
@@ -12546,13 +12550,7 @@ class RemoteMcpTest(LoopTestCase):
         self, remote: FakeRemoteMcp, replies: Sequence[tuple[str, str]], *flags: str
     ) -> tuple[int, str, list[RecordedRequest]]:
         with ScriptedChatServer(self.lookup_turn()) as model:
-            env = {
-                "PATH": os.environ.get("PATH", ""),
-                "NO_PROXY": "127.0.0.1",
-                "FUNCTION_CALLING_DATA": str(self.data_dir),
-                "OPENAI_BASE_URL": model.base_url,
-                "OPENAI_API_KEY": FAKE_KEY,
-            }
+            env = self.cli_env({"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": FAKE_KEY})
             command = [sys.executable, str(MODULE), "ask", "Is ABC-123 in stock?"]
             flags = ("--mcp-url", remote.url, "--mcp-read-only", "lookup", *flags)
             code, shown = at_a_terminal([*command, *flags], env, self.data_dir, replies)
@@ -12692,13 +12690,9 @@ class RemoteMcpTest(LoopTestCase):
             def person(shown: str) -> str | None:
                 return "/quit" if "you> " in shown and remote.answered.wait(30) else None
 
-            env = {
-                "PATH": os.environ.get("PATH", ""),
-                "NO_PROXY": "127.0.0.1",
-                "FUNCTION_CALLING_DATA": str(self.data_dir),
-                "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
-                "OPENAI_API_KEY": FAKE_KEY,
-            }
+            env = self.cli_env(
+                {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": FAKE_KEY}
+            )
             command = [sys.executable, str(MODULE), "chat", "--mcp-url", remote.url]
             code, shown = at_a_terminal(command, env, self.data_dir, person)
         self.assertEqual(code, 0, shown)
