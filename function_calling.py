@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #b77ca97d: the whole file, every part kept
+# function_calling.py 2026-12-05 #7f5fe520: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -8045,6 +8045,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "McpHttpServer",
     "McpServer",
     "McpTool",
+    "SignIn",
     "json_schema_problem",
     "json_schema_violation",
     "mcp_tools",
@@ -8064,6 +8065,9 @@ from collections.abc import Generator  # noqa: E402
 from fractions import Fraction  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from operator import ge, gt, le, lt  # noqa: E402
+from typing import TypeVar  # noqa: E402
+
+_T = TypeVar("_T")
 
 # ------------------------------------------------------- JSON Schema, the subset tools use
 # An MCP tool's inputSchema is the only contract its arguments have, so it is enforced here,
@@ -9922,6 +9926,7 @@ MCP_RESUME_MIN_WAIT_S = 0.1  # before a stream is resumed, however short a wait 
 MCP_LISTEN_S = 300.0  # the session's own stream is opened again after this long (a deadline)
 MCP_LISTEN_MIN_WAIT_S = 1.0  # before it is opened again, however short a wait the server asks
 MCP_SAID_BYTES = 2000  # of what broke the protocol, this much goes to the audit log
+MCP_SIGN_IN_ROUNDS = 3  # sign-ins (or more scope) for one request, before it is refused
 
 
 class McpHttpServer(McpServer):
@@ -9945,6 +9950,7 @@ class McpHttpServer(McpServer):
         audit: AuditLog | None = None,
         tls: ssl.SSLContext | None = None,
         asker: Asker | None = None,
+        sign_in: SignIn | None = None,
     ) -> None:
         super().__init__(
             [url],
@@ -9961,6 +9967,7 @@ class McpHttpServer(McpServer):
         self._secrets = _secret_values((headers or {}).values())  # never said back: _unsaid
         _keep_secret(*_secret_values(_credentials(headers or {})))
         self._headers = dict(headers or {})
+        self.sign_in = sign_in  # None: a server that asks for a sign-in is refused (401)
         # the CA store is loaded once (as ChatClient does), not for every connection
         https = self._url.scheme == "https"
         self._tls = (tls or ssl.create_default_context()) if https else None
@@ -9981,6 +9988,27 @@ class McpHttpServer(McpServer):
                 with suppress(ValueError):  # such a tool is left out: mcp_tools says why
                     self.mirrored[name] = _mirrored(schema)  # type: ignore[arg-type]
         return listed
+
+    def start(self) -> None:
+        self._signed(super().start)
+
+    def request(
+        self, method: str, params: Mapping[str, Any], timeout: float | None = None
+    ) -> dict[str, Any]:
+        return self._signed(lambda: McpServer.request(self, method, params, timeout))
+
+    def _signed(self, work: Callable[[], _T]) -> _T:
+        """`work`, done again after each sign-in the server asks for (401), or for more
+        scope (403 insufficient_scope), at most MCP_SIGN_IN_ROUNDS times: a request refused
+        so is refused before it runs, so sending it again cannot run it twice."""
+        for _ in range(MCP_SIGN_IN_ROUNDS):
+            try:
+                return work()
+            except _ChallengedError as exc:
+                if self.sign_in is None:
+                    raise
+                self.sign_in.challenged(self, exc.status, exc.challenge)
+        return work()
 
     # -- the session (what the process is on stdio)
 
@@ -10192,10 +10220,11 @@ class McpHttpServer(McpServer):
             time.sleep(wait)
             try:
                 exchange = self._get(last, deadline - time.monotonic())
-            except _SessionLostError:  # it took the call: sent again, a write could run twice
+            except (_SessionLostError, _ChallengedError):  # it took the call: not sent again
                 raise McpError(
-                    f"MCP server {self.label} lost the session while {message['method']} was"
-                    " under way; it is not sent again, since it may have run"
+                    f"MCP server {self.label} lost the session or the sign-in while"
+                    f" {message['method']} was under way; it is not sent again, since it may"
+                    " have run"
                 ) from None
 
     def _read_from(
@@ -10361,16 +10390,10 @@ class McpHttpServer(McpServer):
         if headers.get("Mcp-Method") != "server/discover" and not quiet:  # else expected
             with suppress(AuditError):
                 self.record("mcp_error", status=status, error=said)
-        if status == 401:
-            scheme = self._unsaid(response.getheader("WWW-Authenticate") or "").split(" ")[0]
-            wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
-            if any(name.lower() == "authorization" for name in self._headers):
-                return McpTokenRefusedError(self.label, wanted)
-            return McpError(
-                f"MCP server {self.label} needs authorization{wanted}: put its token in an"
-                " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
-                " its --mcp-url (OAuth sign-in is not done here)"
-            )
+        if status in (401, 403):
+            refused = self._unauthorized(status, response.getheader("WWW-Authenticate") or "")
+            if refused is not None:
+                return refused
         if 300 <= status < 400:
             return McpError(
                 f"MCP server {self.label} redirected the request (HTTP {status}); not followed,"
@@ -10385,6 +10408,25 @@ class McpHttpServer(McpServer):
                 self._unsaid(error.get("data")),
             )
         return McpError(f"MCP server {self.label} failed (HTTP {status}) until the deadline")
+
+    def _unauthorized(self, status: int, challenge: str) -> McpError | None:
+        """A 401, or a 403 for scope: a sign-in asked for (with a SignIn), else a token
+        refused or missing, said as such. None: a 403 for another reason."""
+        if self.sign_in is not None and (
+            status == 401 or (status == 403 and "insufficient_scope" in challenge)
+        ):
+            return _ChallengedError(self.label, status, challenge)
+        if status == 403:
+            return None
+        scheme = self._unsaid(challenge).split(" ")[0]
+        wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+        if any(name.lower() == "authorization" for name in self._headers):
+            return McpTokenRefusedError(self.label, wanted)
+        return McpError(
+            f"MCP server {self.label} needs authorization{wanted}: put its token in an"
+            " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
+            " its --mcp-url"
+        )
 
     def _connection_for(self, deadline: float) -> _TimedHTTPConnection:
         """A kept connection no other call is using and still fit to carry a request (the
@@ -10409,8 +10451,14 @@ class McpHttpServer(McpServer):
         `deadline`; a connection that fails is closed."""
         connection.deadline, connection.sent = deadline, False
         connection.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
+        headers = {**headers, **self._headers}
+        token = self.sign_in.authorization(deadline) if self.sign_in is not None else None
+        if token is not None:
+            headers["Authorization"] = token
+            if token not in self._secrets:  # said back by the server, it is redacted too
+                self._secrets = _secret_values([*self._secrets, token])
         try:
-            connection.request(verb, self._url.path or "/", body, {**headers, **self._headers})
+            connection.request(verb, self._url.path or "/", body, headers)
             return connection.getresponse()
         except (OSError, http.client.HTTPException) as exc:
             connection.close()
@@ -10448,6 +10496,32 @@ class McpHttpServer(McpServer):
 
 class _SessionLostError(McpError):
     """A 404 for the session we sent: the server forgot it (a restart, an expiry)."""
+
+
+class _ChallengedError(McpError):
+    """A 401, or a 403 for scope, from a server with a SignIn: it asks for a sign-in."""
+
+    def __init__(self, label: str, status: int, challenge: str) -> None:
+        super().__init__(
+            f"MCP server {label} refused the sign-in's token (HTTP {status}) each time"
+        )
+        self.status, self.challenge = status, challenge
+
+
+class SignIn:
+    """Who gets a remote server's token: what each request carries in Authorization, and
+    what is done when the server asks for a sign-in (401) or for more scope (403). This one
+    holds no token and gets none, so the server's refusal ends the start or the call; the
+    SIGN_IN part below has one that signs in with OAuth."""
+
+    def authorization(self, deadline: float) -> str | None:
+        """The Authorization header's value for a request due by `deadline`, or None."""
+        return None
+
+    def challenged(self, server: McpHttpServer, status: int, challenge: str) -> None:
+        """Get a token that may satisfy the server's WWW-Authenticate `challenge`, or raise
+        an McpError that says in one line why there is none."""
+        raise McpError(f"MCP server {server.label} asks for a sign-in (HTTP {status})")
 
 
 class McpTokenRefusedError(McpError):
@@ -10940,6 +11014,8 @@ class _McpFlags(ToolSource):
             help="from an MCP server's start to its first answer, a download by npx, uvx or"
             f" docker included ({MCP_STARTUP_TIMEOUT_S:g} s)",
         )
+        for add_flags in SIGN_IN_FLAGS:
+            add_flags(parser)
 
     @contextmanager
     def open(self, args: argparse.Namespace, audit: AuditLog) -> Iterator[list[Tool]]:
@@ -10965,14 +11041,16 @@ class _McpFlags(ToolSource):
                 )
                 stack.enter_context(server)
                 tools += mcp_tools(server, read_only, unchecked, left_out)
-            for url, named in args.mcp_url:
+            for index, (url, named) in enumerate(args.mcp_url):
+                headers = _mcp_headers(named, os.environ)
                 remote = McpHttpServer(
                     url,
-                    headers=_mcp_headers(named, os.environ),
+                    headers=headers,
                     timeout=args.mcp_timeout,
                     startup_timeout=args.mcp_startup_timeout,
                     audit=audit,
                     asker=_asker(),
+                    sign_in=_sign_in(args, index, url, headers, audit),
                 )
                 try:
                     stack.enter_context(remote)
@@ -11009,6 +11087,24 @@ class _McpFlags(ToolSource):
             return f"it is a tool of the MCP server {where}"
         flags = "".join(f" --mcp-env {shlex.quote(str(name))}" for name in env.get(server, []))
         return f"it is a tool of the MCP server {server}: pass --mcp {shlex.quote(server)}{flags}"
+
+
+# What the SIGN_IN part below adds: its flags, and for each --mcp-url (given the flags, its
+# place among them, its URL and the audit log) who signs in to it.
+SIGN_IN_FLAGS: list[Callable[[argparse.ArgumentParser], None]] = []
+SIGN_INS: list[Callable[[argparse.Namespace, int, str, AuditLog], SignIn]] = []
+
+
+def _sign_in(
+    args: argparse.Namespace, index: int, url: str, headers: Mapping[str, str], audit: AuditLog
+) -> SignIn | None:
+    """Who signs in to the index-th --mcp-url: nobody where its token is given by hand
+    (--mcp-header Authorization=…), else the SIGN_IN part's, if it is here."""
+    if any(name.lower() == "authorization" for name in headers):
+        if (getattr(args, "mcp_sign_in", None) or {}).get(index):
+            raise ConfigError("--mcp-url: a token given by --mcp-header, or a sign-in; not both")
+        return None
+    return next((make(args, index, url, audit) for make in SIGN_INS), None)
 
 
 def _asker() -> Asker:
@@ -11280,6 +11376,922 @@ def _holds_the_key(value: str, environ: Mapping[str, str]) -> bool:
     return bool(key) and key in value
 
 
+# >>> SIGN_IN: signing in to remote MCP servers with OAuth. Everything from this line to the
+# "<<< SIGN_IN" line lets --mcp-url sign in where a server asks for it (HTTP 401), as the MCP
+# authorization spec and the OAuth RFCs it names say, keeps each server's tokens in a file
+# only the user can read, and adds `mcp-login` and `mcp-logout`. Without it, such a server is
+# refused with one line naming --mcp-header. To do without it, delete it in one cut (README:
+# "Signing in to a remote server"):
+#     sed '/^# >>> SIGN_IN/,/^# <<< SIGN_IN/d' function_calling.py > cut.py
+
+__all__ += ["OAuthSignIn", "SignInError"]
+__doc__ += """
+SIGN_IN ("# >>> SIGN_IN" to "# <<< SIGN_IN"): --mcp-url signs in with OAuth 2.1 where a
+server asks (a browser and a loopback redirect, or client credentials), and keeps the tokens
+per server in a file only the user can read; mcp-login and mcp-logout.
+"""
+
+import webbrowser  # noqa: E402 -- the part's own import: the cut takes it
+
+MCP_SIGN_IN_S = 300.0  # a whole sign-in: the metadata, a person at the browser, the token
+MCP_OAUTH_TIMEOUT_S = 15.0  # one request to an authorization server, or for metadata
+MAX_OAUTH_BYTES = 256 * 1024  # a metadata document, a registration or a token answer
+MCP_REFRESH_EARLY_S = 60.0  # a token this close to its expiry is refreshed before it is sent
+MAX_TOKEN_CHARS = 16384  # a longer access or refresh token is refused
+MAX_SCOPES = 64
+_AUTH_METHODS = ("none", "client_secret_basic", "client_secret_post")  # preferred first
+_SCOPE_TOKEN = re.compile(r"[!#-\[\]-~]{1,256}")  # RFC 6749 3.3: no space, quote or backslash
+
+
+class SignInError(McpError):
+    """A sign-in that could not be done: one line saying why, never a token or a secret."""
+
+
+@dataclass
+class _Found:
+    """What discovery found for a server: the resource a token is asked for, its
+    authorization server (the issuer) and that server's validated metadata, and the scopes
+    the resource lists (None: it lists none)."""
+
+    resource: str
+    issuer: str
+    metadata: dict[str, Any]
+    scopes: list[str] | None
+
+
+class OAuthSignIn(SignIn):
+    """Signs in to the remote MCP server at `url` where it asks (401), as the MCP
+    authorization spec says. Discovery: the server's protected-resource metadata (RFC 9728),
+    then its authorization server's (RFC 8414, else OpenID discovery), whose issuer must be
+    the one named. The client: `client_id` (and `client_secret`) given, else a Client ID
+    Metadata Document URL where the server takes one, else one registered (RFC 7591), kept
+    per issuer. A person (`person`) signs in at the browser (authorization code with PKCE,
+    a loopback redirect, its state and issuer checked); a machine (`machine`) with client
+    credentials. The tokens are kept in `directory`, in a file of the server's own that only
+    the user can read; the access token goes to this server alone, the refresh token to the
+    issuer alone. A token near its expiry is refreshed before it is sent, and once on a 401."""
+
+    def __init__(
+        self,
+        url: str,
+        directory: Path,
+        *,
+        client_id: str | None = None,
+        client_secret: str | None = None,
+        client_metadata_url: str | None = None,
+        machine: bool = False,
+        person: bool = False,
+        timeout: float = MCP_SIGN_IN_S,
+        browser: Callable[[str], object] = webbrowser.open,
+        audit: AuditLog | None = None,
+    ) -> None:
+        self.url, self.label = url, _cut(url.split("?", 1)[0], 200)
+        digest = hashlib.sha256(url.encode()).hexdigest()[:32]
+        self.path = directory / "mcp-sign-in" / f"{digest}.json"
+        self.client_id, self.client_secret = client_id, client_secret
+        self.client_metadata_url = client_metadata_url
+        self.machine, self.person, self.timeout = machine, person, timeout
+        self.browser, self.audit = browser, audit
+        self.signed_in = False  # did this one sign in (rather than find a token kept)?
+        self._lock = threading.Lock()  # one sign-in or refresh at a time
+        self._refreshed: str | None = None  # the access token a refresh gave last
+        _keep_secret(client_secret)
+        self._state = self._load()
+        token = self._token_kept()
+        _keep_secret(token.get("access_token"), token.get("refresh_token"))
+
+    # -- what a request carries
+
+    def authorization(self, deadline: float) -> str | None:
+        with self._lock:
+            token = self._token_kept()
+            expires = token.get("expires_at")
+            due = isinstance(expires, (int, float)) and expires - time.time() < MCP_REFRESH_EARLY_S
+            if due and token.get("refresh_token"):
+                try:
+                    self._refresh(min(deadline, time.monotonic() + MCP_OAUTH_TIMEOUT_S))
+                except SignInError:  # a refresh refused: the token goes, and a sign-in follows
+                    self._forget_token()
+                token = self._token_kept()
+            access = token.get("access_token")
+            return f"Bearer {access}" if isinstance(access, str) else None
+
+    def challenged(self, server: McpHttpServer, status: int, challenge: str) -> None:
+        params = _challenge_params(challenge)
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            token = self._token_kept()
+            held = token.get("access_token")
+            if status == 401 and token.get("refresh_token") and held != self._refreshed:
+                with suppress(SignInError):  # refused: a whole sign-in, below
+                    self._refresh(deadline)
+                    return
+            wanted = _scope_list(params.get("scope", ""))
+            granted = _kept_scopes(token)
+            if status == 403 and held is not None and set(wanted) <= set(granted):
+                raise SignInError(
+                    f"MCP server {self.label} refuses the token for scope it was granted"
+                    f" ({' '.join(wanted) or 'none named'}); signing in again would not change it"
+                )
+            found = self._discover(params.get("resource_metadata"), deadline, challenge)
+            scopes = _scopes(wanted, found, granted)
+            if self.machine:
+                self._machine(found, scopes, deadline)
+            elif not self.person:
+                raise SignInError(
+                    f"MCP server {self.label} asks for a sign-in, and no person is at this"
+                    f" terminal to give it: run `python3 {shlex.quote(sys.argv[0])} mcp-login"
+                    f" {shlex.quote(self.url)}` first"
+                )
+            else:
+                self._authorize(found, scopes, deadline)
+            self.signed_in = True
+
+    def forget(self) -> bool:
+        """Forget this server's tokens and registrations; whether there were any."""
+        with self._lock:
+            self._state = {}
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise SignInError(
+                    f"the sign-in kept for {self.label} could not be forgotten ({exc.strerror})"
+                ) from None
+            return True
+
+    # -- discovery
+
+    def _discover(self, named: str | None, deadline: float, challenge: str) -> _Found:
+        """The server's protected-resource metadata, from the URL its challenge names, else
+        from the well-known ones (the path's, then the root's), then its authorization
+        server's. The resource it names must be this server (RFC 8707)."""
+        what = f"MCP server {self.label}'s protected-resource metadata"
+        candidates = [named] if named else _resource_metadata_urls(self.url)
+        document: Any = None
+        for candidate in candidates:
+            status, document = _oauth_fetch(candidate, deadline, what)
+            if status == 200 and isinstance(document, dict):
+                break
+        else:  # a server that takes a token given by hand, as many do
+            scheme = challenge.split(" ")[0]
+            wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+            raise SignInError(
+                f"MCP server {self.label} needs authorization{wanted}, and publishes no"
+                " protected-resource metadata (RFC 9728) to sign in with: put its token in an"
+                " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
+                " its --mcp-url"
+            )
+        resource = document.get("resource")
+        if not _is_resource_of(resource, self.url):
+            raise SignInError(
+                f"MCP server {self.label} names the resource {_quoted(_cut(str(resource), 200))}"
+                " for its tokens, which is not this server: no sign-in is begun"
+            )
+        servers = document.get("authorization_servers")
+        if not (isinstance(servers, list) and servers and isinstance(servers[0], str)):
+            raise SignInError(f"MCP server {self.label} names no authorization server")
+        issuer = servers[0]
+        _oauth_url(issuer, f"MCP server {self.label}'s authorization server")
+        listed = document.get("scopes_supported")
+        scopes = [s for s in listed if isinstance(s, str)] if isinstance(listed, list) else None
+        return _Found(str(resource), issuer, self._server_metadata(issuer, deadline), scopes)
+
+    def _server_metadata(self, issuer: str, deadline: float) -> dict[str, Any]:
+        """The issuer's metadata, from the well-known URLs in the spec's order; the first
+        document found must name `issuer` exactly (RFC 8414 3.3), or none is used."""
+        what = f"the authorization server {_cut(issuer, 200)}"
+        for candidate in _server_metadata_urls(issuer):
+            status, document = _oauth_fetch(candidate, deadline, what)
+            if status != 200 or not isinstance(document, dict):
+                continue
+            if document.get("issuer") != issuer:
+                raise SignInError(
+                    f"{what} published metadata for another issuer"
+                    f" ({_quoted(_cut(str(document.get('issuer')), 200))}): not used"
+                )
+            _oauth_url(document.get("token_endpoint"), f"{what}'s token endpoint")
+            return document
+        raise SignInError(f"{what} publishes no metadata (RFC 8414, OpenID discovery)")
+
+    # -- the flows
+
+    def _authorize(self, found: _Found, scopes: list[str], deadline: float) -> None:
+        """A person's sign-in: the authorization request opened in the browser (and shown,
+        for a machine with none), its answer taken on a loopback redirect, then the code
+        exchanged for a token with the PKCE verifier."""
+        what = f"the authorization server {_cut(found.issuer, 200)}"
+        endpoint = found.metadata.get("authorization_endpoint")
+        _oauth_url(endpoint, f"{what}'s authorization endpoint")
+        methods = found.metadata.get("code_challenge_methods_supported")
+        if not isinstance(methods, list) or "S256" not in methods:
+            raise SignInError(f"{what} does not offer PKCE with S256: no sign-in is begun")
+        kept = self._state.get("clients", {}).get(found.issuer, {})
+        with _Callback(_port_of(kept.get("redirect_uri"))) as callback:
+            client = self._client(found, callback.redirect_uri, deadline)
+            verifier, state = secrets.token_urlsafe(48), secrets.token_urlsafe(24)
+            query = {
+                "response_type": "code",
+                "client_id": client["client_id"],
+                "redirect_uri": callback.redirect_uri,
+                "code_challenge": _s256(verifier),
+                "code_challenge_method": "S256",
+                "state": state,
+                "resource": found.resource,
+            }
+            if scopes:
+                query["scope"] = " ".join(scopes)
+            joiner = "&" if urllib.parse.urlsplit(str(endpoint)).query else "?"
+            address = f"{endpoint}{joiner}{urllib.parse.urlencode(query)}"
+            _say(
+                f"Sign in for MCP server {self.label} at {found.issuer}: your browser opens the"
+                f" page; if none does, open this address (waiting {self.timeout:g} s):\n"
+                f"  {address}"
+            )
+            opening = threading.Thread(target=_quietly(self._open_page), args=(address,))
+            opening.daemon = True  # a browser command that never returns holds nothing up
+            opening.start()
+            answer = callback.wait(deadline, self.timeout)
+        code = _authorization_code(answer, state, found)
+        form = {
+            "grant_type": "authorization_code",
+            "code": code,
+            "redirect_uri": callback.redirect_uri,
+            "code_verifier": verifier,
+            "resource": found.resource,
+        }
+        self._token(
+            found.issuer,
+            str(found.metadata["token_endpoint"]),
+            client,
+            form,
+            scopes,
+            deadline,
+            found.resource,
+        )
+
+    def _open_page(self, address: str) -> None:
+        self.browser(address)
+
+    def _machine(self, found: _Found, scopes: list[str], deadline: float) -> None:
+        """A machine's sign-in: client credentials, no person and no browser."""
+        if not (self.client_id and self.client_secret):
+            raise SignInError(
+                "--mcp-client-credentials needs --mcp-client-id and"
+                " --mcp-client-secret after the --mcp-url"
+            )
+        client = self._given_client(found)
+        form = {"grant_type": "client_credentials", "resource": found.resource}
+        if scopes:
+            form["scope"] = " ".join(scopes)
+        self._token(
+            found.issuer,
+            str(found.metadata["token_endpoint"]),
+            client,
+            form,
+            scopes,
+            deadline,
+            found.resource,
+        )
+
+    def _refresh(self, deadline: float) -> None:
+        """A new access token for the refresh token, from the issuer that gave it."""
+        token = self._token_kept()
+        client = self._client_of(token)
+        form = {
+            "grant_type": "refresh_token",
+            "refresh_token": str(token["refresh_token"]),
+            "resource": str(token.get("resource")),
+        }
+        scopes = _kept_scopes(token)
+        self._token(
+            str(token.get("issuer")),
+            str(token.get("token_endpoint")),
+            client,
+            form,
+            scopes,
+            deadline,
+            str(token.get("resource")),
+        )
+        self._refreshed = self._token_kept().get("access_token")
+
+    def _token(
+        self,
+        issuer: str,
+        endpoint: str,
+        client: Mapping[str, Any],
+        form: dict[str, str],
+        scopes: list[str],
+        deadline: float,
+        resource: str,
+    ) -> None:
+        """Ask the token endpoint, the client authenticated as it registered (basic, post or
+        none); keep what it gives, in the file before it is used."""
+        headers: dict[str, str] = {}
+        method, client_id = client.get("method"), str(client["client_id"])
+        if method == "client_secret_basic":
+            pair = f"{urllib.parse.quote(client_id, safe='')}:" + urllib.parse.quote(
+                str(client.get("client_secret")), safe=""
+            )
+            headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        else:
+            form["client_id"] = client_id
+            if method == "client_secret_post":
+                form["client_secret"] = str(client.get("client_secret"))
+        what = f"the authorization server {_cut(issuer, 200)}"
+        status, answer = _oauth_fetch(endpoint, deadline, what, form=form, headers=headers)
+        if status != 200 or not isinstance(answer, dict):
+            error = answer.get("error") if isinstance(answer, dict) else None
+            why = f", {error}" if isinstance(error, str) and _SCOPE_TOKEN.fullmatch(error) else ""
+            raise SignInError(f"{what} refused the token request (HTTP {status}{why})")
+        access, refresh = answer.get("access_token"), answer.get("refresh_token")
+        if not _is_token(access) or str(answer.get("token_type", "")).lower() != "bearer":
+            raise SignInError(f"{what} gave no bearer token this client can use")
+        if not _is_token(refresh):
+            refresh = form.get("refresh_token")  # a refresh may keep the one it was given
+        _keep_secret(access, refresh)
+        lifetime = answer.get("expires_in")
+        expires = None
+        if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
+            expires = time.time() + lifetime if 0 < lifetime < 10**9 else None
+        granted = _scope_list(answer["scope"]) if isinstance(answer.get("scope"), str) else scopes
+        self._state["token"] = {
+            "issuer": issuer,
+            "token_endpoint": endpoint,
+            "resource": resource,
+            "client_id": client_id,
+            "method": method,
+            "access_token": access,
+            "refresh_token": refresh,
+            "expires_at": expires,
+            "scopes": granted,
+        }
+        self._save()
+        if self.audit is not None:
+            grant = form["grant_type"]
+            self.audit.record(
+                "mcp_sign_in", server=self.label, issuer=issuer, grant=grant, scopes=granted
+            )
+
+    # -- the client
+
+    def _client(self, found: _Found, redirect_uri: str, deadline: float) -> dict[str, Any]:
+        """Who this client is to the issuer, in the spec's order: the id given, else its
+        metadata document's URL where the issuer takes one, else the registration kept for
+        this issuer, else a new one (RFC 7591). Never another issuer's."""
+        if self.client_id:
+            return self._given_client(found)
+        if (
+            self.client_metadata_url
+            and found.metadata.get("client_id_metadata_document_supported") is True
+        ):
+            return {"client_id": self.client_metadata_url, "method": "none"}
+        kept = self._state.get("clients", {}).get(found.issuer)
+        if isinstance(kept, dict) and isinstance(kept.get("client_id"), str):
+            return kept
+        return self._register(found, redirect_uri, deadline)
+
+    def _given_client(self, found: _Found) -> dict[str, Any]:
+        """The client id (and secret) given, bound to the first issuer it is used with: a
+        server that later names another is refused, and the secret never goes there."""
+        bound = self._state.setdefault("given", {})
+        first = bound.setdefault(str(self.client_id), found.issuer)
+        if first != found.issuer:
+            raise SignInError(
+                f"MCP server {self.label} now names the authorization server {found.issuer},"
+                f" but --mcp-client-id was given for {first}: refused (mcp-logout forgets it)"
+            )
+        methods = found.metadata.get("token_endpoint_auth_methods_supported")
+        methods = methods if isinstance(methods, list) else ["client_secret_basic"]
+        method = "none"
+        if self.client_secret:
+            method = (
+                "client_secret_post"
+                if "client_secret_basic" not in methods and ("client_secret_post" in methods)
+                else "client_secret_basic"
+            )
+        return {"client_id": self.client_id, "client_secret": self.client_secret, "method": method}
+
+    def _register(self, found: _Found, redirect_uri: str, deadline: float) -> dict[str, Any]:
+        """Dynamic registration as a native application with a loopback redirect, asking for
+        the first of none, basic and post that the issuer takes; kept for this issuer."""
+        what = f"the authorization server {_cut(found.issuer, 200)}"
+        endpoint = found.metadata.get("registration_endpoint")
+        if endpoint is None:
+            raise SignInError(
+                f"{what} registers no clients, and none was given: pass --mcp-client-id (and"
+                " --mcp-client-secret) after the --mcp-url"
+            )
+        methods = found.metadata.get("token_endpoint_auth_methods_supported")
+        methods = methods if isinstance(methods, list) else ["client_secret_basic"]
+        asked = next((m for m in _AUTH_METHODS if m in methods), "client_secret_basic")
+        request = {
+            "client_name": "function_calling",
+            "redirect_uris": [redirect_uri],
+            "grant_types": ["authorization_code", "refresh_token"],
+            "response_types": ["code"],
+            "token_endpoint_auth_method": asked,
+            "application_type": "native",
+        }
+        status, answer = _oauth_fetch(str(endpoint), deadline, what, json_body=request)
+        answer = answer if isinstance(answer, dict) else {}
+        client_id = answer.get("client_id")
+        if status not in (200, 201) or not _is_token(client_id):
+            raise SignInError(f"{what} refused to register this client (HTTP {status})")
+        secret = answer.get("client_secret")
+        method = answer.get("token_endpoint_auth_method")
+        if method not in _AUTH_METHODS:
+            method = "client_secret_basic" if _is_token(secret) else "none"
+        if method != "none" and not _is_token(secret):
+            raise SignInError(f"{what} registered this client without the secret it asks for")
+        _keep_secret(secret if isinstance(secret, str) else None)
+        client = {
+            "client_id": client_id,
+            "client_secret": secret if method != "none" else None,
+            "method": method,
+            "redirect_uri": redirect_uri,
+        }
+        self._state.setdefault("clients", {})[found.issuer] = client
+        self._save()
+        return client
+
+    def _client_of(self, token: Mapping[str, Any]) -> dict[str, Any]:
+        """The client a kept token was issued to, for its refresh."""
+        client_id, issuer = token.get("client_id"), token.get("issuer")
+        kept = self._state.get("clients", {}).get(issuer)
+        if isinstance(kept, dict) and kept.get("client_id") == client_id:
+            return kept
+        secret = self.client_secret if client_id == self.client_id else None
+        if token.get("method") != "none" and not secret:
+            raise SignInError(f"the refresh for {self.label} needs the client's secret")
+        return {"client_id": client_id, "client_secret": secret, "method": token.get("method")}
+
+    # -- the file
+
+    def _token_kept(self) -> dict[str, Any]:
+        token = self._state.get("token")
+        return token if isinstance(token, dict) else {}
+
+    def _forget_token(self) -> None:
+        self._state.pop("token", None)
+        self._save()
+
+    def _load(self) -> dict[str, Any]:
+        """What is kept for this server: {} if nothing is, or if what is cannot be read as
+        it was written (a sign-in then starts afresh)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise SignInError(
+                f"the sign-in kept for MCP server {self.label} cannot be read ({exc.strerror})"
+            ) from None
+        with os.fdopen(fd, "rb") as kept:
+            text = kept.read(MAX_OAUTH_BYTES)
+        try:
+            state = json.loads(text)
+        except (ValueError, RecursionError):
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _save(self) -> None:
+        """Write what is kept to a new file only the user can read, synced, then put it in
+        the old one's place: a crash leaves the old file or the new one, never a mix."""
+        folder = self.path.parent
+        temporary = folder / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(self._state, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            with suppress(OSError):
+                temporary.unlink()
+            raise SignInError(
+                f"the sign-in for MCP server {self.label} could not be kept ({exc.strerror})"
+            ) from None
+
+
+class _Callback:
+    """The loopback redirect (RFC 8252): a listener on 127.0.0.1 (on `port`, where it is
+    free, else any) that takes the first request for /callback, answers it with a short page
+    that repeats nothing of it, and hands its query over."""
+
+    def __init__(self, port: int) -> None:
+        self.answer: dict[str, str] = {}
+        self.came = threading.Event()
+        try:
+            self.server = _CallbackServer(("127.0.0.1", port), _CallbackHandler)
+        except OSError:  # the port registered is taken: any other (the spec's loopback rule)
+            self.server = _CallbackServer(("127.0.0.1", 0), _CallbackHandler)
+        self.server.callback = self
+        self.redirect_uri = f"http://127.0.0.1:{self.server.server_port}/callback"
+
+    def __enter__(self) -> _Callback:
+        serve = functools.partial(self.server.serve_forever, poll_interval=0.05)
+        threading.Thread(target=_quietly(serve), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def wait(self, deadline: float, timeout: float) -> dict[str, str]:
+        if not self.came.wait(max(0.0, deadline - time.monotonic())):
+            raise SignInError(f"no sign-in came back within {timeout:g} s (--mcp-sign-in-timeout)")
+        return self.answer
+
+
+class _CallbackServer(http.server.HTTPServer):
+    callback: _Callback
+
+
+class _CallbackHandler(http.server.BaseHTTPRequestHandler):
+    server: _CallbackServer
+    timeout = 5  # a connection that sends nothing cannot hold the listener
+
+    def do_GET(self) -> None:
+        path, _, query = self.path.partition("?")
+        callback = self.server.callback
+        if path != "/callback" or callback.came.is_set():
+            self._page(404, "There is nothing here.")
+            return
+        try:
+            pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, max_num_fields=16)
+        except ValueError:
+            pairs = [("", "")]
+        names = [name for name, _ in pairs]
+        callback.answer = dict(pairs) if len(set(names)) == len(names) else {"": "repeated"}
+        callback.came.set()
+        self._page(
+            200,
+            "The sign-in's answer has reached function_calling; the terminal"
+            " says how it went. You may close this page.",
+        )
+
+    def _page(self, status: int, text: str) -> None:
+        body = f"<!doctype html><title>function_calling</title><p>{text}</p>".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the query holds the code: nothing is printed
+
+
+def _authorization_code(answer: Mapping[str, str], state: str, found: _Found) -> str:
+    """The code of the authorization response, once its state is the one sent, and its
+    issuer (RFC 9207) the one recorded, compared as strings: present, it must match;
+    absent, the issuer must not have promised it. An error is shown only then."""
+    what = f"the authorization server {_cut(found.issuer, 200)}"
+    if not hmac.compare_digest(answer.get("state", "").encode(), state.encode()):
+        raise SignInError(
+            "the sign-in's answer carried another state: refused (it may not come"
+            " from the sign-in this client began)"
+        )
+    promised = found.metadata.get("authorization_response_iss_parameter_supported") is True
+    issuer = answer.get("iss")
+    if issuer is not None and issuer != found.issuer:
+        raise SignInError(
+            f"the sign-in's answer names another issuer than {what}: refused (RFC 9207)"
+        )
+    if issuer is None and promised:
+        raise SignInError(
+            f"the sign-in's answer names no issuer, though {what} promises one: refused (RFC 9207)"
+        )
+    error = answer.get("error")
+    if error is not None:
+        why = error if _SCOPE_TOKEN.fullmatch(error) and len(error) <= 64 else "an error"
+        raise SignInError(f"{what} refused the sign-in ({why})")
+    code = answer.get("code")
+    if not _is_token(code):
+        raise SignInError(f"the sign-in's answer from {what} holds no code")
+    return str(code)
+
+
+def _oauth_fetch(
+    url: str,
+    deadline: float,
+    what: str,
+    *,
+    form: Mapping[str, str] | None = None,
+    json_body: Any = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, Any]:
+    """GET `url`, or POST it a form or JSON: its status and its JSON (None if it is none),
+    within MCP_OAUTH_TIMEOUT_S and `deadline`, MAX_OAUTH_BYTES at most. A redirect is not
+    followed: it would take the request (a secret, a code) elsewhere."""
+    parts = _oauth_url(url, what)
+    until = min(deadline, time.monotonic() + MCP_OAUTH_TIMEOUT_S)
+    if until <= time.monotonic():
+        raise SignInError(f"the sign-in's deadline passed before {what} was asked")
+    tls = ssl.create_default_context() if parts.scheme == "https" else None
+    connection = _mcp_connection(parts, tls, until)
+    connection.timeout = until - time.monotonic()
+    sent = {"Accept": "application/json", **(headers or {})}
+    body = None
+    if form is not None:
+        body = urllib.parse.urlencode(form).encode()
+        sent["Content-Type"] = "application/x-www-form-urlencoded"
+    elif json_body is not None:
+        body = json.dumps(json_body).encode()
+        sent["Content-Type"] = "application/json"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        connection.request("GET" if body is None else "POST", target, body, sent)
+        response = connection.getresponse()
+        data = b"".join(_chunks(response, MAX_OAUTH_BYTES))
+    except ApiError:  # _chunks' cap
+        raise SignInError(f"{what} sent more than {MAX_OAUTH_BYTES} bytes") from None
+    except TimeoutError:
+        raise SignInError(f"{what} gave no whole answer in time") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise SignInError(f"{what}: {_transport_reason(exc)}") from None
+    finally:
+        connection.close()
+    if 300 <= response.status < 400:
+        raise SignInError(f"{what} redirected the request (HTTP {response.status}): not followed")
+    try:
+        return response.status, json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError, ArgumentError):
+        return response.status, None
+
+
+def _oauth_url(url: Any, what: str) -> urllib.parse.SplitResult:
+    """A URL an authorization server or a server's metadata names, if it may be used:
+    https, or http to this machine; no user:password@, no fragment."""
+    if not (isinstance(url, str) and 0 < len(url) <= 2048 and all("!" <= c <= "~" for c in url)):
+        raise SignInError(f"{what} is not a URL this client can use")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        _ = parts.port
+    except ValueError:
+        raise SignInError(f"{what} is not a URL this client can use") from None
+    plain = parts.scheme == "http" and not _is_this_machine(parts.hostname or "")
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.fragment
+        or (parts.username is not None)
+    ):
+        raise SignInError(f"{what} is not a URL this client can use")
+    if plain:
+        raise SignInError(f"{what} is plain http to another machine: refused (https is required)")
+    return parts
+
+
+def _resource_metadata_urls(url: str) -> list[str]:
+    """Where a server's protected-resource metadata may be (RFC 9728): at its path, then at
+    the root."""
+    parts = urllib.parse.urlsplit(url)
+    origin, path = f"{parts.scheme}://{parts.netloc}", parts.path.rstrip("/")
+    root = f"{origin}/.well-known/oauth-protected-resource"
+    return [root + path, root] if path else [root]
+
+
+def _server_metadata_urls(issuer: str) -> list[str]:
+    """Where an issuer's metadata may be, in the spec's order: OAuth's and OpenID's with the
+    issuer's path after the well-known part, then OpenID's after the path."""
+    parts = urllib.parse.urlsplit(issuer)
+    origin, path = f"{parts.scheme}://{parts.netloc}", parts.path.rstrip("/")
+    oauth, openid = "/.well-known/oauth-authorization-server", "/.well-known/openid-configuration"
+    if not path:
+        return [origin + oauth, origin + openid]
+    return [origin + oauth + path, origin + openid + path, origin + path + openid]
+
+
+def _is_resource_of(resource: Any, url: str) -> bool:
+    """Whether a resource a server names for its tokens is that server: its origin, and its
+    path or one above it (RFC 9728 3.3), with no fragment."""
+    if not isinstance(resource, str) or not resource:
+        return False
+    named, own = urllib.parse.urlsplit(resource), urllib.parse.urlsplit(url)
+    try:
+        same = (named.scheme.lower(), named.hostname, named.port) == (
+            own.scheme.lower(),
+            own.hostname,
+            own.port,
+        )
+    except ValueError:
+        return False
+    path = named.path.rstrip("/")
+    under = own.path.rstrip("/") == path or own.path.startswith(path + "/")
+    return same and under and not named.fragment and named.query in ("", own.query)
+
+
+def _challenge_params(header: str) -> dict[str, str]:
+    """The parameters of a WWW-Authenticate header's Bearer challenge (RFC 6750 3), names in
+    lower case, the first of each kept: resource_metadata, scope, error."""
+    found = re.search(r"(?:^|,)\s*Bearer\b(.*)", header, re.IGNORECASE | re.DOTALL)
+    params: dict[str, str] = {}
+    pairs = r'([A-Za-z0-9_.-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,"]*))'
+    for name, quoted, bare in re.findall(pairs, found.group(1) if found else ""):
+        params.setdefault(name.lower(), re.sub(r"\\(.)", r"\1", quoted) if quoted else bare)
+    return params
+
+
+def _scope_list(text: str) -> list[str]:
+    """The scopes of a space-separated list, each as RFC 6749 allows, at most MAX_SCOPES."""
+    scopes = list(dict.fromkeys(text.split()))
+    if len(scopes) > MAX_SCOPES or not all(_SCOPE_TOKEN.fullmatch(s) for s in scopes):
+        raise SignInError("a scope was asked for that this client cannot send")
+    return scopes
+
+
+def _scopes(wanted: list[str], found: _Found, granted: list[str]) -> list[str]:
+    """The scopes to ask for: those the challenge names, else those the server lists, else
+    none (the scope is left out); with those granted before (a step-up keeps them), and
+    offline_access where the issuer lists it (for a refresh token)."""
+    chosen = wanted or [s for s in found.scopes or [] if _SCOPE_TOKEN.fullmatch(s)]
+    scopes = list(dict.fromkeys([*granted, *chosen]))[:MAX_SCOPES]
+    listed = found.metadata.get("scopes_supported")
+    if scopes and isinstance(listed, list) and "offline_access" in listed:
+        scopes = list(dict.fromkeys([*scopes, "offline_access"]))
+    return scopes
+
+
+def _kept_scopes(token: Mapping[str, Any]) -> list[str]:
+    scopes = token.get("scopes")
+    return [s for s in scopes if isinstance(s, str)] if isinstance(scopes, list) else []
+
+
+def _is_token(value: Any) -> bool:
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_TOKEN_CHARS
+        and all("!" <= c <= "~" for c in value)
+    )
+
+
+def _s256(verifier: str) -> str:
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def _port_of(redirect_uri: Any) -> int:
+    """The port of a loopback redirect registered before (0: any)."""
+    with suppress(ValueError, TypeError):
+        return urllib.parse.urlsplit(redirect_uri).port or 0
+    return 0
+
+
+# ------------------------------------------------------------------ the flags and commands
+
+
+class _McpSignInFlag(argparse.Action):
+    """--mcp-client-id, --mcp-client-secret and --mcp-client-credentials: for the --mcp-url
+    before them and no other (a client of one authorization server is nobody else's); for
+    mcp-login, for its URL."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        options = dict(getattr(namespace, "mcp_sign_in", None) or {})
+        index = len(getattr(namespace, "mcp_url", None) or []) - 1
+        options[index] = {**options.get(index, {}), self.metavar or "machine": values}
+        namespace.mcp_sign_in = options
+
+
+def _add_sign_in_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, metavar, text in (
+        (
+            "--mcp-client-id",
+            "ID",
+            "a client id registered with the --mcp-url's authorization server",
+        ),
+        (
+            "--mcp-client-secret",
+            "VARIABLE",
+            "the environment variable holding that client's secret",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            metavar=metavar,
+            help=text,
+            dest="mcp_sign_in",
+            action=_McpSignInFlag,
+            default=None,
+        )
+    parser.add_argument(
+        "--mcp-client-credentials",
+        nargs=0,
+        dest="mcp_sign_in",
+        action=_McpSignInFlag,
+        default=None,
+        help="sign in as a machine (client credentials), with no person and no browser",
+    )
+    parser.add_argument(
+        "--mcp-client-metadata-url",
+        metavar="URL",
+        help="this client's metadata document (https), its client id where a server takes one",
+    )
+    parser.add_argument(
+        "--mcp-sign-in-timeout",
+        type=_seconds(3600),
+        default=MCP_SIGN_IN_S,
+        help=f"a whole sign-in, a person at the browser included ({MCP_SIGN_IN_S:g} s)",
+    )
+
+
+def _oauth_sign_in(
+    args: argparse.Namespace, index: int, url: str, audit: AuditLog | None, person: bool
+) -> OAuthSignIn:
+    """The sign-in for the index-th --mcp-url (-1: mcp-login's URL), from its flags."""
+    given = (getattr(args, "mcp_sign_in", None) or {}).get(index, {})
+    secret = None
+    if given.get("VARIABLE"):
+        secret = os.environ.get(given["VARIABLE"])
+        if not secret:
+            raise ConfigError(f"--mcp-client-secret: the variable {given['VARIABLE']} is not set")
+        if _holds_the_key(secret, os.environ):
+            raise ConfigError("--mcp-client-secret: that variable holds the OpenAI key")
+    metadata_url = getattr(args, "mcp_client_metadata_url", None)
+    if metadata_url is not None:
+        parts = urllib.parse.urlsplit(metadata_url)
+        if parts.scheme != "https" or parts.path in ("", "/") or not parts.hostname:
+            raise ConfigError("--mcp-client-metadata-url: expected an https URL with a path")
+    return OAuthSignIn(
+        url,
+        _data_dir(args),
+        client_id=given.get("ID"),
+        client_secret=secret,
+        client_metadata_url=metadata_url,
+        machine="machine" in given,
+        person=person,
+        timeout=args.mcp_sign_in_timeout,
+        audit=audit,
+    )
+
+
+SIGN_IN_FLAGS.append(_add_sign_in_flags)
+SIGN_INS.append(
+    lambda args, index, url, audit: _oauth_sign_in(
+        args, index, url, audit, sys.stdin.isatty() and sys.stderr.isatty()
+    )
+)
+
+
+def _add_sign_in_commands(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
+    login = commands.add_parser(
+        "mcp-login",
+        parents=[shared["data"]],
+        help="sign in to a remote MCP server now (a browser, or client credentials)",
+    )
+    login.add_argument("url", metavar="URL", help="the server, as --mcp-url names it")
+    _add_sign_in_flags(login)
+    login.add_argument(
+        "--mcp-timeout",
+        type=_seconds(3600),
+        default=MCP_TIMEOUT_S,
+        help=f"one request to the server ({MCP_TIMEOUT_S:g} s)",
+    )
+    login.set_defaults(command=_cmd_mcp_login)
+    logout = commands.add_parser(
+        "mcp-logout", parents=[shared["data"]], help="forget a remote MCP server's sign-in"
+    )
+    logout.add_argument("url", metavar="URL", help="the server, as --mcp-url names it")
+    logout.set_defaults(command=_cmd_mcp_logout, mcp_sign_in_timeout=MCP_SIGN_IN_S)
+
+
+def _cmd_mcp_login(args: argparse.Namespace, app: App) -> int:
+    """Sign in now, if the server asks (a person is here: they ran this), and list its tools:
+    the token is then kept for ask, chat and approve."""
+    _mcp_url(args.url)
+    workspace = _open(args, app, create=True)
+    sign_in = _oauth_sign_in(args, -1, args.url, workspace.audit, person=True)
+    server = McpHttpServer(
+        args.url, timeout=args.mcp_timeout, audit=workspace.audit, sign_in=sign_in
+    )
+    with server:
+        count = len(server.list_tools())
+    done = "Signed in to" if sign_in.signed_in else "No sign-in was needed for"
+    print(f"{done} MCP server {server.label}; it offers {count} tools.")
+    return 0
+
+
+def _cmd_mcp_logout(args: argparse.Namespace, app: App) -> int:
+    _mcp_url(args.url)
+    sign_in = OAuthSignIn(args.url, _data_dir(args))
+    label = sign_in.label
+    if sign_in.forget():
+        print(
+            f"Forgot the sign-in to MCP server {label} (its tokens stay valid at the"
+            " authorization server until they expire)."
+        )
+    else:
+        print(f"No sign-in to MCP server {label} was kept here.")
+    return 0
+
+
+COMMANDS.append(_add_sign_in_commands)
+# <<< SIGN_IN
 TOOL_SOURCES.append(_McpFlags())
 # <<< MCP
 # >>> INBOX: the operator's inbox, a web page. Everything from this line to the "<<< INBOX"

@@ -10479,9 +10479,9 @@ createServer(async (req, res) => {
 # system's is older): its own verdict on each client scenario a revision requires.
 CONFORMANCE = Path(os.environ.get("FUNCTION_CALLING_MCP_CONFORMANCE") or "/nonexistent")
 CONFORMANCE_SUITE = CONFORMANCE / "node_modules/@modelcontextprotocol/conformance/dist/index.js"
-# Expected to fail, until sign-in (OAuth) is done here: every scenario of it ("auth/…"). Each
-# is named when the suite runs; one that passes fails the test, until it leaves this rule.
-SIGN_IN = "auth/"
+SIGN_IN = "auth/"  # the sign-in scenarios, counted apart
+# Scenarios no revision requires (extensions), that the client passes all the same.
+EXTENSIONS = ("auth/client-credentials-basic",)
 
 
 @unittest.skipUnless(CONFORMANCE_SUITE.is_file(), "no MCP conformance suite given (make interop)")
@@ -10508,7 +10508,7 @@ class McpConformanceTest(unittest.TestCase):
         client = listed.split("Client scenarios", 1)[1].split("\n\n", 1)[0]
         return re.findall(r"^  - (\S+)$", client, re.MULTILINE)
 
-    def passes(self, revision: str, scenario: str) -> bool:
+    def passes(self, revision: str, scenario: str, *more: str) -> bool:
         command = f"{sys.executable} {HERE / 'test_function_calling.py'} --mcp-conformance-client"
         with tempfile.TemporaryDirectory() as results:
             done = self.suite(
@@ -10523,10 +10523,11 @@ class McpConformanceTest(unittest.TestCase):
                 "120000",  # a verdict on behaviour, not on a loaded machine's speed
                 "-o",
                 results,
+                *more,
             )
         return "OVERALL: PASSED" in done.stdout + done.stderr
 
-    def test_every_required_client_scenario_passes_but_sign_in(self) -> None:
+    def test_every_required_client_scenario_passes_sign_in_included(self) -> None:
         for revision in ("2025-11-25", "2026-07-28"):
             scenarios = self.required(revision)
             self.assertTrue(scenarios, f"the suite lists no client scenario for {revision}")
@@ -10534,18 +10535,20 @@ class McpConformanceTest(unittest.TestCase):
                 runs = [pool.submit(self.passes, revision, name) for name in scenarios]
                 verdicts = {name: run.result() for name, run in zip(scenarios, runs, strict=True)}
             failing = sorted(name for name, passed in verdicts.items() if not passed)
-            expected = sorted(name for name in scenarios if name.startswith(SIGN_IN))
-            passed = [name for name, verdict in verdicts.items() if verdict]
-            plain = [name for name in scenarios if not name.startswith(SIGN_IN)]
+            passed = {name for name, verdict in verdicts.items() if verdict}
+            signing = [name for name in scenarios if name.startswith(SIGN_IN)]
             print(
                 f"MCP conformance, {revision}: {len(passed)} of {len(scenarios)} required client"
-                f" scenarios pass; {len(set(passed) & set(plain))} of {len(plain)} without"
-                " sign-in."
-                f"\n  expected to fail until sign-in (OAuth) is done: {', '.join(expected)}",
+                f" scenarios pass; sign-in: {len(passed & set(signing))} of {len(signing)}.",
                 file=sys.stderr,
                 flush=True,
             )
-            self.assertEqual(failing, expected, f"{revision}: failing, against expected")
+            self.assertEqual(failing, [], f"{revision}: failing")
+
+    def test_the_client_credentials_extension_passes(self) -> None:
+        for scenario in EXTENSIONS:
+            self.assertTrue(self.passes("2026-07-28", scenario, "--force"), scenario)
+        print(f"MCP conformance, extensions: {', '.join(EXTENSIONS)} pass.", file=sys.stderr)
 
 
 @unittest.skipUnless(
@@ -14297,6 +14300,33 @@ def _conformance_person(shown: str) -> str | None:
     return None
 
 
+def _conformance_sign_in(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The flags of a sign-in scenario, as a user would give them (the client's metadata
+    document URL the suite knows, the client id and secret it names, client credentials for
+    a machine), and the environment: the secret in a variable, a browser that follows the
+    authorization server's redirect as a person's would (_conformance_browser)."""
+    context = json.loads(os.environ.get("MCP_CONFORMANCE_CONTEXT") or "{}")
+    browser = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'test_function_calling.py'))}"
+    env = {**env, "BROWSER": f"{browser} --conformance-browser %s"}
+    flags = ["--mcp-client-metadata-url", "https://conformance-test.local/client-metadata.json"]
+    if isinstance(context, dict) and context.get("client_id"):
+        flags += ["--mcp-client-id", str(context["client_id"])]
+        if context.get("client_secret"):
+            env["CONFORMANCE_CLIENT_SECRET"] = str(context["client_secret"])
+            flags += ["--mcp-client-secret", "CONFORMANCE_CLIENT_SECRET"]
+        if "client-credentials" in os.environ.get("MCP_CONFORMANCE_SCENARIO", ""):
+            flags.append("--mcp-client-credentials")
+    return ["--mcp-sign-in-timeout", "60", *flags], env
+
+
+def _conformance_browser(address: str) -> int:
+    """A person's browser, for the suite's authorization server (which signs in at once):
+    the page opened, its redirects followed, back to this client's loopback address."""
+    with urllib.request.urlopen(address, timeout=60) as page:
+        page.read()
+    return 0
+
+
 def _conformance_client(url: str) -> int:
     """One scenario, as a user meets it: ask, then approve each call filed, at a terminal
     (where the tool runs, and a server's question is answered); the exit code."""
@@ -14310,11 +14340,19 @@ def _conformance_client(url: str) -> int:
         }
         cli = [sys.executable, str(MODULE)]
         mcp = ["--mcp-url", url, "--mcp-timeout", "10", "--mcp-startup-timeout", "10"]
+        status = 0
+        if os.environ.get("MCP_CONFORMANCE_SCENARIO", "").startswith("auth/"):
+            signing, env = _conformance_sign_in(env)
+            mcp += signing
+            login = [*cli, "mcp-login", url, *signing]
+            status = subprocess.run(login, env=env, check=False).returncode
+            if status:
+                return status
         asked = subprocess.run([*cli, "ask", "Use the tools.", *mcp], env=env, check=False)
         listed = subprocess.run(
             [*cli, "pending", "--json"], env=env, stdout=subprocess.PIPE, check=False
         )
-        status = asked.returncode or listed.returncode
+        status = status or asked.returncode or listed.returncode
         for line in listed.stdout.splitlines():
             action = json.loads(line)["action_id"]
             command = [*cli, "approve", action, *mcp]
@@ -14327,4 +14365,6 @@ def _conformance_client(url: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--mcp-conformance-client"]:  # the suite's command: URL last
         sys.exit(_conformance_client(sys.argv[-1]))
+    if sys.argv[1:2] == ["--conformance-browser"]:  # BROWSER, in a sign-in scenario
+        sys.exit(_conformance_browser(sys.argv[-1]))
     sys.exit(_run_in_shards() if len(sys.argv) == 1 else _run_with_summary(sys.argv))
