@@ -11396,7 +11396,7 @@ import webbrowser  # noqa: E402 -- the part's own import: the cut takes it
 MCP_SIGN_IN_S = 300.0  # a whole sign-in: the metadata, a person at the browser, the token
 MCP_OAUTH_TIMEOUT_S = 15.0  # one request to an authorization server, or for metadata
 MAX_OAUTH_BYTES = 256 * 1024  # a metadata document, a registration or a token answer
-MCP_REFRESH_EARLY_S = 60.0  # a token this close to its expiry is refreshed before it is sent
+MCP_REFRESH_EARLY_S = 60.0  # a token this close to its expiry (at most) is refreshed first
 MAX_TOKEN_CHARS = 16384  # a longer access or refresh token is refused
 MAX_SCOPES = 64
 _AUTH_METHODS = ("none", "client_secret_basic", "client_secret_post")  # preferred first
@@ -11454,7 +11454,8 @@ class OAuthSignIn(SignIn):
         self.browser, self.audit = browser, audit
         self.signed_in = False  # did this one sign in (rather than find a token kept)?
         self._lock = threading.Lock()  # one sign-in or refresh at a time
-        self._refreshed: str | None = None  # the access token a refresh gave last
+        self._fresh: str | None = None  # the access token got last: a 401 for it is not
+        # answered with a refresh (that was tried, or it is new), but with a whole sign-in
         _keep_secret(client_secret)
         self._state = self._load()
         token = self._token_kept()
@@ -11465,8 +11466,8 @@ class OAuthSignIn(SignIn):
     def authorization(self, deadline: float) -> str | None:
         with self._lock:
             token = self._token_kept()
-            expires = token.get("expires_at")
-            due = isinstance(expires, (int, float)) and expires - time.time() < MCP_REFRESH_EARLY_S
+            due = token.get("refresh_after")
+            due = isinstance(due, (int, float)) and time.time() >= due
             if due and token.get("refresh_token"):
                 try:
                     self._refresh(min(deadline, time.monotonic() + MCP_OAUTH_TIMEOUT_S))
@@ -11482,7 +11483,7 @@ class OAuthSignIn(SignIn):
         with self._lock:
             token = self._token_kept()
             held = token.get("access_token")
-            if status == 401 and token.get("refresh_token") and held != self._refreshed:
+            if status == 401 and token.get("refresh_token") and held != self._fresh:
                 with suppress(SignInError):  # refused: a whole sign-in, below
                     self._refresh(deadline)
                     return
@@ -11674,7 +11675,6 @@ class OAuthSignIn(SignIn):
             deadline,
             str(token.get("resource")),
         )
-        self._refreshed = self._token_kept().get("access_token")
 
     def _token(
         self,
@@ -11711,10 +11711,12 @@ class OAuthSignIn(SignIn):
         if not _is_token(refresh):
             refresh = form.get("refresh_token")  # a refresh may keep the one it was given
         _keep_secret(access, refresh)
+        self._fresh = access
         lifetime = answer.get("expires_in")
-        expires = None
+        due = None  # refreshed this long before it expires: a minute, or half its life
         if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
-            expires = time.time() + lifetime if 0 < lifetime < 10**9 else None
+            if 0 < lifetime < 10**9:
+                due = time.time() + lifetime - min(MCP_REFRESH_EARLY_S, lifetime / 2)
         granted = _scope_list(answer["scope"]) if isinstance(answer.get("scope"), str) else scopes
         self._state["token"] = {
             "issuer": issuer,
@@ -11724,7 +11726,7 @@ class OAuthSignIn(SignIn):
             "method": method,
             "access_token": access,
             "refresh_token": refresh,
-            "expires_at": expires,
+            "refresh_after": due,
             "scopes": granted,
         }
         self._save()

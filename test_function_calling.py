@@ -11864,6 +11864,10 @@ class FakeRemoteMcp:
         self.listening: Any = None  # "asks_on_get": the session's own stream, once opened
         self.writing = threading.Lock()
         self.held: dict[str, bytes] = {}  # "resumes": answers by the event id after which
+        # a resource server's side of a sign-in: the documents it publishes (GET, by path),
+        # and who looks at each request first (True: it answered, with a refusal)
+        self.documents: dict[str, dict[str, Any]] = {}
+        self.guard: Callable[[Any, dict[str, str], dict[str, Any]], bool] | None = None
 
     def __enter__(self) -> FakeRemoteMcp:
         owner = self
@@ -11877,6 +11881,11 @@ class FakeRemoteMcp:
 
             def do_GET(self) -> None:
                 headers = {k.lower(): v for k, v in self.headers.items()}
+                if self.path.startswith("/.well-known/"):
+                    document = owner.documents.get(self.path)
+                    body = json.dumps(document).encode() if document else b"{}"
+                    self.reply(200 if document else 404, body, "application/json")
+                    return
                 owner.get_times.append(time.monotonic())
                 owner.requests.append(("GET", headers, None))
                 owner.resume(self, headers)
@@ -12003,6 +12012,8 @@ class FakeRemoteMcp:
     def refused(self, handler: Any, headers: dict[str, str], message: dict[str, Any]) -> bool:
         """Whether the request was refused before the server looked at it: no token, a
         redirect, a 5xx storm, or a 400 that says the token back ("cut_token")."""
+        if self.guard is not None and self.guard(handler, headers, message):
+            return True
         if self.token and headers.get("authorization") != f"Bearer {self.token}":
             challenge = [("WWW-Authenticate", 'Bearer realm="fake", error="invalid_token"')]
             handler.reply(401, b'{"error":"unauthorized"}', "application/json", challenge)
@@ -12267,8 +12278,8 @@ class FakeRemoteMcp:
                     time.sleep(0.1)
 
 
-class RemoteMcpTest(LoopTestCase):
-    """--mcp-url: a remote server through the same policy as one on stdio."""
+class RemoteCase(LoopTestCase):
+    """A turn against a remote server (--mcp-url), as a user runs it."""
 
     def ask_remote(
         self, remote: FakeRemoteMcp, script: Sequence[fc.ScriptItem], *flags: str, **env: str
@@ -12303,6 +12314,10 @@ class RemoteMcpTest(LoopTestCase):
 
     def lookup_turn(self) -> list[fc.ScriptItem]:
         return [tool_call_reply([("lookup", '{"item": "ABC-123"}')]), text_reply("In stock.")]
+
+
+class RemoteMcpTest(RemoteCase):
+    """--mcp-url: a remote server through the same policy as one on stdio."""
 
     def test_both_revisions_and_both_answer_forms_run_a_read_tool(self) -> None:
         for revision in ("legacy", "modern"):
@@ -13041,6 +13056,462 @@ class RemoteMcpTest(LoopTestCase):
 
 
 @unittest.skipUnless(os.environ.get("FUNCTION_CALLING_BENCH"), "benchmarks run with `make bench`")
+
+# ------------------------------------------------------------------ signing in (OAuth 2.1)
+
+
+class FakeSignIn:
+    """An authorization server on 127.0.0.1 in the suite's process, and the resource
+    server's side of a sign-in on a FakeRemoteMcp (`remote`): its protected-resource metadata,
+    and a 401 for a request without a token this server issued for it (a 403 for a call,
+    where `write` is needed and the token lacks it). What the authorization server is asked
+    is kept in `requests`; `behaviours` make it hostile."""
+
+    def __init__(
+        self,
+        remote: FakeRemoteMcp,
+        behaviours: Sequence[str] = (),
+        *,
+        expires_in: int = 3600,
+        methods: Sequence[str] = ("none",),
+        scopes: Sequence[str] = (),
+        issuer: str | None = None,
+    ) -> None:
+        self.remote, self.behaviours, self.expires_in = remote, set(behaviours), expires_in
+        self.methods, self.scopes, self.named_issuer = list(methods), list(scopes), issuer
+        self.requests: list[tuple[str, str, dict[str, str], dict[str, Any]]] = []
+        self.issued: dict[str, dict[str, Any]] = {}  # access token: its resource and scopes
+        self.refreshes: dict[str, dict[str, Any]] = {}
+        self.codes: dict[str, dict[str, str]] = {}
+        self.secrets: list[str] = []  # the client secrets it registered
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> FakeSignIn:
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                path, _, query = self.path.partition("?")
+                given = dict(urllib.parse.parse_qsl(query))
+                owner.requests.append(("GET", path, dict(self.headers.items()), given))
+                owner.get(self, path, given)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                kind = self.headers.get("Content-Type", "")
+                given = (
+                    json.loads(body)
+                    if "json" in kind
+                    else dict(urllib.parse.parse_qsl(body.decode()))
+                )
+                owner.requests.append(("POST", self.path, dict(self.headers.items()), given))
+                owner.post(self, self.path, given)
+
+            def reply(
+                self, status: int, document: Any, extra: Sequence[tuple[str, str]] = ()
+            ) -> None:
+                body = document if isinstance(document, bytes) else json.dumps(document).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for name, value in extra:
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.issuer = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.remote.documents["/.well-known/oauth-protected-resource/mcp"] = {
+            "resource": self.remote.url,
+            "authorization_servers": [self.named_issuer or self.issuer],
+        }
+        self.remote.guard = self.guard
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def tokens(self) -> list[str]:
+        """Every token and secret this server gave out: what must be in no log."""
+        return [*self.issued, *self.refreshes, *self.secrets]
+
+    def guard(self, handler: Any, headers: dict[str, str], message: dict[str, Any]) -> bool:
+        token = headers.get("authorization", "").removeprefix("Bearer ")
+        grant = self.issued.get(token)
+        metadata = f"{self.remote.url.rsplit('/', 1)[0]}/.well-known/oauth-protected-resource/mcp"
+        if grant is None or grant["resource"] != self.remote.url or "refuse" in self.behaviours:
+            challenge = f'Bearer resource_metadata="{metadata}"'
+            if self.scopes:
+                challenge += f', scope="{" ".join(self.scopes)}"'
+            handler.reply(401, b"{}", "application/json", [("WWW-Authenticate", challenge)])
+            return True
+        call = message.get("method") == "tools/call"
+        if call and "step_up" in self.behaviours and "write" not in grant["scopes"]:
+            challenge = (
+                f'Bearer error="insufficient_scope", scope="write", resource_metadata="{metadata}"'
+            )
+            handler.reply(403, b"{}", "application/json", [("WWW-Authenticate", challenge)])
+            return True
+        return False
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "issuer": "https://evil.example" if "other_issuer" in self.behaviours else self.issuer,
+            "authorization_endpoint": f"{self.issuer}/authorize",
+            "token_endpoint": f"{self.issuer}/token",
+            "registration_endpoint": f"{self.issuer}/register",
+            "code_challenge_methods_supported": ["S256"],
+            "token_endpoint_auth_methods_supported": self.methods,
+            "authorization_response_iss_parameter_supported": True,
+        }
+
+    def get(self, handler: Any, path: str, given: dict[str, str]) -> None:
+        if path == "/.well-known/oauth-authorization-server":
+            if "redirect" in self.behaviours:
+                handler.reply(302, b"", [("Location", "https://evil.example/metadata")])
+            elif "slow" in self.behaviours:
+                time.sleep(30)
+            elif "endless" in self.behaviours:  # a byte now and then, never the end
+                handler.send_response(200)
+                handler.send_header("Content-Length", "1000000")
+                handler.end_headers()
+                for _ in range(300):
+                    handler.wfile.write(b" ")
+                    handler.wfile.flush()
+                    time.sleep(0.1)
+            elif "huge" in self.behaviours:
+                handler.reply(200, {**self.metadata(), "x": "x" * 400_000})
+            elif "malformed" in self.behaviours:
+                handler.reply(200, b'{"issuer": "http://127.0.0.1:1", "token_endpoint": ')
+            else:
+                handler.reply(200, self.metadata())
+            return
+        if path != "/authorize":
+            handler.reply(404, {})
+            return
+        code = "code-" + secrets.token_hex(8)
+        self.codes[code] = given
+        state = given["state"] + ("x" if "wrong_state" in self.behaviours else "")
+        issuer = "https://evil.example" if "wrong_iss" in self.behaviours else self.issuer
+        answer = urllib.parse.urlencode({"code": code, "state": state, "iss": issuer})
+        handler.reply(302, b"", [("Location", f"{given['redirect_uri']}?{answer}")])
+
+    def post(self, handler: Any, path: str, given: dict[str, Any]) -> None:
+        if path == "/register":
+            method = given.get("token_endpoint_auth_method", "none")
+            secret = {"client_secret": "cs-" + secrets.token_hex(12)} if method != "none" else {}
+            self.secrets += secret.values()
+            handler.reply(
+                201,
+                {
+                    "client_id": "client-" + secrets.token_hex(6),
+                    "token_endpoint_auth_method": method,
+                    **secret,
+                },
+            )
+            return
+        grant = given.get("grant_type")
+        if grant == "authorization_code":
+            asked = self.codes.pop(given.get("code", ""), None)
+            verifier = given.get("code_verifier", "").encode()
+            challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier).digest()).decode()
+            if asked is None or asked["code_challenge"] != challenge.rstrip("="):
+                handler.reply(400, {"error": "invalid_grant"})
+                return
+            scopes = asked.get("scope", "").split()
+        elif grant == "refresh_token" and given.get("refresh_token") in self.refreshes:
+            scopes = self.refreshes[given["refresh_token"]]["scopes"]
+        elif grant == "client_credentials" and handler.headers.get("Authorization", "").startswith(
+            "Basic "
+        ):
+            scopes = given.get("scope", "").split()
+        else:
+            handler.reply(400, {"error": "invalid_grant"})
+            return
+        with self.lock:
+            access, refresh = "at-" + secrets.token_hex(16), "rt-" + secrets.token_hex(16)
+            self.issued[access] = {"resource": given.get("resource"), "scopes": scopes}
+            self.refreshes[refresh] = {"scopes": scopes}
+        handler.reply(
+            200,
+            {
+                "access_token": access,
+                "token_type": "Bearer",
+                "refresh_token": refresh,
+                "expires_in": self.expires_in,
+                "scope": " ".join(scopes),
+            },
+        )
+
+    def asked(self, path: str) -> list[dict[str, Any]]:
+        return [given for _, where, _, given in self.requests if where == path]
+
+
+def browse(address: str) -> None:
+    """A person's browser, at an authorization server that signs in at once."""
+    with urllib.request.urlopen(address, timeout=60) as page:
+        page.read()
+
+
+class McpSignInTest(RemoteCase):
+    """--mcp-url signs in where a server asks, as the MCP authorization spec says; the
+    tokens stay in their file; every hostile server ends the sign-in in one line."""
+
+    def signed_in_server(
+        self, remote: FakeRemoteMcp, person: bool = True, **given: Any
+    ) -> fc.McpHttpServer:
+        sign_in = fc.OAuthSignIn(
+            remote.url, self.data_dir, person=person, browser=browse, audit=self.audit, **given
+        )
+        return fc.McpHttpServer(remote.url, audit=self.audit, sign_in=sign_in)
+
+    def fails_in_one_line(self, remote: FakeRemoteMcp, *fragments: str, **given: Any) -> str:
+        """Start a server that must not sign in: the SignInError's line, checked."""
+        started = time.monotonic()
+        with self.assertRaises(fc.SignInError) as raised:
+            self.signed_in_server(remote, **given).start()
+        text = str(raised.exception)
+        self.assertLess(time.monotonic() - started, 15)  # the waits are 0.5 s (patched)
+        self.assertNotIn("\n", text)
+        for fragment in fragments:
+            self.assertIn(fragment, text)
+        return text
+
+    def test_a_person_signs_in_with_pkce_state_and_the_resource_and_the_call_carries_it(
+        self,
+    ) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, scopes=["read"]) as auth:
+            server = self.signed_in_server(remote)
+            with server:
+                answer = server.call_tool("lookup", {"item": "x"})
+        self.assertEqual(answer["content"][0]["text"], "lookup done")
+        (registered,) = auth.asked("/register")
+        self.assertEqual(registered["application_type"], "native")
+        self.assertIn("refresh_token", registered["grant_types"])
+        (authorize,) = auth.asked("/authorize")
+        self.assertEqual(authorize["code_challenge_method"], "S256")
+        self.assertEqual(authorize["resource"], remote.url)
+        self.assertEqual(authorize["scope"], "read")  # as the challenge named it
+        self.assertTrue(authorize["redirect_uri"].startswith("http://127.0.0.1:"))
+        (token,) = auth.asked("/token")
+        self.assertEqual(
+            (token["grant_type"], token["resource"]), ("authorization_code", remote.url)
+        )
+        (access,) = auth.issued
+        sent = {h.get("authorization") for verb, h, m in remote.requests if verb == "POST"}
+        self.assertEqual(sent - {None}, {f"Bearer {access}"})
+        kept = self.data_dir / "mcp-sign-in"
+        (path,) = kept.iterdir()
+        self.assertEqual(path.stat().st_mode & 0o777, 0o600)
+        self.assertEqual(kept.stat().st_mode & 0o777, 0o700)
+        (signed,) = self.audit_records("mcp_sign_in")
+        self.assertEqual((signed["issuer"], signed["scopes"]), (auth.issuer, ["read"]))
+
+    def test_the_tokens_are_in_their_file_and_nowhere_else(self) -> None:
+        with (
+            FakeRemoteMcp("legacy") as remote,
+            FakeSignIn(remote, methods=["client_secret_basic"]) as auth,
+        ):
+            env = {
+                "BROWSER": shlex.join([sys.executable, str(HERE / "test_function_calling.py")])
+                + " --conformance-browser %s"
+            }
+            login = self.cli("mcp-login", remote.url, env=env)
+            self.assertEqual(login.returncode, 0, login.stderr)
+            self.assertIn("Signed in to MCP server", login.stdout)
+            done, requests = self.ask_remote(
+                remote, self.lookup_turn(), "--mcp-read-only", "lookup"
+            )
+            self.assertEqual((done.returncode, done.stdout), (0, "In stock.\n"), done.stderr)
+            secrets_given = auth.tokens()
+        self.assertGreaterEqual(len(secrets_given), 3)  # access, refresh, the client's secret
+        (kept,) = (self.data_dir / "mcp-sign-in").iterdir()
+        for secret in secrets_given:
+            for path in self.data_dir.rglob("*"):
+                if path.is_file() and path != kept:
+                    self.assertNotIn(secret.encode(), path.read_bytes(), path.name)
+            for said in (login.stdout, login.stderr, done.stdout, done.stderr):
+                self.assertNotIn(secret, said)
+            self.assertNotIn(secret, json.dumps([r.json() for r in requests]))  # nor the model
+        self.assertIn(secrets_given[0].encode(), kept.read_bytes())
+        self.assertEqual(self.cli("verify-audit").returncode, 0)
+
+    def test_without_a_person_a_sign_in_is_refused_in_one_line_naming_mcp_login(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote) as auth:
+            done, _ = self.ask_remote(remote, self.lookup_turn(), "--mcp-read-only", "lookup")
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        self.assertIn("no person is at this terminal", done.stderr)
+        self.assertIn(f"mcp-login {remote.url}", done.stderr)
+        self.assertEqual(auth.asked("/authorize"), [])
+
+    def test_mcp_logout_forgets_the_sign_in(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote):
+            with self.signed_in_server(remote) as server:
+                server.list_tools()
+            out = self.cli("mcp-logout", remote.url)
+            self.assertIn("Forgot the sign-in", out.stdout)
+            self.assertEqual(list((self.data_dir / "mcp-sign-in").iterdir()), [])
+            self.assertIn("No sign-in", self.cli("mcp-logout", remote.url).stdout)
+
+    def test_a_token_near_its_expiry_is_refreshed_before_it_is_sent(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote) as auth:
+            with self.signed_in_server(remote) as server:
+                server.list_tools()
+            (kept,) = (self.data_dir / "mcp-sign-in").iterdir()
+            state = json.loads(kept.read_text())
+            state["token"]["refresh_after"] -= 3600  # an hour later: its expiry is near
+            kept.write_text(json.dumps(state))
+            with self.signed_in_server(remote, person=False) as server:  # another process
+                server.list_tools()
+        grants = [t["grant_type"] for t in auth.asked("/token")]
+        self.assertEqual(grants, ["authorization_code", "refresh_token"])
+        self.assertEqual(auth.asked("/token")[1]["resource"], remote.url)
+        self.assertEqual(len(auth.asked("/authorize")), 1)
+
+    def test_a_401_is_answered_by_one_refresh_then_a_whole_sign_in_bounded(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote) as auth:
+            with self.signed_in_server(remote) as server:
+                server.list_tools()
+            auth.behaviours.add("refuse")  # every token refused now, as one for another server
+            with self.assertRaises(fc.McpError) as raised:
+                self.signed_in_server(remote).start()
+        grants = [t["grant_type"] for t in auth.asked("/token")]
+        self.assertEqual(grants.count("refresh_token"), 1)
+        self.assertLessEqual(len(auth.asked("/authorize")), 1 + fc.MCP_SIGN_IN_ROUNDS)
+        self.assertNotIn("\n", str(raised.exception))
+
+    def test_step_up_asks_for_the_union_and_stops_where_more_scope_cannot_help(self) -> None:
+        with (
+            FakeRemoteMcp("modern") as remote,
+            FakeSignIn(remote, ["step_up"], scopes=["read"]) as auth,
+        ):
+            with self.signed_in_server(remote) as server:
+                answer = server.call_tool("lookup", {"item": "x"})
+            self.assertEqual(answer["content"][0]["text"], "lookup done")
+            self.assertEqual([a["scope"] for a in auth.asked("/authorize")], ["read", "read write"])
+            for grant in auth.issued.values():
+                grant["scopes"] = ["read"]  # the server now refuses what it granted
+            with self.signed_in_server(remote) as server, self.assertRaises(fc.McpError) as raised:
+                server.call_tool("lookup", {"item": "x"})
+        self.assertIn("signing in again would not change it", str(raised.exception))
+
+    def test_a_machine_signs_in_with_client_credentials_and_no_browser(self) -> None:
+        with (
+            FakeRemoteMcp("modern") as remote,
+            FakeSignIn(remote, methods=["client_secret_basic"]) as auth,
+        ):
+            server = self.signed_in_server(
+                remote,
+                person=False,
+                machine=True,
+                client_id="machine-1",
+                client_secret="machine-secret-1",
+            )
+            with server:
+                server.list_tools()
+        (token,) = auth.asked("/token")
+        self.assertEqual(token["grant_type"], "client_credentials")
+        self.assertEqual(auth.asked("/authorize"), [])
+        (headers,) = [h for verb, where, h, _ in auth.requests if where == "/token"]
+        expected = base64.b64encode(b"machine-1:machine-secret-1").decode()
+        self.assertEqual(headers["Authorization"], f"Basic {expected}")
+
+    def test_a_given_client_is_bound_to_the_first_issuer_it_is_used_with(self) -> None:
+        given: dict[str, Any] = {"client_id": "app-1", "client_secret": "app-secret-1"}
+        with FakeRemoteMcp("modern") as remote:
+            with FakeSignIn(remote, methods=["client_secret_post"]) as first:
+                server = self.signed_in_server(remote, **given)
+                with server:
+                    server.list_tools()
+            self.assertEqual(first.asked("/token")[0]["client_secret"], "app-secret-1")
+            with FakeSignIn(remote) as second:  # the server names another issuer now
+                self.fails_in_one_line(remote, "--mcp-client-id was given for", **given)
+            self.assertNotIn("app-secret-1", json.dumps(second.requests))
+
+    # -- hostile servers: each ends the sign-in in one line, within the deadline, no token out
+
+    def test_a_state_that_is_not_the_one_sent_is_refused_and_no_code_is_exchanged(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["wrong_state"]) as auth:
+            self.fails_in_one_line(remote, "another state")
+        self.assertEqual(auth.asked("/token"), [])
+
+    def test_an_answer_from_another_issuer_is_refused(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["wrong_iss"]) as auth:
+            self.fails_in_one_line(remote, "another issuer", "RFC 9207")
+        self.assertEqual(auth.asked("/token"), [])
+
+    def test_metadata_for_another_issuer_is_not_used(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["other_issuer"]) as auth:
+            self.fails_in_one_line(remote, "metadata for another issuer")
+        self.assertEqual(
+            [p for _, p, _, _ in auth.requests], ["/.well-known/oauth-authorization-server"]
+        )
+
+    def test_a_resource_that_names_another_server_begins_no_sign_in(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote) as auth:
+            prm = remote.documents["/.well-known/oauth-protected-resource/mcp"]
+            prm["resource"] = "https://evil.example/mcp"
+            self.fails_in_one_line(remote, "not this server")
+        self.assertEqual(auth.requests, [])
+
+    def test_a_server_naming_another_servers_authorization_server_gets_none_of_its_tokens(
+        self,
+    ) -> None:
+        with FakeRemoteMcp("modern") as honest, FakeSignIn(honest) as auth:
+            with self.signed_in_server(honest) as server:
+                server.list_tools()
+            honest_tokens = set(auth.issued)
+            with FakeRemoteMcp("modern") as hostile:  # it names the honest one's issuer
+                hostile.documents["/.well-known/oauth-protected-resource/mcp"] = {
+                    "resource": hostile.url,
+                    "authorization_servers": [auth.issuer],
+                }
+                hostile.guard = FakeSignIn(hostile).guard  # a token of its own, never given
+                with self.assertRaises(fc.McpError):
+                    self.signed_in_server(hostile).start()
+        carried = {h.get("authorization", "") for _, h, _ in hostile.requests}
+        self.assertFalse(any(token in value for token in honest_tokens for value in carried))
+        latest = auth.asked("/authorize")[-1]
+        self.assertEqual(latest["resource"], hostile.url)  # the token asked for is its own
+
+    def test_hostile_authorization_servers_end_the_sign_in_in_one_line(self) -> None:
+        cases = {
+            "redirect": "redirected the request",
+            "slow": "no whole answer in time",
+            "endless": "no whole answer in time",
+            "huge": "more than",
+            "malformed": "publishes no metadata",
+        }
+        with mock.patch.object(fc, "MCP_OAUTH_TIMEOUT_S", 0.5):
+            for behaviour, said in cases.items():
+                with self.subTest(behaviour), FakeRemoteMcp("modern") as remote:
+                    with FakeSignIn(remote, [behaviour]) as auth:
+                        self.fails_in_one_line(remote, said)
+                    self.assertEqual(auth.asked("/authorize"), [])
+
+    def test_plain_http_to_another_machine_is_refused_for_any_sign_in_address(self) -> None:
+        with (
+            FakeRemoteMcp("modern") as remote,
+            FakeSignIn(remote, issuer="http://192.0.2.1") as auth,
+        ):
+            self.fails_in_one_line(remote, "plain http to another machine")
+        self.assertEqual(auth.requests, [])
+
+
 class Benchmarks(LoopTestCase):
     """Each figure a ratio against a baseline measured interleaved in the same run, printed as
     median [first quartile..third quartile] over N pairs: `make bench`. Servers are started
