@@ -73,7 +73,7 @@ version:
 
 # The same checks on the copies `copy --without` makes: none, each part, all but each, all.
 PART_CUTS := $(shell $(PYTHON) -c 'import re; \
-	parts = [p.lower() for p in re.findall(r"(?m)^\# >>> ([A-Z]+)", open("function_calling.py").read())]; \
+	parts = [p.lower() for p in re.findall(r"(?m)^\# >>> ([A-Z_]+)", open("function_calling.py").read())]; \
 	cuts = [*parts, *(",".join(q for q in parts if q != p) for p in parts), ",".join(parts)]; \
 	print(*dict.fromkeys(cuts))')
 lint: $(LINT_VENV)/.installed

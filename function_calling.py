@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #7f5fe520: the whole file, every part kept
+# function_calling.py 2026-12-05 #9d0c54e9: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -11536,7 +11536,7 @@ class OAuthSignIn(SignIn):
             if status == 200 and isinstance(document, dict):
                 break
         else:  # a server that takes a token given by hand, as many do
-            scheme = challenge.split(" ")[0]
+            scheme = challenge.split(" ", maxsplit=1)[0]
             wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
             raise SignInError(
                 f"MCP server {self.label} needs authorization{wanted}, and publishes no"
@@ -11712,11 +11712,7 @@ class OAuthSignIn(SignIn):
             refresh = form.get("refresh_token")  # a refresh may keep the one it was given
         _keep_secret(access, refresh)
         self._fresh = access
-        lifetime = answer.get("expires_in")
-        due = None  # refreshed this long before it expires: a minute, or half its life
-        if isinstance(lifetime, (int, float)) and not isinstance(lifetime, bool):
-            if 0 < lifetime < 10**9:
-                due = time.time() + lifetime - min(MCP_REFRESH_EARLY_S, lifetime / 2)
+        due = _refresh_after(answer.get("expires_in"))
         granted = _scope_list(answer["scope"]) if isinstance(answer.get("scope"), str) else scopes
         self._state["token"] = {
             "issuer": issuer,
@@ -12118,6 +12114,16 @@ def _scopes(wanted: list[str], found: _Found, granted: list[str]) -> list[str]:
     if scopes and isinstance(listed, list) and "offline_access" in listed:
         scopes = list(dict.fromkeys([*scopes, "offline_access"]))
     return scopes
+
+
+def _refresh_after(lifetime: Any) -> float | None:
+    """When a token that lives `lifetime` seconds is refreshed: a minute before it expires,
+    or halfway, if it lives less than two (None: it said no lifetime)."""
+    if isinstance(lifetime, bool) or not isinstance(lifetime, (int, float)):
+        return None
+    if not 0 < lifetime < 10**9:
+        return None
+    return time.time() + lifetime - min(MCP_REFRESH_EARLY_S, lifetime / 2)
 
 
 def _kept_scopes(token: Mapping[str, Any]) -> list[str]:

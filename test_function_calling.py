@@ -5487,8 +5487,18 @@ class CopyTest(unittest.TestCase):
     is), a --help and a docstring that name only what is there, and a demo where the example
     stayed."""
 
-    PARTS = ("stream", "postgres", "conversations", "budgets", "ledger", "mcp", "inbox", "example")
-    INSIDE: ClassVar[dict[str, str]] = {"ledger": "budgets"}  # a part inside another goes too
+    PARTS = (
+        "stream",
+        "postgres",
+        "conversations",
+        "budgets",
+        "ledger",
+        "mcp",
+        "sign_in",
+        "inbox",
+        "example",
+    )
+    INSIDE: ClassVar[dict[str, str]] = {"ledger": "budgets", "sign_in": "mcp"}  # go too
 
     def run_python(
         self, *args: str, cwd: Path, preexec_fn: Callable[[], None] | None = None
@@ -5547,12 +5557,20 @@ class CopyTest(unittest.TestCase):
         helped = self.run_python("function_calling.py", "--help", cwd=folder)
         offered = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
         core = {"ask", "chat", "pending", "approve", "reject", "verify-audit", "stats", "copy"}
-        by_part = {"conversations": "conversations", "inbox": "inbox", "example": "demo"}
-        kept_commands = {command for part, command in by_part.items() if part not in without}
+        by_part = {
+            "conversations": {"conversations"},
+            "inbox": {"inbox"},
+            "example": {"demo"},
+            "sign_in": {"mcp-login", "mcp-logout"},
+        }
+        gone_parts = {p for p in self.PARTS if p in without or self.INSIDE.get(p) in without}
+        kept_commands = {c for part, cs in by_part.items() if part not in gone_parts for c in cs}
         self.assertEqual(offered, core | kept_commands)
         asked = self.run_python("function_calling.py", "chat", "--help", cwd=folder).stdout
         self.assertEqual("--resume" in asked, "conversations" not in without)
         self.assertEqual("--mcp" in asked, "mcp" not in without)
+        signs_in = "mcp" not in without and "sign_in" not in without
+        self.assertEqual("--mcp-client-id" in asked, signs_in)
         looked = self.run_python(
             "-c",
             "import json, function_calling as f; print(json.dumps([f.__doc__, f.__all__,"
@@ -5569,6 +5587,7 @@ class CopyTest(unittest.TestCase):
             ("budgets", "max-turn-tokens", "Budget"),
             ("ledger", "max-daily-tokens", "Ledger"),
             ("mcp", "MCP", "McpTool"),
+            ("sign_in", "OAuth", "OAuthSignIn"),
             ("inbox", "inbox", None),
             ("example", "demo", "SHOP"),
         ):
@@ -10592,6 +10611,33 @@ class RealTypeScriptMcpServerTest(StockServerChecks):
                 with listening(command, port, self.data_dir, {"STOCK_TOKEN": token}):
                     url = f"http://127.0.0.1:{port}/mcp"
                     self.use_the_remote_server(url, token, "2025-11-25")
+
+    def test_a_sign_in_to_the_sdks_oauth_example(self) -> None:
+        """The TypeScript SDK's example server with its OAuth demo (--oauth-strict: tokens
+        for this server only): mcp-login at a browser, then a turn with the token kept."""
+        example = TS_SDK / "dist/esm/examples/server/simpleStreamableHttp.js"
+        ports = {"MCP_PORT": str(free_port()), "MCP_AUTH_PORT": str(free_port())}
+        url = f"http://localhost:{ports['MCP_PORT']}/mcp"
+        browser = shlex.join([sys.executable, str(HERE / "test_function_calling.py")])
+        command = [str(shutil.which("node")), str(example), "--oauth", "--oauth-strict"]
+        with listening(command, int(ports["MCP_PORT"]), self.data_dir, ports):
+            login = self.cli(
+                "mcp-login", url, env={"BROWSER": f"{browser} --conformance-browser %s"}
+            )
+            self.assertEqual(login.returncode, 0, login.stderr)
+            self.assertIn(f"Signed in to MCP server {url}", login.stdout)
+            self.assertIn(f"at http://localhost:{ports['MCP_AUTH_PORT']}/", login.stderr)
+            script = [tool_call_reply([("greet", '{"name": "Ann"}')]), text_reply("Done.")]
+            with ScriptedChatServer(script) as model:
+                env = {"OPENAI_BASE_URL": model.base_url}
+                done = self.cli(
+                    "ask", "Greet Ann.", "--mcp-url", url, "--mcp-read-only", "greet", env=env
+                )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(tool_results(model.requests[1])[0]["content"], "Hello, Ann!")
+        (kept,) = (self.data_dir / "mcp-sign-in").iterdir()
+        token = json.loads(kept.read_text())["token"]["access_token"]
+        self.assertNotIn(token.encode(), self.audit_path.read_bytes())
 
     def read_write_approve(self, flags: list[str]) -> None:
         """echo as a read, get-sum as a write the model files and a person approves."""
