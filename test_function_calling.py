@@ -5554,23 +5554,7 @@ class CopyTest(unittest.TestCase):
                 ["sed", recipe, str(MODULE)], capture_output=True, text=True, check=True
             )
             self.assertEqual(copy[1:], sed.stdout.splitlines(keepends=True)[1:])
-        helped = self.run_python("function_calling.py", "--help", cwd=folder)
-        offered = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
-        core = {"ask", "chat", "pending", "approve", "reject", "verify-audit", "stats", "copy"}
-        by_part = {
-            "conversations": {"conversations"},
-            "inbox": {"inbox"},
-            "example": {"demo"},
-            "sign_in": {"mcp-login", "mcp-logout"},
-        }
-        gone_parts = {p for p in self.PARTS if p in without or self.INSIDE.get(p) in without}
-        kept_commands = {c for part, cs in by_part.items() if part not in gone_parts for c in cs}
-        self.assertEqual(offered, core | kept_commands)
-        asked = self.run_python("function_calling.py", "chat", "--help", cwd=folder).stdout
-        self.assertEqual("--resume" in asked, "conversations" not in without)
-        self.assertEqual("--mcp" in asked, "mcp" not in without)
-        signs_in = "mcp" not in without and "sign_in" not in without
-        self.assertEqual("--mcp-client-id" in asked, signs_in)
+        self.check_commands(folder, without)
         looked = self.run_python(
             "-c",
             "import json, function_calling as f; print(json.dumps([f.__doc__, f.__all__,"
@@ -5603,6 +5587,26 @@ class CopyTest(unittest.TestCase):
             ran = self.run_python("function_calling.py", "demo", cwd=folder)
             self.assertEqual(ran.returncode, 2)
             self.assertIn("no scripted demo", ran.stderr)
+
+    def check_commands(self, folder: Path, without: tuple[str, ...]) -> None:
+        """The copy's --help offers the commands and flags of the parts it kept, no other."""
+        helped = self.run_python("function_calling.py", "--help", cwd=folder)
+        offered = set(re.findall(r"^    (\S+)", helped.stdout, re.MULTILINE))
+        core = {"ask", "chat", "pending", "approve", "reject", "verify-audit", "stats", "copy"}
+        by_part = {
+            "conversations": {"conversations"},
+            "inbox": {"inbox"},
+            "example": {"demo"},
+            "sign_in": {"mcp-login", "mcp-logout"},
+        }
+        gone_parts = {p for p in self.PARTS if p in without or self.INSIDE.get(p) in without}
+        kept_commands = {c for part, cs in by_part.items() if part not in gone_parts for c in cs}
+        self.assertEqual(offered, core | kept_commands)
+        asked = self.run_python("function_calling.py", "chat", "--help", cwd=folder).stdout
+        self.assertEqual("--resume" in asked, "conversations" not in without)
+        self.assertEqual("--mcp" in asked, "mcp" not in without)
+        signs_in = "mcp" not in without and "sign_in" not in without
+        self.assertEqual("--mcp-client-id" in asked, signs_in)
 
     def test_a_copy_the_disk_cannot_hold_leaves_no_half_file(self) -> None:
         with tempfile.TemporaryDirectory() as scratch:
