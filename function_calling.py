@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #9d0c54e9: the whole file, every part kept
+# function_calling.py 2026-12-05 #92988521: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -9968,6 +9968,7 @@ class McpHttpServer(McpServer):
         _keep_secret(*_secret_values(_credentials(headers or {})))
         self._headers = dict(headers or {})
         self.sign_in = sign_in  # None: a server that asks for a sign-in is refused (401)
+        self._sending = threading.local()  # the Authorization this thread sent last
         # the CA store is loaded once (as ChatClient does), not for every connection
         https = self._url.scheme == "https"
         self._tls = (tls or ssl.create_default_context()) if https else None
@@ -10001,13 +10002,13 @@ class McpHttpServer(McpServer):
         """`work`, done again after each sign-in the server asks for (401), or for more
         scope (403 insufficient_scope), at most MCP_SIGN_IN_ROUNDS times: a request refused
         so is refused before it runs, so sending it again cannot run it twice."""
-        for _ in range(MCP_SIGN_IN_ROUNDS):
+        for round_ in range(MCP_SIGN_IN_ROUNDS):
             try:
                 return work()
             except _ChallengedError as exc:
                 if self.sign_in is None:
                     raise
-                self.sign_in.challenged(self, exc.status, exc.challenge)
+                self.sign_in.challenged(self, exc.status, exc.challenge, exc.sent, round_ == 0)
         return work()
 
     # -- the session (what the process is on stdio)
@@ -10078,7 +10079,7 @@ class McpHttpServer(McpServer):
         while not stop.is_set() and self._open and self._session == session:
             try:
                 connection, response = self._get(_resume_point(stream, 0)[0], MCP_LISTEN_S)
-            except McpRefusedError:
+            except (McpRefusedError, _ChallengedError, McpTokenRefusedError):
                 return  # 405, as a server that keeps no such stream answers (any 4xx): none
             except McpError:  # a network error, a 5xx, no answer in time: opened again
                 stop.wait(MCP_LISTEN_MIN_WAIT_S)
@@ -10415,7 +10416,9 @@ class McpHttpServer(McpServer):
         if self.sign_in is not None and (
             status == 401 or (status == 403 and "insufficient_scope" in challenge)
         ):
-            return _ChallengedError(self.label, status, challenge)
+            return _ChallengedError(
+                self.label, status, challenge, getattr(self._sending, "token", None)
+            )
         if status == 403:
             return None
         scheme = self._unsaid(challenge).split(" ")[0]
@@ -10453,6 +10456,7 @@ class McpHttpServer(McpServer):
         connection.timeout = max(deadline - time.monotonic(), 0.001)  # for the connect
         headers = {**headers, **self._headers}
         token = self.sign_in.authorization(deadline) if self.sign_in is not None else None
+        self._sending.token = token  # a challenge to it is answered knowing what it carried
         if token is not None:
             headers["Authorization"] = token
             if token not in self._secrets:  # said back by the server, it is redacted too
@@ -10501,11 +10505,11 @@ class _SessionLostError(McpError):
 class _ChallengedError(McpError):
     """A 401, or a 403 for scope, from a server with a SignIn: it asks for a sign-in."""
 
-    def __init__(self, label: str, status: int, challenge: str) -> None:
+    def __init__(self, label: str, status: int, challenge: str, sent: str | None) -> None:
         super().__init__(
             f"MCP server {label} refused the sign-in's token (HTTP {status}) each time"
         )
-        self.status, self.challenge = status, challenge
+        self.status, self.challenge, self.sent = status, challenge, sent
 
 
 class SignIn:
@@ -10518,9 +10522,13 @@ class SignIn:
         """The Authorization header's value for a request due by `deadline`, or None."""
         return None
 
-    def challenged(self, server: McpHttpServer, status: int, challenge: str) -> None:
-        """Get a token that may satisfy the server's WWW-Authenticate `challenge`, or raise
-        an McpError that says in one line why there is none."""
+    def challenged(
+        self, server: McpHttpServer, status: int, challenge: str, sent: str | None, first: bool
+    ) -> None:
+        """Get a token that may satisfy the server's WWW-Authenticate `challenge` to a
+        request that carried `sent` (the Authorization value, or None), refused so `first`
+        (else again, after an answer to a challenge), or raise an McpError that says in one
+        line why there is none."""
         raise McpError(f"MCP server {server.label} asks for a sign-in (HTTP {status})")
 
 
@@ -11399,12 +11407,19 @@ MAX_OAUTH_BYTES = 256 * 1024  # a metadata document, a registration or a token a
 MCP_REFRESH_EARLY_S = 60.0  # a token this close to its expiry (at most) is refreshed first
 MAX_TOKEN_CHARS = 16384  # a longer access or refresh token is refused
 MAX_SCOPES = 64
+MCP_SIGN_INS = 3  # whole sign-ins one server may ask of one run: a step-up or two, no more
+MAX_CHALLENGE_CHARS = 8192  # a longer WWW-Authenticate is not read
 _AUTH_METHODS = ("none", "client_secret_basic", "client_secret_post")  # preferred first
 _SCOPE_TOKEN = re.compile(r"[!#-\[\]-~]{1,256}")  # RFC 6749 3.3: no space, quote or backslash
 
 
 class SignInError(McpError):
     """A sign-in that could not be done: one line saying why, never a token or a secret."""
+
+
+class _GrantRefusedError(SignInError):
+    """The token endpoint refused the grant (400 or 401): a refresh token it refuses is
+    gone for good, unlike one it could not be asked about (a network error, a 5xx)."""
 
 
 @dataclass
@@ -11438,6 +11453,7 @@ class OAuthSignIn(SignIn):
         *,
         client_id: str | None = None,
         client_secret: str | None = None,
+        client_issuer: str | None = None,
         client_metadata_url: str | None = None,
         machine: bool = False,
         person: bool = False,
@@ -11449,13 +11465,15 @@ class OAuthSignIn(SignIn):
         digest = hashlib.sha256(url.encode()).hexdigest()[:32]
         self.path = directory / "mcp-sign-in" / f"{digest}.json"
         self.client_id, self.client_secret = client_id, client_secret
+        self.client_issuer = client_issuer  # the one issuer a given client (its secret) is for
         self.client_metadata_url = client_metadata_url
+        # http is taken for an authorization server on this machine only for a server on it
+        self.local = _is_this_machine(urllib.parse.urlsplit(url).hostname or "")
         self.machine, self.person, self.timeout = machine, person, timeout
         self.browser, self.audit = browser, audit
         self.signed_in = False  # did this one sign in (rather than find a token kept)?
         self._lock = threading.Lock()  # one sign-in or refresh at a time
-        self._fresh: str | None = None  # the access token got last: a 401 for it is not
-        # answered with a refresh (that was tried, or it is new), but with a whole sign-in
+        self._sign_ins = 0  # whole sign-ins begun: MCP_SIGN_INS at most, however many asked
         _keep_secret(client_secret)
         self._state = self._load()
         token = self._token_kept()
@@ -11464,49 +11482,90 @@ class OAuthSignIn(SignIn):
     # -- what a request carries
 
     def authorization(self, deadline: float) -> str | None:
-        with self._lock:
-            token = self._token_kept()
-            due = token.get("refresh_after")
-            due = isinstance(due, (int, float)) and time.time() >= due
-            if due and token.get("refresh_token"):
+        """The token kept, refreshed first when its expiry is near; a refresh the issuer
+        refuses forgets it (a sign-in follows the 401), one that fails otherwise keeps it."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return self._bearer()  # a sign-in is under way: the token kept, as it is
+        try:
+            due = self._token_kept().get("refresh_after")
+            if isinstance(due, (int, float)) and time.time() >= due and self._refreshable():
                 try:
                     self._refresh(min(deadline, time.monotonic() + MCP_OAUTH_TIMEOUT_S))
-                except SignInError:  # a refresh refused: the token goes, and a sign-in follows
+                except _GrantRefusedError:
                     self._forget_token()
-                token = self._token_kept()
-            access = token.get("access_token")
-            return f"Bearer {access}" if isinstance(access, str) else None
+                except SignInError:  # the issuer unreachable, slow: the token as it is
+                    pass
+            return self._bearer()
+        finally:
+            self._lock.release()
 
-    def challenged(self, server: McpHttpServer, status: int, challenge: str) -> None:
-        params = _challenge_params(challenge)
+    def challenged(
+        self, server: McpHttpServer, status: int, challenge: str, sent: str | None, first: bool
+    ) -> None:
         deadline = time.monotonic() + self.timeout
-        with self._lock:
-            token = self._token_kept()
-            held = token.get("access_token")
-            if status == 401 and token.get("refresh_token") and held != self._fresh:
-                with suppress(SignInError):  # refused: a whole sign-in, below
-                    self._refresh(deadline)
-                    return
-            wanted = _scope_list(params.get("scope", ""))
-            granted = _kept_scopes(token)
-            if status == 403 and held is not None and set(wanted) <= set(granted):
-                raise SignInError(
-                    f"MCP server {self.label} refuses the token for scope it was granted"
-                    f" ({' '.join(wanted) or 'none named'}); signing in again would not change it"
-                )
-            found = self._discover(params.get("resource_metadata"), deadline, challenge)
-            scopes = _scopes(wanted, found, granted)
-            if self.machine:
-                self._machine(found, scopes, deadline)
-            elif not self.person:
-                raise SignInError(
-                    f"MCP server {self.label} asks for a sign-in, and no person is at this"
-                    f" terminal to give it: run `python3 {shlex.quote(sys.argv[0])} mcp-login"
-                    f" {shlex.quote(self.url)}` first"
-                )
-            else:
-                self._authorize(found, scopes, deadline)
-            self.signed_in = True
+        if not self._lock.acquire(timeout=self.timeout):
+            raise SignInError(f"another sign-in to MCP server {self.label} took too long")
+        try:
+            self._answer(status, challenge, sent, first, deadline)
+        finally:
+            self._lock.release()
+
+    def _answer(
+        self, status: int, challenge: str, sent: str | None, first: bool, deadline: float
+    ) -> None:
+        """A challenge answered: nothing, if another request's got a new token meanwhile;
+        a refresh for a request's first 401; else a whole sign-in (MCP_SIGN_INS at most)."""
+        token = self._token_kept()
+        if sent != self._bearer() and token.get("access_token") is not None:
+            return  # sent again with the new token
+        if status == 401 and first and self._refreshable():
+            try:
+                self._refresh(deadline)
+                return
+            except _GrantRefusedError:
+                self._forget_token()
+            except SignInError:
+                pass  # a whole sign-in, below
+        params = _challenge_params(challenge)
+        wanted = _scope_list(params.get("scope", ""))
+        granted = _kept_scopes(token)
+        if status == 403 and token.get("access_token") is not None and set(wanted) <= set(granted):
+            raise SignInError(
+                f"MCP server {self.label} refuses the token for scope it was granted"
+                f" ({' '.join(wanted) or 'none named'}); signing in again would not change it"
+            )
+        if not (self.machine or self.person):  # said before anything is asked of anyone
+            raise SignInError(self._nobody_to_sign_in(challenge))
+        if self._sign_ins >= MCP_SIGN_INS:
+            raise SignInError(
+                f"MCP server {self.label} asked for a sign-in {MCP_SIGN_INS} times: refused"
+            )
+        self._sign_ins += 1
+        found = self._discover(params.get("resource_metadata"), deadline, challenge)
+        scopes = _scopes(wanted, found, granted)
+        if self.machine:
+            self._machine(found, scopes, deadline)
+        else:
+            self._authorize(found, scopes, deadline)
+        self.signed_in = True
+
+    def _nobody_to_sign_in(self, challenge: str) -> str:
+        scheme = challenge.split(" ", maxsplit=1)[0]
+        wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+        named = shlex.quote(self.url) if "?" not in self.url else "URL"  # a query: a key?
+        return (
+            f"MCP server {self.label} needs authorization{wanted}, and no person is at this"
+            f" terminal to sign in: run `python3 {shlex.quote(sys.argv[0])} mcp-login {named}`"
+            " first, or put its token in an environment variable and pass --mcp-header"
+            " Authorization=THAT_VARIABLE after its --mcp-url"
+        )
+
+    def _bearer(self) -> str | None:
+        access = self._token_kept().get("access_token")
+        return f"Bearer {access}" if isinstance(access, str) else None
+
+    def _refreshable(self) -> bool:
+        return _is_token(self._token_kept().get("refresh_token"))
 
     def forget(self) -> bool:
         """Forget this server's tokens and registrations; whether there were any."""
@@ -11527,15 +11586,12 @@ class OAuthSignIn(SignIn):
     def _discover(self, named: str | None, deadline: float, challenge: str) -> _Found:
         """The server's protected-resource metadata, from the URL its challenge names, else
         from the well-known ones (the path's, then the root's), then its authorization
-        server's. The resource it names must be this server (RFC 8707)."""
+        server's. The resource it names must be this server: its URL, or its origin for the
+        root's document (RFC 9728 3.3)."""
         what = f"MCP server {self.label}'s protected-resource metadata"
         candidates = [named] if named else _resource_metadata_urls(self.url)
-        document: Any = None
-        for candidate in candidates:
-            status, document = _oauth_fetch(candidate, deadline, what)
-            if status == 200 and isinstance(document, dict):
-                break
-        else:  # a server that takes a token given by hand, as many do
+        found = self._first_document(candidates, deadline, what)
+        if found is None:  # a server that takes a token given by hand, as many do
             scheme = challenge.split(" ", maxsplit=1)[0]
             wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
             raise SignInError(
@@ -11544,8 +11600,10 @@ class OAuthSignIn(SignIn):
                 " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
                 " its --mcp-url"
             )
+        where, document = found
         resource = document.get("resource")
-        if not _is_resource_of(resource, self.url):
+        root = not named and where == candidates[-1] and len(candidates) > 1
+        if not _is_resource_of(resource, self.url, root):
             raise SignInError(
                 f"MCP server {self.label} names the resource {_quoted(_cut(str(resource), 200))}"
                 " for its tokens, which is not this server: no sign-in is begun"
@@ -11554,7 +11612,7 @@ class OAuthSignIn(SignIn):
         if not (isinstance(servers, list) and servers and isinstance(servers[0], str)):
             raise SignInError(f"MCP server {self.label} names no authorization server")
         issuer = servers[0]
-        _oauth_url(issuer, f"MCP server {self.label}'s authorization server")
+        self._checked_url(issuer, f"MCP server {self.label}'s authorization server")
         listed = document.get("scopes_supported")
         scopes = [s for s in listed if isinstance(s, str)] if isinstance(listed, list) else None
         return _Found(str(resource), issuer, self._server_metadata(issuer, deadline), scopes)
@@ -11563,18 +11621,43 @@ class OAuthSignIn(SignIn):
         """The issuer's metadata, from the well-known URLs in the spec's order; the first
         document found must name `issuer` exactly (RFC 8414 3.3), or none is used."""
         what = f"the authorization server {_cut(issuer, 200)}"
-        for candidate in _server_metadata_urls(issuer):
-            status, document = _oauth_fetch(candidate, deadline, what)
-            if status != 200 or not isinstance(document, dict):
+        found = self._first_document(_server_metadata_urls(issuer), deadline, what)
+        if found is None:
+            raise SignInError(f"{what} publishes no metadata (RFC 8414, OpenID discovery)")
+        document = found[1]
+        if document.get("issuer") != issuer:
+            raise SignInError(
+                f"{what} published metadata for another issuer"
+                f" ({_quoted(_cut(str(document.get('issuer')), 200))}): not used"
+            )
+        self._checked_url(document.get("token_endpoint"), f"{what}'s token endpoint")
+        return document
+
+    def _first_document(
+        self, candidates: Sequence[str], deadline: float, what: str
+    ) -> tuple[str, dict[str, Any]] | None:
+        """The first of `candidates` that answers 200 with a JSON object, and its URL; one
+        that fails any other way (a 404, a redirect, too big, too slow) is passed over, as
+        the spec says a client tries them all. None: each answered, none so; where one
+        failed outright, the first failure is raised instead, as it says why."""
+        failures: list[str] = []
+        for candidate in candidates:
+            try:
+                status, document = self._fetch(candidate, deadline, what)
+            except SignInError as exc:
+                failures.append(str(exc))
                 continue
-            if document.get("issuer") != issuer:
-                raise SignInError(
-                    f"{what} published metadata for another issuer"
-                    f" ({_quoted(_cut(str(document.get('issuer')), 200))}): not used"
-                )
-            _oauth_url(document.get("token_endpoint"), f"{what}'s token endpoint")
-            return document
-        raise SignInError(f"{what} publishes no metadata (RFC 8414, OpenID discovery)")
+            if status == 200 and isinstance(document, dict):
+                return candidate, document
+        if failures:
+            raise SignInError(failures[0])
+        return None
+
+    def _fetch(self, url: str, deadline: float, what: str, **sent: Any) -> tuple[int, Any]:
+        return _oauth_fetch(url, deadline, what, local=self.local, **sent)
+
+    def _checked_url(self, url: Any, what: str) -> urllib.parse.SplitResult:
+        return _oauth_url(url, what, local=self.local)
 
     # -- the flows
 
@@ -11584,14 +11667,14 @@ class OAuthSignIn(SignIn):
         exchanged for a token with the PKCE verifier."""
         what = f"the authorization server {_cut(found.issuer, 200)}"
         endpoint = found.metadata.get("authorization_endpoint")
-        _oauth_url(endpoint, f"{what}'s authorization endpoint")
+        self._checked_url(endpoint, f"{what}'s authorization endpoint")
         methods = found.metadata.get("code_challenge_methods_supported")
         if not isinstance(methods, list) or "S256" not in methods:
             raise SignInError(f"{what} does not offer PKCE with S256: no sign-in is begun")
         kept = self._state.get("clients", {}).get(found.issuer, {})
-        with _Callback(_port_of(kept.get("redirect_uri"))) as callback:
+        verifier, state = secrets.token_urlsafe(48), secrets.token_urlsafe(24)
+        with _Callback(_port_of(kept.get("redirect_uri")), state) as callback:
             client = self._client(found, callback.redirect_uri, deadline)
-            verifier, state = secrets.token_urlsafe(48), secrets.token_urlsafe(24)
             query = {
                 "response_type": "code",
                 "client_id": client["client_id"],
@@ -11614,7 +11697,7 @@ class OAuthSignIn(SignIn):
             opening.daemon = True  # a browser command that never returns holds nothing up
             opening.start()
             answer = callback.wait(deadline, self.timeout)
-        code = _authorization_code(answer, state, found)
+        code = _authorization_code(answer, found)
         form = {
             "grant_type": "authorization_code",
             "code": code,
@@ -11700,18 +11783,18 @@ class OAuthSignIn(SignIn):
             if method == "client_secret_post":
                 form["client_secret"] = str(client.get("client_secret"))
         what = f"the authorization server {_cut(issuer, 200)}"
-        status, answer = _oauth_fetch(endpoint, deadline, what, form=form, headers=headers)
+        status, answer = self._fetch(endpoint, deadline, what, form=form, headers=headers)
         if status != 200 or not isinstance(answer, dict):
             error = answer.get("error") if isinstance(answer, dict) else None
             why = f", {error}" if isinstance(error, str) and _SCOPE_TOKEN.fullmatch(error) else ""
-            raise SignInError(f"{what} refused the token request (HTTP {status}{why})")
+            refused = _GrantRefusedError if status in (400, 401) else SignInError
+            raise refused(f"{what} refused the token request (HTTP {status}{why})")
         access, refresh = answer.get("access_token"), answer.get("refresh_token")
         if not _is_token(access) or str(answer.get("token_type", "")).lower() != "bearer":
             raise SignInError(f"{what} gave no bearer token this client can use")
         if not _is_token(refresh):
             refresh = form.get("refresh_token")  # a refresh may keep the one it was given
         _keep_secret(access, refresh)
-        self._fresh = access
         due = _refresh_after(answer.get("expires_in"))
         granted = _scope_list(answer["scope"]) if isinstance(answer.get("scope"), str) else scopes
         self._state["token"] = {
@@ -11751,15 +11834,19 @@ class OAuthSignIn(SignIn):
         return self._register(found, redirect_uri, deadline)
 
     def _given_client(self, found: _Found) -> dict[str, Any]:
-        """The client id (and secret) given, bound to the first issuer it is used with: a
-        server that later names another is refused, and the secret never goes there."""
+        """The client id (and secret) given, for the issuer given with them (a secret is
+        given with one), else bound to the first it is used with, on disk before it is: a
+        server that names another is refused, and nothing of the client goes there."""
         bound = self._state.setdefault("given", {})
-        first = bound.setdefault(str(self.client_id), found.issuer)
+        first = self.client_issuer or bound.get(str(self.client_id), found.issuer)
         if first != found.issuer:
             raise SignInError(
-                f"MCP server {self.label} now names the authorization server {found.issuer},"
-                f" but --mcp-client-id was given for {first}: refused (mcp-logout forgets it)"
+                f"MCP server {self.label} names the authorization server {found.issuer}, but"
+                f" --mcp-client-id was given for {first}: refused, and nothing of it sent there"
             )
+        if str(self.client_id) not in bound:
+            bound[str(self.client_id)] = first
+            self._save()
         methods = found.metadata.get("token_endpoint_auth_methods_supported")
         methods = methods if isinstance(methods, list) else ["client_secret_basic"]
         method = "none"
@@ -11792,7 +11879,7 @@ class OAuthSignIn(SignIn):
             "token_endpoint_auth_method": asked,
             "application_type": "native",
         }
-        status, answer = _oauth_fetch(str(endpoint), deadline, what, json_body=request)
+        status, answer = self._fetch(str(endpoint), deadline, what, json_body=request)
         answer = answer if isinstance(answer, dict) else {}
         client_id = answer.get("client_id")
         if status not in (200, 201) or not _is_token(client_id):
@@ -11877,11 +11964,14 @@ class OAuthSignIn(SignIn):
 
 class _Callback:
     """The loopback redirect (RFC 8252): a listener on 127.0.0.1 (on `port`, where it is
-    free, else any) that takes the first request for /callback, answers it with a short page
-    that repeats nothing of it, and hands its query over."""
+    free, else any) that takes the first request for /callback carrying `state`, answers
+    each with a short page that repeats nothing of it, and hands that one's query over.
+    One with another state is refused and the wait goes on: anyone on this machine can
+    send one, and it must not end the sign-in."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, state: str) -> None:
         self.answer: dict[str, str] = {}
+        self.state, self.refused = state, 0
         self.came = threading.Event()
         try:
             self.server = _CallbackServer(("127.0.0.1", port), _CallbackHandler)
@@ -11896,27 +11986,44 @@ class _Callback:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.server.shutdown()
+        self.server.shutdown()  # the loop only: a request still being sent is not waited for
         self.server.server_close()
+
+    def take(self, answer: dict[str, str]) -> bool:
+        """Whether `answer` is the one waited for (its state the one sent, compared in
+        constant time); if so, it is kept and the wait ends."""
+        given = answer.get("state", "").encode()
+        if self.came.is_set() or not hmac.compare_digest(given, self.state.encode()):
+            self.refused += 1
+            return False
+        self.answer = answer
+        self.came.set()
+        return True
 
     def wait(self, deadline: float, timeout: float) -> dict[str, str]:
         if not self.came.wait(max(0.0, deadline - time.monotonic())):
-            raise SignInError(f"no sign-in came back within {timeout:g} s (--mcp-sign-in-timeout)")
+            refused = (
+                f"; {self.refused} answer(s) with another state refused" if self.refused else ""
+            )
+            raise SignInError(
+                f"no sign-in came back within {timeout:g} s (--mcp-sign-in-timeout){refused}"
+            )
         return self.answer
 
 
-class _CallbackServer(http.server.HTTPServer):
+class _CallbackServer(http.server.ThreadingHTTPServer):
     callback: _Callback
+    daemon_threads = True
+    block_on_close = False  # closing waits for no connection that sends slowly
 
 
 class _CallbackHandler(http.server.BaseHTTPRequestHandler):
     server: _CallbackServer
-    timeout = 5  # a connection that sends nothing cannot hold the listener
+    timeout = 5  # a connection that sends nothing is dropped
 
     def do_GET(self) -> None:
         path, _, query = self.path.partition("?")
-        callback = self.server.callback
-        if path != "/callback" or callback.came.is_set():
+        if path != "/callback":
             self._page(404, "There is nothing here.")
             return
         try:
@@ -11924,12 +12031,14 @@ class _CallbackHandler(http.server.BaseHTTPRequestHandler):
         except ValueError:
             pairs = [("", "")]
         names = [name for name, _ in pairs]
-        callback.answer = dict(pairs) if len(set(names)) == len(names) else {"": "repeated"}
-        callback.came.set()
+        answer = dict(pairs) if len(set(names)) == len(names) else {}  # none may repeat
+        if not self.server.callback.take(answer):
+            self._page(400, "This is no answer to the sign-in under way; it is refused.")
+            return
         self._page(
             200,
-            "The sign-in's answer has reached function_calling; the terminal"
-            " says how it went. You may close this page.",
+            "The sign-in's answer has reached function_calling; the terminal says how it"
+            " went. You may close this page.",
         )
 
     def _page(self, status: int, text: str) -> None:
@@ -11945,16 +12054,11 @@ class _CallbackHandler(http.server.BaseHTTPRequestHandler):
         pass  # the query holds the code: nothing is printed
 
 
-def _authorization_code(answer: Mapping[str, str], state: str, found: _Found) -> str:
-    """The code of the authorization response, once its state is the one sent, and its
-    issuer (RFC 9207) the one recorded, compared as strings: present, it must match;
-    absent, the issuer must not have promised it. An error is shown only then."""
+def _authorization_code(answer: Mapping[str, str], found: _Found) -> str:
+    """The code of the authorization response (its state already checked), once its issuer
+    (RFC 9207) is the one recorded, compared as strings: present, it must match; absent,
+    the issuer must not have promised it. An error is shown only then, its code alone."""
     what = f"the authorization server {_cut(found.issuer, 200)}"
-    if not hmac.compare_digest(answer.get("state", "").encode(), state.encode()):
-        raise SignInError(
-            "the sign-in's answer carried another state: refused (it may not come"
-            " from the sign-in this client began)"
-        )
     promised = found.metadata.get("authorization_response_iss_parameter_supported") is True
     issuer = answer.get("iss")
     if issuer is not None and issuer != found.issuer:
@@ -11980,6 +12084,7 @@ def _oauth_fetch(
     deadline: float,
     what: str,
     *,
+    local: bool,
     form: Mapping[str, str] | None = None,
     json_body: Any = None,
     headers: Mapping[str, str] | None = None,
@@ -11987,7 +12092,7 @@ def _oauth_fetch(
     """GET `url`, or POST it a form or JSON: its status and its JSON (None if it is none),
     within MCP_OAUTH_TIMEOUT_S and `deadline`, MAX_OAUTH_BYTES at most. A redirect is not
     followed: it would take the request (a secret, a code) elsewhere."""
-    parts = _oauth_url(url, what)
+    parts = _oauth_url(url, what, local=local)
     until = min(deadline, time.monotonic() + MCP_OAUTH_TIMEOUT_S)
     if until <= time.monotonic():
         raise SignInError(f"the sign-in's deadline passed before {what} was asked")
@@ -12023,9 +12128,10 @@ def _oauth_fetch(
         return response.status, None
 
 
-def _oauth_url(url: Any, what: str) -> urllib.parse.SplitResult:
+def _oauth_url(url: Any, what: str, *, local: bool) -> urllib.parse.SplitResult:
     """A URL an authorization server or a server's metadata names, if it may be used:
-    https, or http to this machine; no user:password@, no fragment."""
+    https, or (`local`: for an MCP server on this machine) http to this machine; no
+    user:password@, no fragment."""
     if not (isinstance(url, str) and 0 < len(url) <= 2048 and all("!" <= c <= "~" for c in url)):
         raise SignInError(f"{what} is not a URL this client can use")
     parts = urllib.parse.urlsplit(url)
@@ -12033,7 +12139,7 @@ def _oauth_url(url: Any, what: str) -> urllib.parse.SplitResult:
         _ = parts.port
     except ValueError:
         raise SignInError(f"{what} is not a URL this client can use") from None
-    plain = parts.scheme == "http" and not _is_this_machine(parts.hostname or "")
+    plain = parts.scheme == "http" and not (local and _is_this_machine(parts.hostname or ""))
     if (
         parts.scheme not in ("http", "https")
         or not parts.hostname
@@ -12042,7 +12148,7 @@ def _oauth_url(url: Any, what: str) -> urllib.parse.SplitResult:
     ):
         raise SignInError(f"{what} is not a URL this client can use")
     if plain:
-        raise SignInError(f"{what} is plain http to another machine: refused (https is required)")
+        raise SignInError(f"{what} is plain http: refused (https is required)")
     return parts
 
 
@@ -12066,31 +12172,33 @@ def _server_metadata_urls(issuer: str) -> list[str]:
     return [origin + oauth + path, origin + openid + path, origin + path + openid]
 
 
-def _is_resource_of(resource: Any, url: str) -> bool:
-    """Whether a resource a server names for its tokens is that server: its origin, and its
-    path or one above it (RFC 9728 3.3), with no fragment."""
+def _is_resource_of(resource: Any, url: str, root: bool) -> bool:
+    """Whether a resource a server names for its tokens is that server: its URL (scheme and
+    host in any case, a trailing slash aside), or its origin when the document is the
+    root's (RFC 9728 3.3); never with a fragment."""
     if not isinstance(resource, str) or not resource:
         return False
     named, own = urllib.parse.urlsplit(resource), urllib.parse.urlsplit(url)
     try:
-        same = (named.scheme.lower(), named.hostname, named.port) == (
-            own.scheme.lower(),
-            own.hostname,
-            own.port,
-        )
+        origin = (named.scheme.lower(), named.hostname, named.port)
+        same = origin == (own.scheme.lower(), own.hostname, own.port)
     except ValueError:
         return False
-    path = named.path.rstrip("/")
-    under = own.path.rstrip("/") == path or own.path.startswith(path + "/")
-    return same and under and not named.fragment and named.query in ("", own.query)
+    path, query = named.path.rstrip("/"), named.query
+    exact = (path, query) == (own.path.rstrip("/"), own.query)
+    return same and not named.fragment and (exact or (root and (path, query) == ("", "")))
 
 
 def _challenge_params(header: str) -> dict[str, str]:
     """The parameters of a WWW-Authenticate header's Bearer challenge (RFC 6750 3), names in
     lower case, the first of each kept: resource_metadata, scope, error."""
+    if len(header) > MAX_CHALLENGE_CHARS:
+        return {}  # a hostile length: read, it would cost time (the discovery goes on)
     found = re.search(r"(?:^|,)\s*Bearer\b(.*)", header, re.IGNORECASE | re.DOTALL)
     params: dict[str, str] = {}
-    pairs = r'([A-Za-z0-9_.-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,"]*))'
+    # subtle: the lookbehind starts a name only where a name can start, so a long run of
+    # name characters with no "=" is passed over once, not once for each of its characters
+    pairs = r'(?<![A-Za-z0-9_.-])([A-Za-z0-9_.-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,"]*))'
     for name, quoted, bare in re.findall(pairs, found.group(1) if found else ""):
         params.setdefault(name.lower(), re.sub(r"\\(.)", r"\1", quoted) if quoted else bare)
     return params
@@ -12178,6 +12286,11 @@ def _add_sign_in_flags(parser: argparse.ArgumentParser) -> None:
             "VARIABLE",
             "the environment variable holding that client's secret",
         ),
+        (
+            "--mcp-client-issuer",
+            "ISSUER",
+            "the authorization server that client is for (needed with a secret): no other",
+        ),
     ):
         parser.add_argument(
             flag,
@@ -12220,6 +12333,15 @@ def _oauth_sign_in(
             raise ConfigError(f"--mcp-client-secret: the variable {given['VARIABLE']} is not set")
         if _holds_the_key(secret, os.environ):
             raise ConfigError("--mcp-client-secret: that variable holds the OpenAI key")
+    if secret and not (given.get("ID") and given.get("ISSUER")):
+        raise ConfigError(
+            "--mcp-client-secret needs --mcp-client-id and --mcp-client-issuer (the"
+            " authorization server it is for, so that no other can be sent it)"
+        )
+    if given.get("ISSUER") is not None:
+        _oauth_url(given["ISSUER"], "--mcp-client-issuer", local=True)
+    if "machine" in given and not secret:
+        raise ConfigError("--mcp-client-credentials needs --mcp-client-secret")
     metadata_url = getattr(args, "mcp_client_metadata_url", None)
     if metadata_url is not None:
         parts = urllib.parse.urlsplit(metadata_url)
@@ -12230,6 +12352,7 @@ def _oauth_sign_in(
         _data_dir(args),
         client_id=given.get("ID"),
         client_secret=secret,
+        client_issuer=given.get("ISSUER"),
         client_metadata_url=metadata_url,
         machine="machine" in given,
         person=person,

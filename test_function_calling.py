@@ -11936,6 +11936,9 @@ class FakeRemoteMcp:
                     body = json.dumps(document).encode() if document else b"{}"
                     self.reply(200 if document else 404, body, "application/json")
                     return
+                if owner.guard is not None and owner.guard(self, headers, {}):
+                    owner.requests.append(("GET", headers, None))
+                    return
                 owner.get_times.append(time.monotonic())
                 owner.requests.append(("GET", headers, None))
                 owner.resume(self, headers)
@@ -13134,6 +13137,8 @@ class FakeSignIn:
         self.refreshes: dict[str, dict[str, Any]] = {}
         self.codes: dict[str, dict[str, str]] = {}
         self.secrets: list[str] = []  # the client secrets it registered
+        self.revoked: set[str] = set()  # tokens the resource server refuses now
+        self.together = threading.Barrier(2)  # "together": two refused at once
         self.lock = threading.Lock()
 
     def __enter__(self) -> FakeSignIn:
@@ -13200,8 +13205,15 @@ class FakeSignIn:
 
     def guard(self, handler: Any, headers: dict[str, str], message: dict[str, Any]) -> bool:
         token = headers.get("authorization", "").removeprefix("Bearer ")
-        grant = self.issued.get(token)
+        grant = None if token in self.revoked else self.issued.get(token)
         metadata = f"{self.remote.url.rsplit('/', 1)[0]}/.well-known/oauth-protected-resource/mcp"
+        if token in self.revoked and "together" in self.behaviours:
+            with suppress(threading.BrokenBarrierError):
+                self.together.wait(10)
+        if "long_challenge" in self.behaviours:
+            challenge = "Bearer " + "a" * 60000
+            handler.reply(401, b"{}", "application/json", [("WWW-Authenticate", challenge)])
+            return True
         if grant is None or grant["resource"] != self.remote.url or "refuse" in self.behaviours:
             challenge = f'Bearer resource_metadata="{metadata}"'
             if self.scopes:
@@ -13329,6 +13341,7 @@ class McpSignInTest(RemoteCase):
         return fc.McpHttpServer(remote.url, audit=self.audit, sign_in=sign_in)
 
     def fails_in_one_line(self, remote: FakeRemoteMcp, *fragments: str, **given: Any) -> str:
+        # given: OAuthSignIn's options (a client, a timeout)
         """Start a server that must not sign in: the SignInError's line, checked."""
         started = time.monotonic()
         with self.assertRaises(fc.SignInError) as raised:
@@ -13490,13 +13503,15 @@ class McpSignInTest(RemoteCase):
             self.assertEqual(first.asked("/token")[0]["client_secret"], "app-secret-1")
             with FakeSignIn(remote) as second:  # the server names another issuer now
                 self.fails_in_one_line(remote, "--mcp-client-id was given for", **given)
+                named = {**given, "client_issuer": first.issuer}  # given with its issuer
+                self.fails_in_one_line(remote, "nothing of it sent there", **named)
             self.assertNotIn("app-secret-1", json.dumps(second.requests))
 
     # -- hostile servers: each ends the sign-in in one line, within the deadline, no token out
 
     def test_a_state_that_is_not_the_one_sent_is_refused_and_no_code_is_exchanged(self) -> None:
         with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["wrong_state"]) as auth:
-            self.fails_in_one_line(remote, "another state")
+            self.fails_in_one_line(remote, "1 answer(s) with another state refused", timeout=2)
         self.assertEqual(auth.asked("/token"), [])
 
     def test_an_answer_from_another_issuer_is_refused(self) -> None:
@@ -13540,7 +13555,7 @@ class McpSignInTest(RemoteCase):
 
     def test_hostile_authorization_servers_end_the_sign_in_in_one_line(self) -> None:
         cases = {
-            "redirect": "redirected the request",
+            "redirect": "redirected the request",  # each well-known URL tried, the first said
             "slow": "no whole answer in time",
             "endless": "no whole answer in time",
             "huge": "more than",
@@ -13553,12 +13568,75 @@ class McpSignInTest(RemoteCase):
                         self.fails_in_one_line(remote, said)
                     self.assertEqual(auth.asked("/authorize"), [])
 
+    def test_two_calls_refused_at_once_share_one_refresh(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["together"]) as auth:
+            server = self.signed_in_server(remote)
+            with server, concurrent.futures.ThreadPoolExecutor(2) as pool:
+                server.list_tools()
+                auth.revoked.update(auth.issued)  # both calls carry it, both are refused
+                calls = [pool.submit(server.call_tool, "lookup", {"item": n}) for n in "ab"]
+                answers = [call.result()["content"][0]["text"] for call in calls]
+        self.assertEqual(answers, ["lookup done"] * 2)
+        self.assertFalse(auth.together.broken)  # both were refused before either signed in
+        grants = [t["grant_type"] for t in auth.asked("/token")]
+        self.assertEqual(grants, ["authorization_code", "refresh_token"])
+
+    def test_a_refresh_the_issuer_cannot_answer_keeps_the_refresh_token(self) -> None:
+        with FakeRemoteMcp("modern") as remote:
+            with FakeSignIn(remote) as auth:
+                server = self.signed_in_server(remote)
+                with server:
+                    server.list_tools()
+            (kept,) = (self.data_dir / "mcp-sign-in").iterdir()
+            state = json.loads(kept.read_text())
+            state["token"]["refresh_after"] = 0  # due; but its issuer is gone now
+            kept.write_text(json.dumps(state))
+            remote.guard = lambda handler, headers, message: False  # the token is taken
+            with self.signed_in_server(remote, person=False) as again:
+                again.list_tools()
+        self.assertEqual(len(auth.asked("/token")), 1)
+        after = json.loads(kept.read_text())["token"]
+        self.assertEqual(after["refresh_token"], state["token"]["refresh_token"])
+
+    def test_the_session_stream_refused_a_token_is_not_opened_again_and_again(self) -> None:
+        with FakeRemoteMcp("legacy") as remote, FakeSignIn(remote) as auth:
+            server = self.signed_in_server(remote)
+            with server:
+                server.list_tools()
+                auth.revoked.update(auth.issued)
+                time.sleep(3)  # a stream opened again each second would be three more
+        gets = [h for verb, h, _ in remote.requests if verb == "GET"]
+        self.assertLessEqual(len(gets), 2)
+
+    def test_a_challenge_of_hostile_length_is_not_read(self) -> None:
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["long_challenge"]):
+            started = time.process_time()
+            with self.assertRaises(fc.McpError):
+                self.signed_in_server(remote, timeout=5).start()
+        self.assertLess(time.process_time() - started, 5)  # read, it took a minute of CPU
+
+    def test_a_secret_is_given_with_the_issuer_it_is_for(self) -> None:
+        done = self.cli(
+            "ask",
+            "hi",
+            "--mcp-url",
+            "http://127.0.0.1:9/mcp",
+            "--mcp-client-id",
+            "app",
+            "--mcp-client-secret",
+            "SECRET",
+            env={"SECRET": "app-secret-1", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"},
+        )
+        self.assertEqual(done.returncode, 2, done.stderr)
+        self.assertIn("--mcp-client-issuer", done.stderr)
+        self.assertNotIn("app-secret-1", done.stderr)
+
     def test_plain_http_to_another_machine_is_refused_for_any_sign_in_address(self) -> None:
         with (
             FakeRemoteMcp("modern") as remote,
             FakeSignIn(remote, issuer="http://192.0.2.1") as auth,
         ):
-            self.fails_in_one_line(remote, "plain http to another machine")
+            self.fails_in_one_line(remote, "is plain http: refused")
         self.assertEqual(auth.requests, [])
 
 
@@ -14821,7 +14899,16 @@ def _conformance_person(shown: str) -> str | None:
     return None
 
 
-def _conformance_sign_in(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def _conformance_issuer(url: str) -> str:
+    """The authorization server a scenario's server names: what the owner of a client
+    registered with it knows (the suite's mock server publishes it at the path's URL)."""
+    parts = urllib.parse.urlsplit(url)
+    metadata = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
+    with urllib.request.urlopen(metadata, timeout=60) as answer:
+        return str(json.loads(answer.read())["authorization_servers"][0])
+
+
+def _conformance_sign_in(url: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The flags of a sign-in scenario, as a user would give them (the client's metadata
     document URL the suite knows, the client id and secret it names, client credentials for
     a machine), and the environment: the secret in a variable, a browser that follows the
@@ -14832,9 +14919,10 @@ def _conformance_sign_in(env: dict[str, str]) -> tuple[list[str], dict[str, str]
     flags = ["--mcp-client-metadata-url", "https://conformance-test.local/client-metadata.json"]
     if isinstance(context, dict) and context.get("client_id"):
         flags += ["--mcp-client-id", str(context["client_id"])]
-        if context.get("client_secret"):
+        if context.get("client_secret"):  # given with its issuer, as its owner knows it
             env["CONFORMANCE_CLIENT_SECRET"] = str(context["client_secret"])
             flags += ["--mcp-client-secret", "CONFORMANCE_CLIENT_SECRET"]
+            flags += ["--mcp-client-issuer", _conformance_issuer(url)]
         if "client-credentials" in os.environ.get("MCP_CONFORMANCE_SCENARIO", ""):
             flags.append("--mcp-client-credentials")
     return ["--mcp-sign-in-timeout", "60", *flags], env
@@ -14863,7 +14951,7 @@ def _conformance_client(url: str) -> int:
         mcp = ["--mcp-url", url, "--mcp-timeout", "10", "--mcp-startup-timeout", "10"]
         status = 0
         if os.environ.get("MCP_CONFORMANCE_SCENARIO", "").startswith("auth/"):
-            signing, env = _conformance_sign_in(env)
+            signing, env = _conformance_sign_in(url, env)
             mcp += signing
             login = [*cli, "mcp-login", url, *signing]
             status = subprocess.run(login, env=env, check=False).returncode
