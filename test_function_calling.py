@@ -13210,6 +13210,10 @@ class FakeSignIn:
         if token in self.revoked and "together" in self.behaviours:
             with suppress(threading.BrokenBarrierError):
                 self.together.wait(10)
+        if not message and "refuse_get" in self.behaviours:  # the session's stream, alone
+            challenge = f'Bearer resource_metadata="{metadata}"'
+            handler.reply(401, b"{}", "application/json", [("WWW-Authenticate", challenge)])
+            return True
         if "long_challenge" in self.behaviours:
             challenge = "Bearer " + "a" * 60000
             handler.reply(401, b"{}", "application/json", [("WWW-Authenticate", challenge)])
@@ -13599,14 +13603,13 @@ class McpSignInTest(RemoteCase):
         self.assertEqual(after["refresh_token"], state["token"]["refresh_token"])
 
     def test_the_session_stream_refused_a_token_is_not_opened_again_and_again(self) -> None:
-        with FakeRemoteMcp("legacy") as remote, FakeSignIn(remote) as auth:
+        with FakeRemoteMcp("legacy") as remote, FakeSignIn(remote, ["refuse_get"]):
             server = self.signed_in_server(remote)
             with server:
                 server.list_tools()
-                auth.revoked.update(auth.issued)
                 time.sleep(3)  # a stream opened again each second would be three more
         gets = [h for verb, h, _ in remote.requests if verb == "GET"]
-        self.assertLessEqual(len(gets), 2)
+        self.assertEqual(len(gets), 1)  # refused, it is not opened again
 
     def test_a_challenge_of_hostile_length_is_not_read(self) -> None:
         with FakeRemoteMcp("modern") as remote, FakeSignIn(remote, ["long_challenge"]):
