@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #92988521: the whole file, every part kept
+# function_calling.py 2026-12-05 #5a094498: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -11454,6 +11454,7 @@ class OAuthSignIn(SignIn):
         client_id: str | None = None,
         client_secret: str | None = None,
         client_issuer: str | None = None,
+        client_key: Path | None = None,
         client_metadata_url: str | None = None,
         machine: bool = False,
         person: bool = False,
@@ -11466,6 +11467,7 @@ class OAuthSignIn(SignIn):
         self.path = directory / "mcp-sign-in" / f"{digest}.json"
         self.client_id, self.client_secret = client_id, client_secret
         self.client_issuer = client_issuer  # the one issuer a given client (its secret) is for
+        self.client_key = client_key  # a private key (PEM) it signs its assertions with
         self.client_metadata_url = client_metadata_url
         # http is taken for an authorization server on this machine only for a server on it
         self.local = _is_this_machine(urllib.parse.urlsplit(url).hostname or "")
@@ -11720,10 +11722,10 @@ class OAuthSignIn(SignIn):
 
     def _machine(self, found: _Found, scopes: list[str], deadline: float) -> None:
         """A machine's sign-in: client credentials, no person and no browser."""
-        if not (self.client_id and self.client_secret):
+        if not (self.client_id and (self.client_secret or self.client_key)):
             raise SignInError(
-                "--mcp-client-credentials needs --mcp-client-id and"
-                " --mcp-client-secret after the --mcp-url"
+                "--mcp-client-credentials needs --mcp-client-id, and --mcp-client-secret or"
+                " --mcp-client-key, after the --mcp-url"
             )
         client = self._given_client(found)
         form = {"grant_type": "client_credentials", "resource": found.resource}
@@ -11778,6 +11780,10 @@ class OAuthSignIn(SignIn):
                 str(client.get("client_secret")), safe=""
             )
             headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        elif method == "private_key_jwt" and self.client_key is not None:  # RFC 7523
+            form["client_id"] = client_id
+            form["client_assertion_type"] = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+            form["client_assertion"] = _client_assertion(self.client_key, client_id, issuer)
         else:
             form["client_id"] = client_id
             if method == "client_secret_post":
@@ -11850,7 +11856,9 @@ class OAuthSignIn(SignIn):
         methods = found.metadata.get("token_endpoint_auth_methods_supported")
         methods = methods if isinstance(methods, list) else ["client_secret_basic"]
         method = "none"
-        if self.client_secret:
+        if self.client_key is not None:
+            method = "private_key_jwt"
+        elif self.client_secret:
             method = (
                 "client_secret_post"
                 if "client_secret_basic" not in methods and ("client_secret_post" in methods)
@@ -12079,6 +12087,65 @@ def _authorization_code(answer: Mapping[str, str], found: _Found) -> str:
     return str(code)
 
 
+def _client_assertion(key: Path, client_id: str, audience: str) -> str:
+    """A JWT that says this client is asking (RFC 7523), for `audience` (the issuer), for
+    five minutes, signed with the private key in `key` (EC P-256: ES256; RSA: RS256) by the
+    openssl command: the standard library signs nothing, and a signature made by hand in
+    Python would not be constant-time."""
+    try:
+        pem = key.read_bytes()[:65536]
+    except OSError as exc:
+        raise SignInError(f"--mcp-client-key cannot be read ({exc.strerror})") from None
+    try:
+        der = b"".join(base64.b64decode(row) for row in pem.splitlines() if row[:1] != b"-")
+    except ValueError:
+        raise SignInError("--mcp-client-key holds no PEM key") from None
+    algorithm = "ES256" if b"\x2a\x86\x48\xce\x3d\x02\x01" in der else "RS256"  # its OID
+    now = int(time.time())
+    claims = {
+        "iss": client_id,
+        "sub": client_id,
+        "aud": audience,
+        "iat": now,
+        "exp": now + 300,
+        "jti": secrets.token_urlsafe(16),
+    }
+    header = {"alg": algorithm, "typ": "JWT"}
+    signed = ".".join(_b64url(json.dumps(part).encode()) for part in (header, claims))
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise SignInError("--mcp-client-key needs the openssl command, to sign with it")
+    try:
+        done = subprocess.run(  # noqa: S603 -- openssl with the user's key file, no shell
+            [openssl, "dgst", "-sha256", "-sign", str(key)],
+            input=signed.encode(),
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is None or done.returncode != 0:
+        raise SignInError("--mcp-client-key could not sign (openssl refused the key)")
+    signature = _raw_ecdsa(done.stdout) if algorithm == "ES256" else done.stdout
+    return f"{signed}.{_b64url(signature)}"
+
+
+def _raw_ecdsa(der: bytes) -> bytes:
+    """An ECDSA signature as DER (SEQUENCE of the integers r and s) as JWS wants it: r and
+    s, 32 bytes each (RFC 7518 3.4)."""
+    integers, position = [], 2 + (der[1] == 0x81)  # SEQUENCE, its length (short, or 0x81 n)
+    for _ in range(2):
+        size = der[position + 1]
+        integers.append(int.from_bytes(der[position + 2 : position + 2 + size], "big"))
+        position += 2 + size
+    return b"".join(number.to_bytes(32, "big") for number in integers)
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
 def _oauth_fetch(
     url: str,
     deadline: float,
@@ -12248,8 +12315,7 @@ def _is_token(value: Any) -> bool:
 
 
 def _s256(verifier: str) -> str:
-    digest = hashlib.sha256(verifier.encode()).digest()
-    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+    return _b64url(hashlib.sha256(verifier.encode()).digest())
 
 
 def _port_of(redirect_uri: Any) -> int:
@@ -12290,6 +12356,11 @@ def _add_sign_in_flags(parser: argparse.ArgumentParser) -> None:
             "--mcp-client-issuer",
             "ISSUER",
             "the authorization server that client is for (needed with a secret): no other",
+        ),
+        (
+            "--mcp-client-key",
+            "FILE",
+            "that client's private key (PEM): it signs in by a signed assertion (openssl)",
         ),
     ):
         parser.add_argument(
@@ -12333,15 +12404,16 @@ def _oauth_sign_in(
             raise ConfigError(f"--mcp-client-secret: the variable {given['VARIABLE']} is not set")
         if _holds_the_key(secret, os.environ):
             raise ConfigError("--mcp-client-secret: that variable holds the OpenAI key")
-    if secret and not (given.get("ID") and given.get("ISSUER")):
+    if (secret or given.get("FILE")) and not (given.get("ID") and given.get("ISSUER")):
         raise ConfigError(
-            "--mcp-client-secret needs --mcp-client-id and --mcp-client-issuer (the"
-            " authorization server it is for, so that no other can be sent it)"
+            "--mcp-client-secret and --mcp-client-key need --mcp-client-id and"
+            " --mcp-client-issuer (the authorization server they are for: no other is sent"
+            " a word of them)"
         )
     if given.get("ISSUER") is not None:
         _oauth_url(given["ISSUER"], "--mcp-client-issuer", local=True)
-    if "machine" in given and not secret:
-        raise ConfigError("--mcp-client-credentials needs --mcp-client-secret")
+    if "machine" in given and not (secret or given.get("FILE")):
+        raise ConfigError("--mcp-client-credentials needs --mcp-client-secret or --mcp-client-key")
     metadata_url = getattr(args, "mcp_client_metadata_url", None)
     if metadata_url is not None:
         parts = urllib.parse.urlsplit(metadata_url)
@@ -12353,6 +12425,7 @@ def _oauth_sign_in(
         client_id=given.get("ID"),
         client_secret=secret,
         client_issuer=given.get("ISSUER"),
+        client_key=Path(given["FILE"]) if given.get("FILE") else None,
         client_metadata_url=metadata_url,
         machine="machine" in given,
         person=person,

@@ -10504,7 +10504,7 @@ CONFORMANCE = Path(os.environ.get("FUNCTION_CALLING_MCP_CONFORMANCE") or "/nonex
 CONFORMANCE_SUITE = CONFORMANCE / "node_modules/@modelcontextprotocol/conformance/dist/index.js"
 SIGN_IN = "auth/"  # the sign-in scenarios, counted apart
 # Scenarios no revision requires (extensions), that the client passes all the same.
-EXTENSIONS = ("auth/client-credentials-basic",)
+EXTENSIONS = ("auth/client-credentials-basic", "auth/client-credentials-jwt")
 
 
 @unittest.skipUnless(CONFORMANCE_SUITE.is_file(), "no MCP conformance suite given (make interop)")
@@ -13300,8 +13300,9 @@ class FakeSignIn:
             scopes = asked.get("scope", "").split()
         elif grant == "refresh_token" and given.get("refresh_token") in self.refreshes:
             scopes = self.refreshes[given["refresh_token"]]["scopes"]
-        elif grant == "client_credentials" and handler.headers.get("Authorization", "").startswith(
-            "Basic "
+        elif grant == "client_credentials" and (
+            handler.headers.get("Authorization", "").startswith("Basic ")
+            or "client_assertion" in given
         ):
             scopes = given.get("scope", "").split()
         else:
@@ -13496,6 +13497,66 @@ class McpSignInTest(RemoteCase):
         (headers,) = [h for verb, where, h, _ in auth.requests if where == "/token"]
         expected = base64.b64encode(b"machine-1:machine-secret-1").decode()
         self.assertEqual(headers["Authorization"], f"Basic {expected}")
+
+    @unittest.skipUnless(shutil.which("openssl"), "no openssl to make a key with")
+    def test_a_machine_signs_its_assertion_with_its_own_key(self) -> None:
+        key, public = self.data_dir / "key.pem", self.data_dir / "public.pem"
+        openssl = str(shutil.which("openssl"))
+        subprocess.run(
+            [
+                openssl,
+                "genpkey",
+                "-algorithm",
+                "EC",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-out",
+                str(key),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [openssl, "pkey", "-in", str(key), "-pubout", "-out", str(public)],
+            check=True,
+            capture_output=True,
+        )
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote) as auth:
+            given = {"client_id": "machine-2", "client_key": key, "client_issuer": auth.issuer}
+            with self.signed_in_server(remote, person=False, machine=True, **given) as server:
+                server.list_tools()
+        (token,) = auth.asked("/token")
+        self.assertEqual(
+            token["client_assertion_type"], "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
+        )
+        head, claims, signature = token["client_assertion"].split(".")
+        decoded = [json.loads(base64.urlsafe_b64decode(p + "==")) for p in (head, claims)]
+        self.assertEqual(decoded[0]["alg"], "ES256")
+        self.assertEqual(
+            (decoded[1]["iss"], decoded[1]["sub"], decoded[1]["aud"]),
+            ("machine-2", "machine-2", auth.issuer),
+        )
+        raw = base64.urlsafe_b64decode(signature + "==")
+        self.assertEqual(len(raw), 64)
+        integers = [raw[:32].lstrip(b"\x00"), raw[32:].lstrip(b"\x00")]  # DER: minimal,
+        integers = [b"\x00" + n if n[0] & 0x80 else n for n in integers]  # and positive
+        der = b"".join(b"\x02" + bytes([len(n)]) + n for n in integers)
+        (self.data_dir / "sig.der").write_bytes(b"\x30" + bytes([len(der)]) + der)
+        verified = subprocess.run(
+            [
+                openssl,
+                "dgst",
+                "-sha256",
+                "-verify",
+                str(public),
+                "-signature",
+                str(self.data_dir / "sig.der"),
+            ],
+            input=f"{head}.{claims}".encode(),
+            capture_output=True,
+            check=False,
+        )
+        self.assertEqual(verified.returncode, 0, verified.stdout)
 
     def test_a_given_client_is_bound_to_the_first_issuer_it_is_used_with(self) -> None:
         given: dict[str, Any] = {"client_id": "app-1", "client_secret": "app-secret-1"}
@@ -14926,6 +14987,11 @@ def _conformance_sign_in(url: str, env: dict[str, str]) -> tuple[list[str], dict
             env["CONFORMANCE_CLIENT_SECRET"] = str(context["client_secret"])
             flags += ["--mcp-client-secret", "CONFORMANCE_CLIENT_SECRET"]
             flags += ["--mcp-client-issuer", _conformance_issuer(url)]
+        if context.get("private_key_pem"):  # a key file of the client's own, as a file
+            key = Path(env["FUNCTION_CALLING_DATA"]) / "client-key.pem"
+            key.touch(mode=0o600)
+            key.write_text(str(context["private_key_pem"]))
+            flags += ["--mcp-client-key", str(key), "--mcp-client-issuer", _conformance_issuer(url)]
         if "client-credentials" in os.environ.get("MCP_CONFORMANCE_SCENARIO", ""):
             flags.append("--mcp-client-credentials")
     return ["--mcp-sign-in-timeout", "60", *flags], env
