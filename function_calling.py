@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #5a094498: the whole file, every part kept
+# function_calling.py 2026-12-05 #46571eec: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -10002,14 +10002,15 @@ class McpHttpServer(McpServer):
         """`work`, done again after each sign-in the server asks for (401), or for more
         scope (403 insufficient_scope), at most MCP_SIGN_IN_ROUNDS times: a request refused
         so is refused before it runs, so sending it again cannot run it twice."""
-        for round_ in range(MCP_SIGN_IN_ROUNDS):
+        round_ = 0
+        while True:
             try:
                 return work()
             except _ChallengedError as exc:
-                if self.sign_in is None:
+                if self.sign_in is None or round_ == MCP_SIGN_IN_ROUNDS:
                     raise
                 self.sign_in.challenged(self, exc.status, exc.challenge, exc.sent, round_ == 0)
-        return work()
+                round_ += 1
 
     # -- the session (what the process is on stdio)
 
@@ -11058,7 +11059,7 @@ class _McpFlags(ToolSource):
                     startup_timeout=args.mcp_startup_timeout,
                     audit=audit,
                     asker=_asker(),
-                    sign_in=_sign_in(args, index, url, headers, audit),
+                    sign_in=_mcp_sign_in(args, index, url, headers, audit),
                 )
                 try:
                     stack.enter_context(remote)
@@ -11103,7 +11104,7 @@ SIGN_IN_FLAGS: list[Callable[[argparse.ArgumentParser], None]] = []
 SIGN_INS: list[Callable[[argparse.Namespace, int, str, AuditLog], SignIn]] = []
 
 
-def _sign_in(
+def _mcp_sign_in(
     args: argparse.Namespace, index: int, url: str, headers: Mapping[str, str], audit: AuditLog
 ) -> SignIn | None:
     """Who signs in to the index-th --mcp-url: nobody where its token is given by hand
@@ -11690,6 +11691,8 @@ class OAuthSignIn(SignIn):
                 query["scope"] = " ".join(scopes)
             joiner = "&" if urllib.parse.urlsplit(str(endpoint)).query else "?"
             address = f"{endpoint}{joiner}{urllib.parse.urlencode(query)}"
+            if _holds_secret(f"{found.issuer} {address}", _IN_USE):  # a token put in them
+                raise SignInError(f"{what}'s address holds a secret of this application")
             _say(
                 f"Sign in for MCP server {self.label} at {found.issuer}: your browser opens the"
                 f" page; if none does, open this address (waiting {self.timeout:g} s):\n"
@@ -11776,9 +11779,9 @@ class OAuthSignIn(SignIn):
         headers: dict[str, str] = {}
         method, client_id = client.get("method"), str(client["client_id"])
         if method == "client_secret_basic":
-            pair = f"{urllib.parse.quote(client_id, safe='')}:" + urllib.parse.quote(
-                str(client.get("client_secret")), safe=""
-            )
+            pair = f"{urllib.parse.quote_plus(client_id)}:" + urllib.parse.quote_plus(
+                str(client.get("client_secret"))
+            )  # each form-encoded first (RFC 6749 2.3.1)
             headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
         elif method == "private_key_jwt" and self.client_key is not None:  # RFC 7523
             form["client_id"] = client_id
@@ -11916,7 +11919,7 @@ class OAuthSignIn(SignIn):
         if isinstance(kept, dict) and kept.get("client_id") == client_id:
             return kept
         secret = self.client_secret if client_id == self.client_id else None
-        if token.get("method") != "none" and not secret:
+        if token.get("method") not in ("none", "private_key_jwt") and not secret:
             raise SignInError(f"the refresh for {self.label} needs the client's secret")
         return {"client_id": client_id, "client_secret": secret, "method": token.get("method")}
 
@@ -11956,6 +11959,7 @@ class OAuthSignIn(SignIn):
         temporary = folder / f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.chmod(0o700)  # one made before, by hand or by another umask, too
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 json.dump(self._state, out)
@@ -12023,6 +12027,9 @@ class _CallbackServer(http.server.ThreadingHTTPServer):
     callback: _Callback
     daemon_threads = True
     block_on_close = False  # closing waits for no connection that sends slowly
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a connection reset by whoever sent it: no traceback reaches the terminal
 
 
 class _CallbackHandler(http.server.BaseHTTPRequestHandler):
@@ -12185,6 +12192,8 @@ def _oauth_fetch(
         raise SignInError(f"{what} gave no whole answer in time") from None
     except (OSError, http.client.HTTPException) as exc:
         raise SignInError(f"{what}: {_transport_reason(exc)}") from None
+    except UnicodeError:  # a host name no DNS label can be
+        raise SignInError(f"{what} is not a URL this client can use") from None
     finally:
         connection.close()
     if 300 <= response.status < 400:
@@ -12201,10 +12210,11 @@ def _oauth_url(url: Any, what: str, *, local: bool) -> urllib.parse.SplitResult:
     user:password@, no fragment."""
     if not (isinstance(url, str) and 0 < len(url) <= 2048 and all("!" <= c <= "~" for c in url)):
         raise SignInError(f"{what} is not a URL this client can use")
-    parts = urllib.parse.urlsplit(url)
     try:
+        parts = urllib.parse.urlsplit(url)
         _ = parts.port
-    except ValueError:
+        (parts.hostname or "").encode("idna")  # a label too long or empty: no host at all
+    except ValueError:  # UnicodeError too
         raise SignInError(f"{what} is not a URL this client can use") from None
     plain = parts.scheme == "http" and not (local and _is_this_machine(parts.hostname or ""))
     if (
@@ -12245,8 +12255,8 @@ def _is_resource_of(resource: Any, url: str, root: bool) -> bool:
     root's (RFC 9728 3.3); never with a fragment."""
     if not isinstance(resource, str) or not resource:
         return False
-    named, own = urllib.parse.urlsplit(resource), urllib.parse.urlsplit(url)
     try:
+        named, own = urllib.parse.urlsplit(resource), urllib.parse.urlsplit(url)
         origin = (named.scheme.lower(), named.hostname, named.port)
         same = origin == (own.scheme.lower(), own.hostname, own.port)
     except ValueError:
@@ -12286,9 +12296,9 @@ def _scopes(wanted: list[str], found: _Found, granted: list[str]) -> list[str]:
     chosen = wanted or [s for s in found.scopes or [] if _SCOPE_TOKEN.fullmatch(s)]
     scopes = list(dict.fromkeys([*granted, *chosen]))[:MAX_SCOPES]
     listed = found.metadata.get("scopes_supported")
-    if scopes and isinstance(listed, list) and "offline_access" in listed:
-        scopes = list(dict.fromkeys([*scopes, "offline_access"]))
-    return scopes
+    offline = isinstance(listed, list) and "offline_access" in listed
+    scopes = [scope for scope in scopes if scope != "offline_access"]  # the issuer's to offer
+    return [*scopes, "offline_access"] if scopes and offline else scopes
 
 
 def _refresh_after(lifetime: Any) -> float | None:

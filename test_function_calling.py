@@ -44,6 +44,7 @@ import socket
 import sqlite3
 import ssl
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -13129,9 +13130,11 @@ class FakeSignIn:
         methods: Sequence[str] = ("none",),
         scopes: Sequence[str] = (),
         issuer: str | None = None,
+        tenant: str = "",
     ) -> None:
         self.remote, self.behaviours, self.expires_in = remote, set(behaviours), expires_in
         self.methods, self.scopes, self.named_issuer = list(methods), list(scopes), issuer
+        self.tenant = tenant  # the issuer's path: its metadata is at the well-known URL + it
         self.requests: list[tuple[str, str, dict[str, str], dict[str, Any]]] = []
         self.issued: dict[str, dict[str, Any]] = {}  # access token: its resource and scopes
         self.refreshes: dict[str, dict[str, Any]] = {}
@@ -13187,6 +13190,7 @@ class FakeSignIn:
 
         self.server = Server(("127.0.0.1", 0), Handler)
         self.issuer = f"http://127.0.0.1:{self.server.server_port}"
+        self.issuer += f"/{self.tenant}" if self.tenant else ""
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.remote.documents["/.well-known/oauth-protected-resource/mcp"] = {
             "resource": self.remote.url,
@@ -13198,6 +13202,10 @@ class FakeSignIn:
     def __exit__(self, *exc_info: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}"
 
     def tokens(self) -> list[str]:
         """Every token and secret this server gave out: what must be in no log."""
@@ -13236,16 +13244,18 @@ class FakeSignIn:
     def metadata(self) -> dict[str, Any]:
         return {
             "issuer": "https://evil.example" if "other_issuer" in self.behaviours else self.issuer,
-            "authorization_endpoint": f"{self.issuer}/authorize",
-            "token_endpoint": f"{self.issuer}/token",
-            "registration_endpoint": f"{self.issuer}/register",
+            "authorization_endpoint": f"{self.base}/authorize",
+            "token_endpoint": f"{self.base}/token",
+            "registration_endpoint": f"{self.base}/register",
             "code_challenge_methods_supported": ["S256"],
             "token_endpoint_auth_methods_supported": self.methods,
             "authorization_response_iss_parameter_supported": True,
         }
 
     def get(self, handler: Any, path: str, given: dict[str, str]) -> None:
-        if path == "/.well-known/oauth-authorization-server":
+        if path == "/.well-known/oauth-authorization-server" + (
+            f"/{self.tenant}" if self.tenant else ""
+        ):
             if "redirect" in self.behaviours:
                 handler.reply(302, b"", [("Location", "https://evil.example/metadata")])
             elif "slow" in self.behaviours:
@@ -13389,10 +13399,8 @@ class McpSignInTest(RemoteCase):
         self.assertEqual((signed["issuer"], signed["scopes"]), (auth.issuer, ["read"]))
 
     def test_the_tokens_are_in_their_file_and_nowhere_else(self) -> None:
-        with (
-            FakeRemoteMcp("legacy") as remote,
-            FakeSignIn(remote, methods=["client_secret_basic"]) as auth,
-        ):
+        remote = FakeRemoteMcp("legacy")
+        with remote, FakeSignIn(remote, methods=["client_secret_basic"]) as auth:
             env = {
                 "BROWSER": shlex.join([sys.executable, str(HERE / "test_function_calling.py")])
                 + " --conformance-browser %s"
@@ -13463,10 +13471,8 @@ class McpSignInTest(RemoteCase):
         self.assertNotIn("\n", str(raised.exception))
 
     def test_step_up_asks_for_the_union_and_stops_where_more_scope_cannot_help(self) -> None:
-        with (
-            FakeRemoteMcp("modern") as remote,
-            FakeSignIn(remote, ["step_up"], scopes=["read"]) as auth,
-        ):
+        remote = FakeRemoteMcp("modern")
+        with remote, FakeSignIn(remote, ["step_up"], scopes=["read"]) as auth:
             with self.signed_in_server(remote) as server:
                 answer = server.call_tool("lookup", {"item": "x"})
             self.assertEqual(answer["content"][0]["text"], "lookup done")
@@ -13478,10 +13484,8 @@ class McpSignInTest(RemoteCase):
         self.assertIn("signing in again would not change it", str(raised.exception))
 
     def test_a_machine_signs_in_with_client_credentials_and_no_browser(self) -> None:
-        with (
-            FakeRemoteMcp("modern") as remote,
-            FakeSignIn(remote, methods=["client_secret_basic"]) as auth,
-        ):
+        remote = FakeRemoteMcp("modern")
+        with remote, FakeSignIn(remote, methods=["client_secret_basic"]) as auth:
             server = self.signed_in_server(
                 remote,
                 person=False,
@@ -13525,7 +13529,15 @@ class McpSignInTest(RemoteCase):
             given = {"client_id": "machine-2", "client_key": key, "client_issuer": auth.issuer}
             with self.signed_in_server(remote, person=False, machine=True, **given) as server:
                 server.list_tools()
-        (token,) = auth.asked("/token")
+            (kept,) = (self.data_dir / "mcp-sign-in").iterdir()
+            state = json.loads(kept.read_text())
+            state["token"]["refresh_after"] = 0  # due: the refresh is signed for by the key
+            kept.write_text(json.dumps(state))
+            with self.signed_in_server(remote, person=False, machine=True, **given) as again:
+                again.list_tools()
+        token, refreshed = auth.asked("/token")
+        self.assertEqual(refreshed["grant_type"], "refresh_token")
+        self.assertIn("client_assertion", refreshed)
         self.assertEqual(
             token["client_assertion_type"], "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
         )
@@ -13695,11 +13707,65 @@ class McpSignInTest(RemoteCase):
         self.assertIn("--mcp-client-issuer", done.stderr)
         self.assertNotIn("app-secret-1", done.stderr)
 
+    def test_an_address_of_hostile_shape_ends_the_sign_in_in_one_line(self) -> None:
+        shapes = {
+            "authorization_servers": ["https://[::1", "https://" + "a" * 64 + ".example"],
+            "resource": ["http://[bad"],
+        }
+        for key, values in shapes.items():
+            for value in values:
+                with self.subTest(value=value), FakeRemoteMcp("modern") as remote:
+                    with FakeSignIn(remote) as auth:
+                        prm = remote.documents["/.well-known/oauth-protected-resource/mcp"]
+                        prm[key] = [value] if key == "authorization_servers" else value
+                        self.fails_in_one_line(remote)
+                    self.assertEqual(auth.asked("/authorize"), [])
+
+    def test_an_issuer_whose_address_holds_a_token_is_not_shown_or_used(self) -> None:
+        with FakeRemoteMcp("modern") as remote:
+            with FakeSignIn(remote) as first:
+                server = self.signed_in_server(remote)
+                with server:
+                    server.list_tools()
+                (token,) = first.issued
+                with FakeSignIn(remote, tenant=token) as second:  # its issuer says it
+                    stderr = io.StringIO()
+                    with contextlib.redirect_stderr(stderr):
+                        self.fails_in_one_line(remote, "holds a secret of this application")
+            self.assertNotIn(token, stderr.getvalue())
+            self.assertEqual(second.asked("/authorize"), [])
+
+    def test_a_connection_reset_at_the_callback_prints_no_traceback(self) -> None:
+        def rude_then_browse(address: str) -> None:
+            redirect = urllib.parse.parse_qs(urllib.parse.urlsplit(address).query)
+            port = urllib.parse.urlsplit(redirect["redirect_uri"][0]).port
+            with socket.create_connection(("127.0.0.1", port or 0), timeout=5) as rude:
+                rude.sendall(b"GET /callback?state=x HTTP/1.1\r\n")
+                rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            browse(address)
+
+        with FakeRemoteMcp("modern") as remote, FakeSignIn(remote):
+            sign_in = fc.OAuthSignIn(
+                remote.url, self.data_dir, person=True, browser=rude_then_browse
+            )
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr):
+                with fc.McpHttpServer(remote.url, sign_in=sign_in) as server:
+                    server.list_tools()
+                time.sleep(0.5)  # the listener's thread has read the reset by now, or never
+        self.assertNotIn("Traceback", stderr.getvalue())
+
+    def test_offline_access_is_asked_only_where_the_issuer_lists_it(self) -> None:
+        remote = FakeRemoteMcp("modern")
+        with remote, FakeSignIn(remote, scopes=["read", "offline_access"]) as auth:
+            server = self.signed_in_server(remote)
+            with server:
+                server.list_tools()
+        self.assertEqual(auth.asked("/authorize")[0]["scope"], "read")
+
     def test_plain_http_to_another_machine_is_refused_for_any_sign_in_address(self) -> None:
-        with (
-            FakeRemoteMcp("modern") as remote,
-            FakeSignIn(remote, issuer="http://192.0.2.1") as auth,
-        ):
+        remote = FakeRemoteMcp("modern")
+        with remote, FakeSignIn(remote, issuer="http://192.0.2.1") as auth:
             self.fails_in_one_line(remote, "is plain http: refused")
         self.assertEqual(auth.requests, [])
 
