@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #46571eec: the whole file, every part kept
+# function_calling.py 2026-12-05 #d3db868f: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -11691,7 +11691,8 @@ class OAuthSignIn(SignIn):
                 query["scope"] = " ".join(scopes)
             joiner = "&" if urllib.parse.urlsplit(str(endpoint)).query else "?"
             address = f"{endpoint}{joiner}{urllib.parse.urlencode(query)}"
-            if _holds_secret(f"{found.issuer} {address}", _IN_USE):  # a token put in them
+            shown = f"{found.issuer} {address}"
+            if any(secret in shown for secret in _IN_USE):  # a token a server put in them
                 raise SignInError(f"{what}'s address holds a secret of this application")
             _say(
                 f"Sign in for MCP server {self.label} at {found.issuer}: your browser opens the"
