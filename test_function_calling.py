@@ -13288,12 +13288,14 @@ class FakeSignIn:
     def post(self, handler: Any, path: str, given: dict[str, Any]) -> None:
         if path == "/register":
             method = given.get("token_endpoint_auth_method", "none")
-            secret = {"client_secret": "cs-" + secrets.token_hex(12)} if method != "none" else {}
+            client = "client-" + secrets.token_hex(6)
+            # a secret that starts as the id does, as the suite's do (test-client-secret)
+            secret = {"client_secret": f"{client}-secret"} if method != "none" else {}
             self.secrets += secret.values()
             handler.reply(
                 201,
                 {
-                    "client_id": "client-" + secrets.token_hex(6),
+                    "client_id": client,
                     "token_endpoint_auth_method": method,
                     **secret,
                 },
