@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #d3db868f: the whole file, every part kept
+# function_calling.py 2026-12-05 #80c5af53: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -10422,8 +10422,7 @@ class McpHttpServer(McpServer):
             )
         if status == 403:
             return None
-        scheme = self._unsaid(challenge).split(" ")[0]
-        wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+        wanted = _scheme_shown(self._unsaid(challenge))
         if any(name.lower() == "authorization" for name in self._headers):
             return McpTokenRefusedError(self.label, wanted)
         return McpError(
@@ -10501,6 +10500,13 @@ class McpHttpServer(McpServer):
 
 class _SessionLostError(McpError):
     """A 404 for the session we sent: the server forgot it (a restart, an expiry)."""
+
+
+def _scheme_shown(challenge: str) -> str:
+    """The scheme a WWW-Authenticate names, as a message shows it (" (Bearer)"), if it is
+    one word of letters; else nothing."""
+    scheme = challenge.split(" ", maxsplit=1)[0]
+    return f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
 
 
 class _ChallengedError(McpError):
@@ -11434,6 +11440,19 @@ class _Found:
     metadata: dict[str, Any]
     scopes: list[str] | None
 
+    def token_endpoint(self) -> _TokenEndpoint:
+        return _TokenEndpoint(self.issuer, str(self.metadata["token_endpoint"]), self.resource)
+
+
+@dataclass(frozen=True)
+class _TokenEndpoint:
+    """Where a token is asked for: the issuer, its token endpoint (the one place a refresh
+    token or a client's secret goes), and the resource the token is for (RFC 8707)."""
+
+    issuer: str
+    url: str
+    resource: str
+
 
 class OAuthSignIn(SignIn):
     """Signs in to the remote MCP server at `url` where it asks (401), as the MCP
@@ -11553,8 +11572,7 @@ class OAuthSignIn(SignIn):
         self.signed_in = True
 
     def _nobody_to_sign_in(self, challenge: str) -> str:
-        scheme = challenge.split(" ", maxsplit=1)[0]
-        wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
+        wanted = _scheme_shown(challenge)
         named = shlex.quote(self.url) if "?" not in self.url else "URL"  # a query: a key?
         return (
             f"MCP server {self.label} needs authorization{wanted}, and no person is at this"
@@ -11595,13 +11613,11 @@ class OAuthSignIn(SignIn):
         candidates = [named] if named else _resource_metadata_urls(self.url)
         found = self._first_document(candidates, deadline, what)
         if found is None:  # a server that takes a token given by hand, as many do
-            scheme = challenge.split(" ", maxsplit=1)[0]
-            wanted = f" ({scheme})" if scheme.isascii() and scheme.isalpha() else ""
             raise SignInError(
-                f"MCP server {self.label} needs authorization{wanted}, and publishes no"
-                " protected-resource metadata (RFC 9728) to sign in with: put its token in an"
-                " environment variable and pass --mcp-header Authorization=THAT_VARIABLE after"
-                " its --mcp-url"
+                f"MCP server {self.label} needs authorization{_scheme_shown(challenge)}, and"
+                " publishes no protected-resource metadata (RFC 9728) to sign in with: put its"
+                " token in an environment variable and pass --mcp-header"
+                " Authorization=THAT_VARIABLE after its --mcp-url"
             )
         where, document = found
         resource = document.get("resource")
@@ -11709,17 +11725,8 @@ class OAuthSignIn(SignIn):
             "code": code,
             "redirect_uri": callback.redirect_uri,
             "code_verifier": verifier,
-            "resource": found.resource,
         }
-        self._token(
-            found.issuer,
-            str(found.metadata["token_endpoint"]),
-            client,
-            form,
-            scopes,
-            deadline,
-            found.resource,
-        )
+        self._token(found.token_endpoint(), client, form, scopes, deadline)
 
     def _open_page(self, address: str) -> None:
         self.browser(address)
@@ -11732,51 +11739,32 @@ class OAuthSignIn(SignIn):
                 " --mcp-client-key, after the --mcp-url"
             )
         client = self._given_client(found)
-        form = {"grant_type": "client_credentials", "resource": found.resource}
+        form = {"grant_type": "client_credentials"}
         if scopes:
             form["scope"] = " ".join(scopes)
-        self._token(
-            found.issuer,
-            str(found.metadata["token_endpoint"]),
-            client,
-            form,
-            scopes,
-            deadline,
-            found.resource,
-        )
+        self._token(found.token_endpoint(), client, form, scopes, deadline)
 
     def _refresh(self, deadline: float) -> None:
         """A new access token for the refresh token, from the issuer that gave it."""
         token = self._token_kept()
         client = self._client_of(token)
-        form = {
-            "grant_type": "refresh_token",
-            "refresh_token": str(token["refresh_token"]),
-            "resource": str(token.get("resource")),
-        }
-        scopes = _kept_scopes(token)
-        self._token(
-            str(token.get("issuer")),
-            str(token.get("token_endpoint")),
-            client,
-            form,
-            scopes,
-            deadline,
-            str(token.get("resource")),
-        )
+        form = {"grant_type": "refresh_token", "refresh_token": str(token["refresh_token"])}
+        issuer, url = str(token.get("issuer")), str(token.get("token_endpoint"))
+        at = _TokenEndpoint(issuer, url, str(token.get("resource")))
+        self._token(at, client, form, _kept_scopes(token), deadline)
 
     def _token(
         self,
-        issuer: str,
-        endpoint: str,
+        at: _TokenEndpoint,
         client: Mapping[str, Any],
         form: dict[str, str],
         scopes: list[str],
         deadline: float,
-        resource: str,
     ) -> None:
-        """Ask the token endpoint, the client authenticated as it registered (basic, post or
-        none); keep what it gives, in the file before it is used."""
+        """Ask the token endpoint for a token for its resource, the client authenticated as
+        it registered (basic, post, none or a signed assertion); keep what it gives, in the
+        file before it is used."""
+        form["resource"] = at.resource
         headers: dict[str, str] = {}
         method, client_id = client.get("method"), str(client["client_id"])
         if method == "client_secret_basic":
@@ -11787,13 +11775,13 @@ class OAuthSignIn(SignIn):
         elif method == "private_key_jwt" and self.client_key is not None:  # RFC 7523
             form["client_id"] = client_id
             form["client_assertion_type"] = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
-            form["client_assertion"] = _client_assertion(self.client_key, client_id, issuer)
+            form["client_assertion"] = _client_assertion(self.client_key, client_id, at.issuer)
         else:
             form["client_id"] = client_id
             if method == "client_secret_post":
                 form["client_secret"] = str(client.get("client_secret"))
-        what = f"the authorization server {_cut(issuer, 200)}"
-        status, answer = self._fetch(endpoint, deadline, what, form=form, headers=headers)
+        what = f"the authorization server {_cut(at.issuer, 200)}"
+        status, answer = self._fetch(at.url, deadline, what, form=form, headers=headers)
         if status != 200 or not isinstance(answer, dict):
             error = answer.get("error") if isinstance(answer, dict) else None
             why = f", {error}" if isinstance(error, str) and _SCOPE_TOKEN.fullmatch(error) else ""
@@ -11808,9 +11796,9 @@ class OAuthSignIn(SignIn):
         due = _refresh_after(answer.get("expires_in"))
         granted = _scope_list(answer["scope"]) if isinstance(answer.get("scope"), str) else scopes
         self._state["token"] = {
-            "issuer": issuer,
-            "token_endpoint": endpoint,
-            "resource": resource,
+            "issuer": at.issuer,
+            "token_endpoint": at.url,
+            "resource": at.resource,
             "client_id": client_id,
             "method": method,
             "access_token": access,
@@ -11822,7 +11810,7 @@ class OAuthSignIn(SignIn):
         if self.audit is not None:
             grant = form["grant_type"]
             self.audit.record(
-                "mcp_sign_in", server=self.label, issuer=issuer, grant=grant, scopes=granted
+                "mcp_sign_in", server=self.label, issuer=at.issuer, grant=grant, scopes=granted
             )
 
     # -- the client
@@ -11857,8 +11845,7 @@ class OAuthSignIn(SignIn):
         if str(self.client_id) not in bound:
             bound[str(self.client_id)] = first
             self._save()
-        methods = found.metadata.get("token_endpoint_auth_methods_supported")
-        methods = methods if isinstance(methods, list) else ["client_secret_basic"]
+        methods = _auth_methods(found.metadata)
         method = "none"
         if self.client_key is not None:
             method = "private_key_jwt"
@@ -11880,8 +11867,7 @@ class OAuthSignIn(SignIn):
                 f"{what} registers no clients, and none was given: pass --mcp-client-id (and"
                 " --mcp-client-secret) after the --mcp-url"
             )
-        methods = found.metadata.get("token_endpoint_auth_methods_supported")
-        methods = methods if isinstance(methods, list) else ["client_secret_basic"]
+        methods = _auth_methods(found.metadata)
         asked = next((m for m in _AUTH_METHODS if m in methods), "client_secret_basic")
         request = {
             "client_name": "function_calling",
@@ -12310,6 +12296,13 @@ def _refresh_after(lifetime: Any) -> float | None:
     if not 0 < lifetime < 10**9:
         return None
     return time.time() + lifetime - min(MCP_REFRESH_EARLY_S, lifetime / 2)
+
+
+def _auth_methods(metadata: Mapping[str, Any]) -> list[Any]:
+    """How the issuer's token endpoint takes a client (RFC 8414: client_secret_basic, if
+    it does not say)."""
+    methods = metadata.get("token_endpoint_auth_methods_supported")
+    return methods if isinstance(methods, list) else ["client_secret_basic"]
 
 
 def _kept_scopes(token: Mapping[str, Any]) -> list[str]:

@@ -11886,6 +11886,33 @@ HEADER_TOOLS = [
 ]
 
 
+class QuietServer(http.server.ThreadingHTTPServer):
+    """A fake server's: its threads end with the suite, and a client that hung up
+    mid-answer (as tests make them) is no error."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
+def send_reply(
+    handler: http.server.BaseHTTPRequestHandler,
+    status: int,
+    body: bytes,
+    kind: str,
+    extra: Sequence[tuple[str, str]] = (),
+) -> None:
+    """A whole answer: its status, its type and length, `extra` headers, its body."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", kind)
+    handler.send_header("Content-Length", str(len(body)))
+    for name, value in extra:
+        handler.send_header(name, value)
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class FakeRemoteMcp:
     """A Streamable HTTP MCP server on 127.0.0.1 in the suite's own process: `revision`
     "modern" (answers server/discover, keeps no session) or "legacy" (the handshake, then a
@@ -11960,21 +11987,9 @@ class FakeRemoteMcp:
             def reply(
                 self, status: int, body: bytes, kind: str, extra: Sequence[tuple[str, str]] = ()
             ) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                for name, value in extra:
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(body)
+                send_reply(self, status, body, kind, extra)
 
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                pass  # a client that hung up mid-stream, as tests make it
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         if self.tls:
             self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         scheme = "https" if self.tls else "http"
@@ -13174,21 +13189,9 @@ class FakeSignIn:
                 self, status: int, document: Any, extra: Sequence[tuple[str, str]] = ()
             ) -> None:
                 body = document if isinstance(document, bytes) else json.dumps(document).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                for name, value in extra:
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(body)
+                send_reply(self, status, body, "application/json", extra)
 
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                pass
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         self.issuer = f"http://127.0.0.1:{self.server.server_port}"
         self.issuer += f"/{self.tenant}" if self.tenant else ""
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
