@@ -8,6 +8,8 @@ LINT_TOOLS := ruff==0.17.6 mypy==2.4.1
 MCP_VENV := .venv-mcp
 BENCH_VENV := .venv-bench
 PG_VENV := .venv-pg
+OTEL_VENV := .venv-otel
+OTEL_TOOLS := arize-phoenix==20.26.1 opentelemetry-proto==1.45.2
 PG_DRIVER := psycopg[binary]==3.3.9
 RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
@@ -113,16 +115,25 @@ $(LINT_VENV)/.installed:
 # the TypeScript SDK beside its reference server (server-everything, with npm where there is
 # node); then the official MCP conformance suite's required client scenarios for both
 # revisions (it prints N of M, and names the scenarios still expected to fail). All of it is
-# downloaded into .venv-mcp/; the module itself never needs them.
-interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed
+# downloaded into .venv-mcp/; the module itself never needs them. Then the telemetry, read
+# by the official opentelemetry-proto definitions and by a real receiver, Arize Phoenix,
+# both from PyPI into .venv-otel/.
+interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed $(OTEL_VENV)/.installed
 	@$(MAKE) --no-print-directory $(MCP_VENV)/ts/.installed || echo "npm could not install the TypeScript servers: they are skipped"
 	@$(MAKE) --no-print-directory $(MCP_VENV)/conformance/.installed || echo "npm could not install the MCP conformance suite: it is skipped"
 	@FUNCTION_CALLING_MCP_PYTHON=$(abspath $(MCP_VENV))/2/bin/python \
 	FUNCTION_CALLING_MCP1_PYTHON=$(abspath $(MCP_VENV))/1/bin/python \
 	FUNCTION_CALLING_MCP_TS=$(abspath $(MCP_VENV))/ts \
 	FUNCTION_CALLING_MCP_CONFORMANCE=$(abspath $(MCP_VENV))/conformance \
+	FUNCTION_CALLING_OTEL_PYTHON=$(abspath $(OTEL_VENV))/bin/python \
 	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest \
-		RealTypeScriptMcpServerTest McpConformanceTest 2>&1
+		RealTypeScriptMcpServerTest McpConformanceTest RealTelemetryTest 2>&1
+
+$(OTEL_VENV)/.installed:
+	rm -rf $(OTEL_VENV)
+	$(PYTHON) -m venv $(OTEL_VENV)
+	$(OTEL_VENV)/bin/pip install --quiet --disable-pip-version-check $(OTEL_TOOLS)
+	touch $@
 
 # The suite needs Node 22 or newer (fs.globSync): where the system's is older, npm's `node`
 # package puts one beside it.

@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #80c5af53: the whole file, every part kept
+# function_calling.py 2026-12-05 #b060a748: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,14 +25,14 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,029 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,030 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,170 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,190 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,480 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,500 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -116,7 +116,7 @@ else:
 __all__ = [
     "TOOL_SOURCES", "ApiError", "App", "ApprovalError", "Approvals", "ArgumentError",
     "AuditError", "AuditFile", "AuditLog", "ChatClient", "Client", "ConfigError",
-    "Database", "DaysBetween", "Dispatcher", "InOrder", "JournaledApprovals",
+    "Database", "DaysBetween", "Dispatcher", "Exchange", "InOrder", "JournaledApprovals",
     "LineFile", "PendingAction", "Quirks", "RecordedRequest", "ScriptedChatServer",
     "ScriptedReply", "ServerQuirks", "Settings", "Tool", "ToolContext", "ToolError",
     "ToolLoop", "ToolSource", "ToolSourceError", "TurnResult", "Unlimited", "Workers",
@@ -254,8 +254,7 @@ class ApiError(Exception):
 
     def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.code = code
+        self.status, self.code = status, code
 
 
 class ToolError(Exception):
@@ -889,6 +888,8 @@ class Reply:
     finish_reason: str | None = None
     refusal: str | None = None
     retries: int = 0  # how many times the request was retried before this reply came
+    response_id: str | None = None  # the server's id for this reply, and the model it names
+    response_model: str | None = None
 
 
 def parse_reply(body: bytes) -> Reply:
@@ -912,9 +913,11 @@ def parse_reply(body: bytes) -> Reply:
     message_json = text[slice(*message)] if message else ""  # "": none, refused below
     usage = _value(text, document.get("usage"))
     finish_reason = _value(text, choice.get("finish_reason"))
+    names = [_text_or_none(_value(text, document.get(key))) for key in ("id", "model")]
     del text  # only the message is kept (what it costs: above)
     try:
-        return _reply_from(message_json, finish_reason, usage if isinstance(usage, dict) else {})
+        reply = _reply_from(message_json, finish_reason, usage if isinstance(usage, dict) else {})
+        return replace(reply, response_id=names[0], response_model=names[1])
     except RecursionError:
         raise ApiError("the model API sent a reply nested too deep to read") from None
 
@@ -1369,13 +1372,11 @@ class ToolLoop:
         self.client = client
         self.tools = checks(tools)
         _require_approval_step(self.tools.values(), approvals)
-        self.audit = audit
-        self.approvals = approvals
+        self.audit, self.approvals = audit, approvals
         self.system_prompt = system_prompt
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
         self.budget = (budget or Unlimited()).checked()
-        self.max_rounds = max_rounds
-        self.max_calls_per_reply = max_calls_per_reply
+        self.max_rounds, self.max_calls_per_reply = max_rounds, max_calls_per_reply
         self.turn_timeout = turn_timeout
         self.runner = runner or InOrder()
         self.quirks = quirks or Quirks()
@@ -2271,6 +2272,20 @@ def _take_field(line: str, data: list[str], stream: dict[str, str] | None) -> in
 STREAM_READERS: list[Callable[[Iterable[bytes], Callable[[str], None], int], Reply]] = []
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One model request as ChatClient's `on_exchange` sees it, once it has ended (the
+    telemetry part's spans): the settings it went with, its messages (the turn's own list,
+    still growing: copy what you keep), when it started (time.time()), and the reply or the
+    failure."""
+
+    settings: Settings
+    messages: Sequence[str]
+    started: float
+    reply: Reply | None
+    error: ApiError | None
+
+
 class ChatClient(Client):
     """Sends chat-completions requests over one kept-alive connection; every failure becomes
     one ApiError.
@@ -2292,6 +2307,7 @@ class ChatClient(Client):
         retry_timeouts: bool = False,  # a request the server took may still run: _unanswered
         stream_idle: float = STREAM_IDLE_S,
         max_stream_bytes: int = MAX_STREAM_BYTES,
+        on_exchange: Callable[[Exchange], None] | None = None,  # each request, once it ends
     ) -> None:
         if stream_idle <= 0 or min(max_retries, max_retry_wait) < 0:
             raise ConfigError("timeouts must be positive and retries not negative")
@@ -2299,6 +2315,7 @@ class ChatClient(Client):
         self.max_retries, self.max_retry_wait = max_retries, max_retry_wait
         self.retry_timeouts, self.stream_idle = retry_timeouts, stream_idle
         self.max_stream_bytes = max_stream_bytes
+        self.on_exchange = on_exchange  # the telemetry part's spans: it must not raise
         _keep_secret(settings.api_key)  # never shown, saved or logged, whoever says it back
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
         self._jitter = jitter
@@ -2348,10 +2365,17 @@ class ChatClient(Client):
         turn_deadline = deadline if deadline is not None else math.inf
         if time.monotonic() >= turn_deadline:
             raise ApiError("the turn's deadline passed before the model could be asked again")
+        started = time.time()
         try:
-            return self._attempts(body, turn_deadline, on_text)
+            reply = self._attempts(body, turn_deadline, on_text)
         except ApiError as exc:  # every error text that may quote the server, made safe once
-            raise ApiError(_shown(str(exc), self.settings.api_key), exc.status, exc.code) from None
+            error = ApiError(_shown(str(exc), self.settings.api_key), exc.status, exc.code)
+            if self.on_exchange is not None:
+                self.on_exchange(Exchange(self.settings, messages, started, None, error))
+            raise error from None
+        if self.on_exchange is not None:
+            self.on_exchange(Exchange(self.settings, messages, started, reply, None))
+        return reply
 
     def _attempts(
         self, body: bytearray, turn_deadline: float, on_text: Callable[[str], None] | None
@@ -4392,8 +4416,12 @@ def main(argv: Sequence[str] | None = None, app: App | None = None) -> int:  # n
     except SystemExit as exc:  # argparse has printed usage; 2 for errors, 0 for --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     args.typed = typed
+    args.on_exchange, args.tools = None, ()  # for a part further down: AROUND_COMMANDS
     try:
-        code: int = args.command(args, app)
+        with ExitStack() as around:
+            for wrapper in AROUND_COMMANDS:
+                around.enter_context(wrapper(args))
+            code: int = args.command(args, app)
         return code
     except ConfigError as exc:
         _say_error(str(exc))
@@ -4629,6 +4657,12 @@ LOOP_OPTIONS: list[Callable[[argparse.Namespace, App], Callable[[Database], dict
 LEDGERS: list[Callable[[Database, Sequence[str] | None], dict[str, tuple[int, int]] | None]] = []
 
 
+# What a part further down wraps every command in, given its arguments (the telemetry
+# part: an exporter, flushed within a bound as the command ends). It may set args.on_exchange,
+# which `ask` and `chat` give their ChatClient, and read args.tools, the tools they talk with.
+AROUND_COMMANDS: list[Callable[[argparse.Namespace], AbstractContextManager[None]]] = []
+
+
 # Commands a section further down adds: each is given the subcommands to add its own to, and
 # the flags shared by name ("data": --data-dir, "sources": the tool sources' flags).
 COMMANDS: list[Callable[[Any, Mapping[str, argparse.ArgumentParser]], None]] = []
@@ -4817,12 +4851,14 @@ def _talk(args: argparse.Namespace, app: App, stack: ExitStack) -> tuple[ToolLoo
         max_retries=args.retries,
         retry_timeouts=args.retry_timeouts,
         stream_idle=args.stream_idle,
+        on_exchange=args.on_exchange,
     )
     # a part's options are checked, like the settings, before anything is made
     later = [options(args, app) for options in LOOP_OPTIONS]
     workspace = _open(args, app, create=True)
     chosen = {name: value for made in later for name, value in made(workspace.database).items()}
     tools = [*app.tools(workspace.database), *_source_tools(args, workspace.audit, stack)]
+    args.tools = tools
     loop = _tool_loop(
         app,
         workspace,
@@ -5142,6 +5178,10 @@ def _expected_head(args: argparse.Namespace) -> str | None:
     return expected
 
 
+# Lines a part further down adds to `stats`, read from the audit log at the path given.
+STATS_LINES: list[Callable[[Path], list[str]]] = []
+
+
 def _cmd_stats(args: argparse.Namespace, app: App) -> int:
     path = _audit_path(args)
     check = verify_audit(path)
@@ -5176,6 +5216,9 @@ def _cmd_stats(args: argparse.Namespace, app: App) -> int:
             shown = ", ".join(f"{key} {n}" + f" ({e} estimated)" * bool(e) for key, (n, e) in kept)
         print(f"{title:<17}{shown or 'none'}")
     print(f"retries          {figures['retries']}")
+    for lines in STATS_LINES:  # what a part further down reads from the log
+        for line in lines(path):
+            print(line)
     if figures["skipped_lines"]:
         print(f"skipped lines    {figures['skipped_lines']} (not records; see verify-audit)")
     return EXIT_OK
@@ -5381,7 +5424,7 @@ def _cmd_demo(args: argparse.Namespace, app: App) -> int:
 def _run_demo(args: argparse.Namespace, app: App, kept: bool) -> int:
     """Play the scripted turns through the real client, loop, tools, audit and approvals."""
     workspace = _open(args, app, create=True)
-    tools = list(app.tools(workspace.database))
+    tools = args.tools = list(app.tools(workspace.database))
     customer = app.customer or _os_user()
     print(
         "Offline demo: a scripted model on 127.0.0.1 drives the real client and loop.\n"
@@ -5390,7 +5433,8 @@ def _run_demo(args: argparse.Namespace, app: App, kept: bool) -> int:
     failed = False
     for number, (question, script) in enumerate(app.demo, start=1):
         with ScriptedChatServer(script) as server:
-            client = ChatClient(Settings(base_url=server.base_url, model="scripted-demo"))
+            settings = Settings(base_url=server.base_url, model="scripted-demo")
+            client = ChatClient(settings, on_exchange=args.on_exchange)
             result = _tool_loop(app, workspace, tools, client).run(question, ToolContext(customer))
         print(_banner(f"turn {number}"))
         print(format_transcript(result.messages))
@@ -5746,6 +5790,7 @@ class _StreamedMessage:
         self.usage: dict[str, Any] = {}
         self.limit, self.size = limit, 0  # what the deltas carry, not the events' framing
         self.keys: dict[str, str] = {}
+        self.names: dict[str, str | None] = {}  # the reply's id and model
 
     def object_of(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         """An event's object, its keys shared with every other event's: 100,000 calls must
@@ -5762,6 +5807,8 @@ class _StreamedMessage:
             )
         if isinstance(chunk.get("usage"), dict):  # often a last chunk whose choices are []
             self.usage = chunk["usage"]
+        for key in ("id", "model"):  # the reply's, on every chunk: the first that says wins
+            self.names[key] = self.names.get(key) or _text_or_none(chunk.get(key))
         choices = chunk.get("choices") or []  # [] in a first chunk of filter results, too
         if not isinstance(choices, list):
             raise ApiError("the stream carried choices that is not a list")
@@ -5840,7 +5887,10 @@ class _StreamedMessage:
                 written.append(_compact(_finished_call(_settled(calls.pop()))))
             tool_calls = ",".join(written)
             message_json = "".join((message_json[:-1], ',"tool_calls":[', tool_calls, "]}"))
-        return _reply_from(message_json, self.finish_reason, self.usage)
+        reply = _reply_from(message_json, self.finish_reason, self.usage)
+        return replace(
+            reply, response_id=self.names.get("id"), response_model=self.names.get("model")
+        )
 
 
 def _hashable(value: Any) -> Any:
@@ -9172,6 +9222,12 @@ class McpServer:
                 self.close()
                 raise
 
+    def span_attributes(self) -> dict[str, Any]:
+        """What a trace's span of a call to this server says of the server (the MCP client
+        span's attributes): how it is reached, and the revision it speaks."""
+        version = {"mcp.protocol.version": self.protocol} if self.protocol else {}
+        return {"network.transport": "pipe", **version}
+
     def list_tools(self) -> list[Any]:
         """Every tool the server lists, following nextCursor page by page."""
         tools: list[Any] = []
@@ -9978,6 +10034,16 @@ class McpHttpServer(McpServer):
         self._open = False
         self._listening: tuple[threading.Event, list[_TimedHTTPConnection]] | None = None
 
+    def span_attributes(self) -> dict[str, Any]:
+        https = self._url.scheme == "https"
+        said = {
+            **super().span_attributes(),
+            "network.transport": "tcp",
+            "server.address": self._url.hostname or "",
+            "server.port": self._url.port or (443 if https else 80),
+        }
+        return said | ({"mcp.session.id": self._session} if self._session else {})
+
     def list_tools(self) -> list[Any]:
         """Every tool the server lists; what each sends as headers is kept for its calls."""
         listed = super().list_tools()
@@ -10670,6 +10736,12 @@ class McpTool(Tool):
                 break
         if problem:
             raise ArgumentError(problem)
+
+    def span_attributes(self) -> dict[str, Any]:
+        """For the telemetry part's execute_tool span: the MCP client span's attributes, as
+        the OpenTelemetry conventions for MCP name them (mcp.method.name, mcp.session.id,
+        network.transport), which go on the span of the call that made the request."""
+        return {"mcp.method.name": "tools/call", **self.server.span_attributes()}
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         if self.writes:  # what the human approves; nothing leaves before that
@@ -13393,6 +13465,1062 @@ def _cmd_inbox(args: argparse.Namespace, app: App) -> int:
 COMMANDS.append(_add_inbox_command)
 DECIDING_COMMANDS.append(("inbox", "decide on a page in a browser"))
 # <<< INBOX
+# >>> TELEMETRY: traces where people already look. Everything from this line to the
+# "<<< TELEMETRY" line sends OpenTelemetry spans of every turn, model request and tool call,
+# and a log record of every decision, to an OTLP receiver while OTEL_EXPORTER_OTLP_ENDPOINT
+# is set, and turns an audit log into OTLP/JSON lines (`export-otel`). Nothing above depends
+# on it; without it, nothing is sent to anyone but the model's server and the tools'.
+#     sed '/^# >>> TELEMETRY/,/^# <<< TELEMETRY/d' function_calling.py > cut.py
+
+__all__ += ["OtlpExporter", "Telemetry", "TelemetrySpan", "otlp_json_lines"]
+__doc__ += """
+Telemetry ("# >>> TELEMETRY" to "# <<< TELEMETRY"): OpenTelemetry GenAI spans of each turn,
+model request and tool call, and a log record of each decision, sent over OTLP/HTTP while
+OTEL_EXPORTER_OTLP_ENDPOINT is set; export-otel turns an audit log into OTLP/JSON lines.
+"""
+
+# The names follow the OpenTelemetry GenAI semantic conventions as written in
+# open-telemetry/semantic-conventions-genai in December 2026: every gen_ai.* name there is
+# still Development, and the text has no release yet (its schema is gen-ai-dev 1.42.0-dev).
+# Names of our own start with "function_calling."; no gen_ai.* name is made up here.
+#
+# Where the spans come from: the audit log. Each line is handed to AUDIT_LOGGER once it is on
+# disk; a handler there turns a turn's lines into its spans when the turn's own line comes,
+# with the model requests ChatClient's on_exchange reported meanwhile. export-otel reads the
+# same lines from the file through the same code. So a span's ids are made from the log's
+# (a turn's id, a conversation's, a call's), not drawn at random: a conversation is one trace
+# across all its turns, and a decision made days later, in another process, joins the trace
+# of the call that filed it.
+
+OTLP_TIMEOUT_S = 10.0  # one export request, whole (OTEL_EXPORTER_OTLP_TIMEOUT, in ms)
+TELEMETRY_QUEUE = 4096  # audit lines and requests waiting for the sender; past it, dropped
+TELEMETRY_BATCH = 512  # spans and log records in one export request, at most
+TELEMETRY_WAIT_S = 1.0  # how long a finished span may wait for others to share its request
+TELEMETRY_FLUSH_S = 5.0  # as a command ends, how long what waits may take to leave
+MAX_OTLP_ANSWER_BYTES = 64 * 1024  # what of a receiver's answer is read; the rest is not
+MAX_TELEMETRY_VALUE_CHARS = 32 * 1024  # a captured message or result, cut visibly past this
+MAX_OPEN_TURNS = 256  # turns whose spans wait for the turn's line; past it, the oldest go
+PROPOSAL_LOOKBACK_BYTES = 32 * 1024 * 1024  # how far back a decision looks for its filing
+SPAN_INTERNAL, SPAN_CLIENT = 1, 3  # OTLP's SpanKind
+_STOP = object()  # the sender's last item
+
+# gen_ai.provider.name by the base URL's host. The conventions name the API spoken where the
+# server is not known: chat completions is OpenAI's, so a local server is "openai" too.
+_PROVIDERS = {
+    "api.openai.com": "openai",
+    "api.anthropic.com": "anthropic",
+    "api.deepseek.com": "deepseek",
+    "api.groq.com": "groq",
+    "api.mistral.ai": "mistral_ai",
+    "api.moonshot.ai": "moonshot_ai",
+    "api.perplexity.ai": "perplexity",
+    "api.x.ai": "x_ai",
+    "generativelanguage.googleapis.com": "gcp.gemini",
+}
+
+
+@dataclass(frozen=True)
+class TelemetrySpan:
+    """One span, or (log=True) one log record named `name` at end_ns about span_id, as OTLP
+    carries them; ids in hex, times in nanoseconds since the epoch."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any]
+    error: str = ""  # a failed span's status message; "" for a span that did not fail
+    log: bool = False
+
+
+def _telemetry_id(size: int, *parts: str) -> str:
+    """An id of `size` bytes made from the log's own ids: the same line, the same span."""
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[: size * 2]
+
+
+def _trace_of(turn_id: str, conversation_id: str | None) -> str:
+    return _telemetry_id(16, "trace", conversation_id or turn_id)
+
+
+def _time_ns(text: Any) -> int:
+    """An audit line's time in nanoseconds (0 if it is not one)."""
+    with suppress(TypeError, ValueError, OverflowError):
+        moment = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+        return _second_ns(moment.replace(microsecond=0)) + moment.microsecond * 1000
+    return 0
+
+
+# Speed: the lines of a turn share their second, and the epoch's is worked out once for it.
+@functools.lru_cache(maxsize=64)
+def _second_ns(moment: datetime) -> int:
+    return int(moment.timestamp()) * 1_000_000_000  # exact: a whole second has no fraction
+
+
+def _text_in(record: Mapping[str, Any], name: str) -> str:
+    value = record.get(name)
+    return value if isinstance(value, str) else ""
+
+
+def _captured(value: Any) -> str:
+    """Content as an attribute: JSON text, redacted as the audit log is, cut visibly."""
+    text = str(_redacted_in_use(value if isinstance(value, str) else _compact(value)))
+    if len(text) <= MAX_TELEMETRY_VALUE_CHARS:
+        return text
+    return text[:MAX_TELEMETRY_VALUE_CHARS] + f"…[cut: {len(text)} characters]"
+
+
+# ------------------------------------------------------------------ spans from the audit log
+
+
+class _SpanMaker:
+    """Turns audit lines (and live, the model requests) into spans and log records. A turn's
+    calls wait for its own line, which says how it ended and in which conversation.
+
+    It does not survive a turn whose line never comes (a crash): past MAX_OPEN_TURNS, the
+    oldest waiting turn's calls are let go, and export-otel finds them in the log."""
+
+    def __init__(
+        self,
+        capture: bool,
+        tools: Callable[[], Sequence[Tool]] = tuple,
+        filed: Callable[[str], tuple[str, str] | None] = lambda approval_id: None,
+    ) -> None:
+        self.capture = capture
+        self.tools = tools  # whose span_attributes(), if they have one, go on their spans
+        self.filed = filed  # where a decision's action was filed, looked up in the log
+        self._calls: dict[str, list[Mapping[str, Any]]] = {}  # by turn id, in order
+        self._requests: dict[int, list[tuple[Exchange, float]]] = {}  # by thread
+        self._spans_of: dict[str, tuple[str, str]] = {}  # approval id: (trace, call span)
+        self._closed: dict[str, tuple[str, str]] = {}  # turn id: (trace, turn span)
+        self.let_go = 0  # calls and requests of turns whose line never came
+
+    def requested(self, exchange: Exchange, ended: float, thread: int) -> None:
+        """A model request, kept until its thread's turn ends."""
+        kept = self._requests.setdefault(thread, [])
+        if len(kept) >= TELEMETRY_BATCH:  # a turn whose line never came: its oldest go
+            del kept[0]
+            self.let_go += 1
+        kept.append((exchange, ended))
+
+    def audited(self, record: Mapping[str, Any], thread: int) -> list[TelemetrySpan]:
+        """What one audit line gives: nothing yet (a call), or a turn's spans, or a log."""
+        event, turn_id = record.get("event"), _text_in(record, "turn_id")
+        if event in ("tool_call", "tool_calls_skipped") and turn_id:
+            if turn_id in self._closed:  # a call that timed out, finishing after its turn
+                return self._call_spans([record], turn_id, *self._closed[turn_id])
+            if turn_id not in self._calls and len(self._calls) >= MAX_OPEN_TURNS:
+                self.let_go += len(self._calls.pop(next(iter(self._calls))))
+            self._calls.setdefault(turn_id, []).append(record)
+            return []
+        if event == "turn" and turn_id:
+            return self._turn_spans(record, turn_id, self._requests.pop(thread, []))
+        if event == "approval_decision":
+            return self._person_decision(record)
+        if event == "decision_notice":
+            return self._expiries(record)
+        return []
+
+    def _turn_spans(
+        self, record: Mapping[str, Any], turn_id: str, requests: list[tuple[Exchange, float]]
+    ) -> list[TelemetrySpan]:
+        conversation = _text_in(record, "conversation_id") or None
+        trace, span_id = _trace_of(turn_id, conversation), _telemetry_id(8, "turn", turn_id)
+        self._closed[turn_id] = (trace, span_id)
+        if len(self._closed) > MAX_OPEN_TURNS:
+            del self._closed[next(iter(self._closed))]
+        end = _time_ns(record.get("time"))
+        start = end - round(_number_in(record.get("duration_ms")) * 1e6)
+        common = {"gen_ai.conversation.id": conversation} if conversation else {}
+        model = requests[-1][0].settings if requests else None
+        stop = _text_in(record, "stop_reason")
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "invoke_agent",
+            "gen_ai.provider.name": _provider(model.base_url) if model else "openai",
+            **({"gen_ai.request.model": model.model} if model else {}),
+            **common,
+            **_usage_attributes(record.get("usage")),
+            "function_calling.turn.id": turn_id,
+            "function_calling.stop_reason": stop,
+            "function_calling.rounds": _count_in(record.get("rounds")),
+        }
+        failed = stop in _FAILED_STOPS
+        if failed:
+            attributes["error.type"] = stop
+        error = stop if failed else ""
+        turn = TelemetrySpan(
+            "invoke_agent", trace, span_id, "", SPAN_INTERNAL, start, end, attributes, error
+        )
+        results = self._results(requests) if self.capture else {}
+        calls = self._call_spans(self._calls.pop(turn_id, []), turn_id, trace, span_id, results)
+        chats = [self._chat_span(*request, trace, span_id, common) for request in requests]
+        return [turn, *chats, *calls]
+
+    def _call_spans(
+        self,
+        records: list[Mapping[str, Any]],
+        turn_id: str,
+        trace: str,
+        parent: str,
+        results: Mapping[str, str] | None = None,
+    ) -> list[TelemetrySpan]:
+        spans, seen = [], collections.Counter[str]()
+        tools = {tool.name: tool for tool in self.tools()}
+        for record in records:
+            call_id, approval = _text_in(record, "tool_call_id"), _text_in(record, "approval_id")
+            where = f"{record.get('round')}\x00{call_id}"
+            seen[where] += 1  # one id twice in a round is a server's fault, not a reason to merge
+            span_id = _telemetry_id(8, "call", approval or f"{turn_id}\x00{where}{seen[where]}")
+            if approval:
+                self._spans_of[approval] = (trace, span_id)
+            if record.get("event") == "tool_call":
+                tool = tools.get(_text_in(record, "tool"))
+                extra = _span_attributes(tool) if tool is not None else {}
+                result = (results or {}).get(call_id)
+                spans.append(self._call_span(record, trace, span_id, parent, extra, result))
+            outcome = _text_in(record, "outcome")
+            if outcome.startswith("skipped:") or record.get("event") == "tool_calls_skipped":
+                spans.append(_guard_decision(record, trace, span_id))
+        return spans
+
+    def _call_span(
+        self,
+        record: Mapping[str, Any],
+        trace: str,
+        span_id: str,
+        parent: str,
+        extra: Mapping[str, Any],
+        result: str | None,
+    ) -> TelemetrySpan:
+        name, outcome = _text_in(record, "tool"), _text_in(record, "outcome")
+        end = _time_ns(record.get("time"))
+        start = end - round(_number_in(record.get("duration_ms")) * 1e6)
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": name,
+            "gen_ai.tool.type": "function",
+            **extra,
+            "function_calling.call.outcome": outcome,
+            "function_calling.round": _count_in(record.get("round")),
+        }
+        for key, attribute in (
+            ("tool_call_id", "gen_ai.tool.call.id"),
+            ("approval_id", "function_calling.approval.id"),
+        ):
+            if _text_in(record, key):
+                attributes[attribute] = record[key]
+        error = _call_error(outcome)
+        if error:
+            attributes["error.type"] = error
+        if self.capture:
+            attributes["gen_ai.tool.call.arguments"] = _captured(record.get("arguments"))
+            if result is not None:
+                attributes["gen_ai.tool.call.result"] = _captured(result)
+        return TelemetrySpan(
+            f"execute_tool {name}",
+            trace,
+            span_id,
+            parent,
+            SPAN_INTERNAL,
+            start,
+            end,
+            attributes,
+            outcome if error else "",
+        )
+
+    def _chat_span(
+        self, exchange: Exchange, ended: float, trace: str, parent: str, common: Mapping[str, Any]
+    ) -> TelemetrySpan:
+        settings, reply, failure = exchange.settings, exchange.reply, exchange.error
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            **_server_attributes(settings.base_url),
+            "gen_ai.request.model": settings.model,
+            **common,
+        }
+        if reply is not None:  # the server's words: a key it says back is not sent on
+            attributes |= _redacted_in_use(_reply_attributes(reply))
+        if failure is not None:
+            attributes["error.type"] = str(failure.status or failure.code or "_OTHER")
+        if self.capture:
+            attributes["gen_ai.input.messages"] = _captured(
+                [_semconv_message(message) for message in exchange.messages]
+            )
+            if reply is not None:
+                finish = reply.finish_reason or ""
+                told = {**_semconv_message(reply.message_json), "finish_reason": finish}
+                attributes["gen_ai.output.messages"] = _captured([told])
+        return TelemetrySpan(
+            f"chat {settings.model}",
+            trace,
+            secrets.token_hex(8),
+            parent,
+            SPAN_CLIENT,
+            int(exchange.started * 1e9),
+            int(ended * 1e9),
+            attributes,
+            str(failure) if failure is not None else "",
+        )
+
+    def _results(self, requests: list[tuple[Exchange, float]]) -> dict[str, str]:
+        """Each call's result, by call id, as a later request of the turn sent it."""
+        results: dict[str, str] = {}
+        for exchange, _ in requests:
+            for message in exchange.messages:
+                if message.startswith('{"role":"tool"'):  # ours, written by _tool_message
+                    told = json.loads(message)
+                    results[told["tool_call_id"]] = told["content"]
+        return results
+
+    def _person_decision(self, record: Mapping[str, Any]) -> list[TelemetrySpan]:
+        """A person's decision on a filed action: its log record, in the trace of the call
+        that filed it wherever that can be found."""
+        approval = _text_in(record, "action_id")
+        where = self._filing(approval)
+        outcome = _text_in(record, "outcome")
+        attributes = {
+            "gen_ai.tool.name": _text_in(record, "tool"),
+            "function_calling.approval.id": approval,
+            "function_calling.decision.outcome": outcome,
+            "function_calling.decision.by": "person",
+            "function_calling.decision.operator": _text_in(record, "operator"),
+        }
+        if outcome == "refused":
+            attributes["function_calling.decision.reason"] = _text_in(record, "reason")
+        return [_decision_log(_time_ns(record.get("time")), *where, attributes)]
+
+    def _filing(self, approval_id: str) -> tuple[str, str]:
+        """The (trace, span) of the call that filed an action: made here, else found in the
+        log; ("", "") if neither knows it."""
+        return self._spans_of.get(approval_id) or self.filed(approval_id) or ("", "")
+
+    def _expiries(self, record: Mapping[str, Any]) -> list[TelemetrySpan]:
+        """The actions a resumed conversation is told expired, nobody having decided."""
+        with suppress(ValueError, TypeError, AttributeError):
+            told = json.loads(_text_in(record, "content"))["decisions"]
+            trace = _trace_of("", _text_in(record, "conversation_id"))
+            return [
+                _decision_log(
+                    _time_ns(record.get("time")),
+                    trace,
+                    self._filing(str(decision["approvalId"]))[1],
+                    {
+                        "gen_ai.tool.name": str(decision.get("tool")),
+                        "function_calling.approval.id": str(decision["approvalId"]),
+                        "function_calling.decision.outcome": "expired",
+                        "function_calling.decision.by": "expiry",
+                    },
+                )
+                for decision in told
+                if decision.get("decision") == "expired"
+            ]
+        return []
+
+
+# Turns that ended in a failure: their span's error.type is how they ended.
+_FAILED_STOPS = frozenset(
+    {
+        "api_error",
+        "tool_failed",
+        "audit_failed",
+        "invalid_tool_call",
+        "unparsed_tool_call",
+        "interrupted",
+    }
+)
+
+
+def _number_in(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _server_attributes(base_url: str) -> dict[str, Any]:
+    """The provider and the server of a base URL (read once: every request names them)."""
+    target = urllib.parse.urlsplit(base_url)
+    return {
+        "gen_ai.provider.name": _provider(base_url),
+        "server.address": target.hostname or "",
+        "server.port": target.port or (443 if target.scheme == "https" else 80),
+    }
+
+
+def _provider(base_url: str) -> str:
+    host = urllib.parse.urlsplit(base_url).hostname or ""
+    return (
+        "azure.ai.openai" if host.endswith(".openai.azure.com") else _PROVIDERS.get(host, "openai")
+    )
+
+
+def _usage_attributes(usage: Any) -> dict[str, int]:
+    if not isinstance(usage, dict):
+        return {}
+    counts = {
+        "gen_ai.usage.input_tokens": usage.get("prompt_tokens"),
+        "gen_ai.usage.output_tokens": usage.get("completion_tokens"),
+    }
+    return {
+        name: count
+        for name, count in counts.items()
+        if isinstance(count, int) and not isinstance(count, bool)
+    }
+
+
+def _reply_attributes(reply: Reply) -> dict[str, Any]:
+    attributes: dict[str, Any] = _usage_attributes(reply.usage)
+    if reply.response_id:
+        attributes["gen_ai.response.id"] = reply.response_id
+    if reply.response_model:
+        attributes["gen_ai.response.model"] = reply.response_model
+    if reply.finish_reason:
+        attributes["gen_ai.response.finish_reasons"] = (reply.finish_reason,)
+    if reply.retries:
+        attributes["function_calling.retries"] = reply.retries
+    return attributes
+
+
+def _call_error(outcome: str) -> str:
+    """A call's error.type: the code the model was told, or how it did not run; "" if it ran
+    (or was filed for a person, which is not a failure)."""
+    if outcome.startswith(("rejected:", "error:")):
+        return outcome.partition(":")[2]
+    if outcome.startswith("skipped:"):
+        return "not_run"
+    return "timeout" if outcome == "timeout" else ""
+
+
+def _span_attributes(tool: Tool) -> dict[str, Any]:
+    """What a tool says of its own calls: a tool with a span_attributes() method (a part's
+    tools of another protocol, say) adds them to its execute_tool span."""
+    said = getattr(tool, "span_attributes", None)
+    with suppress(Exception):  # a tool's own code: it may fail, and a span is not worth a turn
+        attributes = said() if callable(said) else {}
+        if isinstance(attributes, dict):
+            return {str(k): v for k, v in attributes.items() if isinstance(v, str | int | bool)}
+    return {}
+
+
+def _guard_decision(record: Mapping[str, Any], trace: str, span_id: str) -> TelemetrySpan:
+    """A guard's decision not to run a call (or, counted, many)."""
+    reason = _text_in(record, "outcome").partition(":")[2] or _text_in(record, "reason")
+    attributes: dict[str, Any] = {
+        "function_calling.decision.outcome": "not_run",
+        "function_calling.decision.by": "guard",
+        "function_calling.decision.reason": reason,
+    }
+    if record.get("event") == "tool_calls_skipped":
+        attributes["function_calling.decision.calls"] = _count_in(record.get("count"))
+    else:
+        attributes["gen_ai.tool.name"] = _text_in(record, "tool")
+        if _text_in(record, "tool_call_id"):
+            attributes["gen_ai.tool.call.id"] = record["tool_call_id"]
+    return _decision_log(_time_ns(record.get("time")), trace, span_id, attributes)
+
+
+def _decision_log(
+    time_ns: int, trace: str, span_id: str, attributes: Mapping[str, Any]
+) -> TelemetrySpan:
+    return TelemetrySpan(
+        "gen_ai.tool.call.decision", trace, span_id, "", 0, time_ns, time_ns, attributes, log=True
+    )
+
+
+def _semconv_message(message_json: str) -> dict[str, Any]:
+    """One chat-completions message as the conventions write it: a role and its parts."""
+    message = json.loads(message_json)
+    parts: list[dict[str, Any]] = []
+    content = message.get("content")
+    if message.get("role") == "tool":
+        parts.append(
+            {"type": "tool_call_response", "id": message.get("tool_call_id"), "response": content}
+        )
+    elif isinstance(content, str):
+        parts.append({"type": "text", "content": content})
+    elif isinstance(content, list):
+        parts += [
+            {"type": "text", "content": part.get("text")}
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            named = {"id": call.get("id"), "name": function.get("name")}
+            parts.append({"type": "tool_call", **named, "arguments": function.get("arguments")})
+    return {"role": message.get("role"), "parts": parts}
+
+
+def _proposal_in_log(path: Path, approval_id: str) -> tuple[str, str] | None:
+    """The (trace, span) of the call that filed `approval_id`, read back from the log's end
+    (a decision comes after its filing), at most PROPOSAL_LOOKBACK_BYTES of it."""
+    conversations: dict[str, str] = {}  # turn id: conversation id, of the turns read so far
+    needle = approval_id.encode()
+    with suppress(OSError), open(path, "rb") as log:
+        end = log.seek(0, os.SEEK_END)
+        start = max(0, end - PROPOSAL_LOOKBACK_BYTES)
+        tail, position = b"", end
+        while position > start:
+            step = min(1024 * 1024, position - start)
+            position -= step
+            log.seek(position)
+            lines = (log.read(step) + tail).split(b"\n")
+            tail = lines.pop(0) if position > start else b""
+            for line in reversed(lines):
+                record = _record_or_none(line) if needle in line or b'"turn"' in line else None
+                if record is None:
+                    continue
+                turn_id = _text_in(record, "turn_id")
+                if record.get("event") == "turn" and _text_in(record, "conversation_id"):
+                    conversations[turn_id] = record["conversation_id"]
+                elif record.get("approval_id") == approval_id and turn_id:
+                    trace = _trace_of(turn_id, conversations.get(turn_id))
+                    return trace, _telemetry_id(8, "call", approval_id)
+    return None
+
+
+# -------------------------------------------------------------------------- OTLP's encodings
+# OTLP/HTTP carries an ExportTraceServiceRequest (or ...LogsServiceRequest) as protobuf or as
+# protobuf's JSON. Both are written here by hand, for the few messages used: the field numbers
+# are opentelemetry-proto's (trace/v1/trace.proto, logs/v1/logs.proto, common/v1).
+
+
+def _pb_varint(value: int) -> bytes:
+    if 0 <= value < 0x80:  # most of them: a tag, a short length, a small number
+        return _ONE_BYTE[value]
+    value &= (1 << 64) - 1  # a negative int64 is written as its 64-bit two's complement
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
+
+
+def _pb_bytes(number: int, payload: bytes) -> bytes:
+    return _pb_varint(number << 3 | 2) + _pb_varint(len(payload)) + payload
+
+
+def _pb_text(number: int, text: str) -> bytes:
+    return _pb_bytes(number, text.encode("utf-8", "replace"))  # a lone surrogate: "?"
+
+
+def _pb_number(number: int, value: int) -> bytes:
+    return _pb_varint(number << 3) + _pb_varint(value)
+
+
+def _pb_fixed64(number: int, value: int) -> bytes:
+    return _pb_varint(number << 3 | 1) + value.to_bytes(8, "little")
+
+
+def _pb_any(value: Any) -> bytes:
+    """An AnyValue: bool 2, int 3, array 5 (of AnyValue, field 1), and text 1 for the rest."""
+    if isinstance(value, bool):
+        return _pb_number(2, int(value))
+    if isinstance(value, int):
+        return _pb_number(3, value)
+    if isinstance(value, list | tuple):
+        return _pb_bytes(5, b"".join(_pb_bytes(1, _pb_any(item)) for item in value))
+    return _pb_text(1, str(value))
+
+
+def _pb_attributes(number: int, attributes: Mapping[str, Any]) -> bytes:
+    return b"".join(_pb_key_value(number, key, value) for key, value in attributes.items())
+
+
+# Most attributes repeat (an operation's name, a tool's, a model's): each pair is encoded once.
+# Speed: it halves what encoding a turn's spans costs the sender (make bench, the live exporter).
+@functools.lru_cache(maxsize=4096)
+def _pb_key_value(number: int, key: str, value: str | int | tuple[Any, ...]) -> bytes:
+    return _pb_bytes(number, _pb_text(1, key) + _pb_bytes(2, _pb_any(value)))
+
+
+def _pb_span(span: TelemetrySpan) -> bytes:
+    status = _pb_text(2, span.error) + _pb_number(3, 2) if span.error else b""  # 2: ERROR
+    return b"".join(
+        (
+            _pb_bytes(1, bytes.fromhex(span.trace_id)),
+            _pb_bytes(2, bytes.fromhex(span.span_id)),
+            _pb_bytes(4, bytes.fromhex(span.parent_id)) if span.parent_id else b"",
+            _pb_text(5, span.name),
+            _pb_number(6, span.kind),
+            _pb_fixed64(7, span.start_ns),
+            _pb_fixed64(8, span.end_ns),
+            _pb_attributes(9, span.attributes),
+            _pb_bytes(15, status) if status else b"",
+        )
+    )
+
+
+def _pb_log(record: TelemetrySpan) -> bytes:
+    """A LogRecord: time 1, severity 2 (9: INFO) and 3, attributes 6, trace 9, span 10,
+    observed time 11, event name 12."""
+    return b"".join(
+        (
+            _pb_fixed64(1, record.end_ns),
+            _pb_number(2, 9),
+            _pb_text(3, "INFO"),
+            _pb_attributes(6, record.attributes),
+            _pb_bytes(9, bytes.fromhex(record.trace_id)) if record.trace_id else b"",
+            _pb_bytes(10, bytes.fromhex(record.span_id)) if record.span_id else b"",
+            _pb_fixed64(11, record.end_ns),
+            _pb_text(12, record.name),
+        )
+    )
+
+
+def _pb_request(items: Sequence[TelemetrySpan], resource: Mapping[str, Any]) -> bytes:
+    """ExportTraceServiceRequest, or ExportLogsServiceRequest for log records: the same shape,
+    resource 1 and scope 1 in a Resource* 1 > Scope* 2 > spans or records 2."""
+    scope = _pb_text(1, "function_calling") + _pb_text(2, __version__)
+    encode = _pb_log if items and items[0].log else _pb_span
+    scoped = _pb_bytes(1, scope) + b"".join(_pb_bytes(2, encode(item)) for item in items)
+    return _pb_bytes(1, _pb_bytes(1, _pb_attributes(1, resource)) + _pb_bytes(2, scoped))
+
+
+def _json_any(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}  # int64 as a string, as protobuf's JSON writes it
+    if isinstance(value, list | tuple):
+        return {"arrayValue": {"values": [_json_any(item) for item in value]}}
+    return {"stringValue": str(value)}
+
+
+def _json_attributes(attributes: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [{"key": key, "value": _json_any(value)} for key, value in attributes.items()]
+
+
+def _json_item(item: TelemetrySpan) -> dict[str, Any]:
+    """A span or a log record in OTLP/JSON: ids in hex (not base64), enums as numbers."""
+    if item.log:
+        ids = {"traceId": item.trace_id, "spanId": item.span_id} if item.trace_id else {}
+        return {
+            "timeUnixNano": str(item.end_ns),
+            "observedTimeUnixNano": str(item.end_ns),
+            "severityNumber": 9,
+            "severityText": "INFO",
+            "eventName": item.name,
+            **ids,
+            "attributes": _json_attributes(item.attributes),
+        }
+    return {
+        "traceId": item.trace_id,
+        "spanId": item.span_id,
+        **({"parentSpanId": item.parent_id} if item.parent_id else {}),
+        "name": item.name,
+        "kind": item.kind,
+        "startTimeUnixNano": str(item.start_ns),
+        "endTimeUnixNano": str(item.end_ns),
+        "attributes": _json_attributes(item.attributes),
+        **({"status": {"code": 2, "message": item.error}} if item.error else {}),
+    }
+
+
+def _json_request(items: Sequence[TelemetrySpan], resource: Mapping[str, Any]) -> str:
+    kind = "Logs" if items and items[0].log else "Spans"
+    scoped = {
+        "scope": {"name": "function_calling", "version": __version__},
+        ("logRecords" if kind == "Logs" else "spans"): [_json_item(item) for item in items],
+    }
+    resource_json = {"attributes": _json_attributes(resource)}
+    return _compact({f"resource{kind}": [{"resource": resource_json, f"scope{kind}": [scoped]}]})
+
+
+def otlp_json_lines(
+    path: Path, resource: Mapping[str, Any], capture: bool = False
+) -> Iterator[str]:
+    """An audit log as OTLP/JSON lines, as the OpenTelemetry Collector's file exporter writes
+    them: each line a request of spans, or of log records, at most TELEMETRY_BATCH each."""
+    maker = _SpanMaker(capture)
+    ready: list[TelemetrySpan] = []
+    with open(path, "rb") as log:
+        for record in map(_record_or_none, log):
+            if record is not None and _well_formed(record):
+                ready += maker.audited(record, 0)
+            while len(ready) >= TELEMETRY_BATCH:
+                yield from _json_lines(ready[:TELEMETRY_BATCH], resource)
+                del ready[:TELEMETRY_BATCH]
+    yield from _json_lines(ready, resource)
+
+
+def _json_lines(items: Sequence[TelemetrySpan], resource: Mapping[str, Any]) -> Iterator[str]:
+    for wanted in (False, True):
+        chosen = [item for item in items if item.log is wanted]
+        if chosen:
+            yield _json_request(chosen, resource)
+
+
+# ------------------------------------------------------------------------------- the sender
+
+
+class _ExportError(Exception):
+    """An export request that did not succeed, in words that name no host or header."""
+
+
+class OtlpExporter:
+    """Sends spans and log records to an OTLP/HTTP receiver, one request each, whole by a
+    deadline: a redirect is not followed (it would carry the headers elsewhere), an answer
+    other than 2xx is a failure, and no more than MAX_OTLP_ANSWER_BYTES of any is read."""
+
+    def __init__(
+        self,
+        traces_url: str,
+        logs_url: str,
+        headers: Mapping[str, str] | None = None,
+        protocol: str = "http/protobuf",
+        resource: Mapping[str, Any] | None = None,
+        timeout: float = OTLP_TIMEOUT_S,
+    ) -> None:
+        if protocol not in ("http/protobuf", "http/json"):
+            raise ConfigError(f"OTLP protocol {protocol!r}: use http/protobuf or http/json")
+        for url in (traces_url, logs_url):
+            target = urllib.parse.urlsplit(url)
+            if target.scheme not in ("http", "https") or not target.hostname:
+                raise ConfigError("an OTLP endpoint must be an http:// or https:// URL")
+        self.traces_url, self.logs_url = traces_url, logs_url
+        self.headers = dict(headers or {})
+        self.protocol, self.timeout = protocol, timeout
+        self.resource = dict(resource or {"service.name": "function_calling"})
+        https = any(url.startswith("https:") for url in (traces_url, logs_url))
+        self._tls = ssl.create_default_context() if https else None
+
+    def send(self, items: Sequence[TelemetrySpan]) -> None:
+        """Export `items`, all spans (to the traces URL) or all log records (to the logs
+        URL), in one request; _ExportError if the receiver does not take them."""
+        url = self.logs_url if items[0].log else self.traces_url
+        if self.protocol == "http/json":
+            self._post(url, _json_request(items, self.resource).encode(), "application/json")
+        else:
+            self._post(url, _pb_request(items, self.resource), "application/x-protobuf")
+
+    def _post(self, url: str, body: bytes, content_type: str) -> None:
+        target = urllib.parse.urlsplit(url)
+        deadline = time.monotonic() + self.timeout
+        connection: _TimedHTTPConnection = (
+            _TimedHTTPSConnection(
+                target.hostname,
+                target.port,
+                deadline=deadline,
+                timeout=self.timeout,
+                context=self._tls,
+            )
+            if target.scheme == "https"
+            else _TimedHTTPConnection(
+                target.hostname, target.port, deadline=deadline, timeout=self.timeout
+            )
+        )
+        path = target.path or "/"
+        headers = {"Content-Type": content_type, "User-Agent": _USER_AGENT, **self.headers}
+        try:
+            connection.request(
+                "POST",
+                path + (f"?{target.query}" if target.query else ""),
+                body=body,
+                headers=headers,
+            )
+            response = connection.getresponse()
+            response.read(MAX_OTLP_ANSWER_BYTES)  # a success's answer says nothing we use
+            if not 200 <= response.status < 300:
+                raise _ExportError(f"the receiver answered {response.status}")
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise _ExportError(_transport_reason(exc)) from None
+        finally:
+            connection.close()
+
+
+_USER_AGENT = f"function_calling/{__version__}"
+
+
+class Telemetry:
+    """Spans of what this process's audit log records, sent by an OtlpExporter from a thread
+    of its own: a receiver that is down, slow or hostile costs a turn nothing. What waits is
+    bounded (TELEMETRY_QUEUE; past it, each item is dropped and counted), a failed export
+    drops its batch (counted) and later ones for a while, and close() waits at most its
+    bound. As a context manager it listens to AUDIT_LOGGER; give `exchanged` to ChatClient
+    (on_exchange) for the model requests' spans. `sent` and `dropped` count spans and log
+    records."""
+
+    def __init__(
+        self,
+        exporter: OtlpExporter,
+        capture: bool = False,
+        audit_path: Path | None = None,
+        tools: Callable[[], Sequence[Tool]] = tuple,
+    ) -> None:
+        self.exporter = exporter
+        self.capture = capture
+        self.audit_path = audit_path  # where a decision looks for its filing, if given
+        self._maker = _SpanMaker(capture, tools, self._filed)
+        self._queue: collections.deque[Any] = collections.deque()
+        self._ready = threading.Condition()
+        self.handler = _AuditHandler(self)  # what it adds to AUDIT_LOGGER while entered
+        self._thread: threading.Thread | None = None
+        self._level: int | None = None  # AUDIT_LOGGER's own, given back on close
+        self._holding, self._abandoned = 0, False  # the sender's batch; given up on?
+        self._quiet: dict[bool, tuple[float, float]] = {}  # by signal: (backoff, until)
+        self.sent = self.dropped = 0
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str],
+        audit_path: Path | None = None,
+        tools: Callable[[], Sequence[Tool]] = tuple,
+    ) -> Telemetry | None:
+        """Telemetry as OpenTelemetry's variables say (None without an endpoint, or with
+        OTEL_SDK_DISABLED=true); ConfigError for values it cannot use."""
+        return _telemetry_from_env(cls, environ, audit_path, tools)
+
+    def exchanged(self, exchange: Exchange) -> None:
+        """ChatClient's on_exchange: a model request ended (its spans go with its turn's)."""
+        kept = replace(exchange, messages=tuple(exchange.messages)) if self.capture else exchange
+        self._put(("request", kept, time.time(), threading.get_ident()))
+
+    def audited(self, record: Mapping[str, Any]) -> None:
+        """An audit line, just written (AUDIT_LOGGER's handler calls this)."""
+        self._put(("audit", record, 0.0, threading.get_ident()))
+
+    def _put(self, item: Any) -> None:
+        with self._ready:
+            if len(self._queue) >= TELEMETRY_QUEUE:
+                self.dropped += 1
+                return
+            self._queue.append(item)
+            if len(self._queue) >= TELEMETRY_BATCH:  # else the sender wakes when it is due
+                self._ready.notify()
+
+    def __enter__(self) -> Telemetry:
+        logger = logging.getLogger(AUDIT_LOGGER)
+        self._level = logger.level
+        if not logger.isEnabledFor(logging.INFO):  # the log's lines are handed over as INFO
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self.handler)
+        self._thread = threading.Thread(target=self._send_all, name="otlp", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self, bound: float = TELEMETRY_FLUSH_S) -> None:
+        """Stop listening; send what waits, for at most `bound` seconds; what has not left
+        by then is counted as dropped."""
+        logger = logging.getLogger(AUDIT_LOGGER)
+        logger.removeHandler(self.handler)
+        if self._level is not None:
+            logger.setLevel(self._level)
+            self._level = None
+        if self._thread is None:
+            return
+        with self._ready:
+            self._queue.append(_STOP)
+            self._ready.notify()
+        self._thread.join(bound)
+        with self._ready:
+            if self._thread.is_alive():  # still sending: what it holds is not known to be in
+                self._abandoned = True
+                waiting = sum(item is not _STOP for item in self._queue)
+                self.dropped += self._holding + waiting
+                self._queue.clear()
+        self._thread = None
+
+    def _send_all(self) -> None:
+        """The sender's loop: every TELEMETRY_WAIT_S (or sooner, once a batch waits), all
+        that waits is made into spans and sent, TELEMETRY_BATCH a request, until _STOP."""
+        while True:
+            with self._ready:
+                if not self._queue:
+                    self._ready.wait(TELEMETRY_WAIT_S)
+                items = list(self._queue)
+                self._queue.clear()
+            batch: list[TelemetrySpan] = []
+            for item in items:
+                if item is not _STOP:
+                    with suppress(Exception):  # a line this code cannot read: its spans only
+                        batch += self._made(item)
+            self._holding = len(batch)
+            for start in range(0, len(batch), TELEMETRY_BATCH):
+                self._send(batch[start : start + TELEMETRY_BATCH])
+                self._holding = max(0, len(batch) - start - TELEMETRY_BATCH)
+            if items and items[-1] is _STOP:
+                return
+
+    def _made(self, item: tuple[str, Any, float, int]) -> list[TelemetrySpan]:
+        kind, value, ended, thread = item
+        if kind == "request":
+            self._maker.requested(value, ended, thread)
+            return []
+        return self._maker.audited(value, thread)
+
+    def _send(self, batch: list[TelemetrySpan]) -> None:
+        """The spans, then the log records, each in one export, unless a recent failure of
+        that signal's says its receiver is still away: then they are dropped unsent, so that
+        a receiver that is down (or takes no logs) is not asked every second."""
+        for log in (False, True):
+            chosen = [item for item in batch if item.log is log]
+            backoff, until = self._quiet.get(log, (0.0, 0.0))
+            sent = False
+            if chosen and time.monotonic() >= until:
+                try:
+                    self.exporter.send(chosen)
+                    sent, self._quiet[log] = True, (0.0, 0.0)
+                except Exception:  # noqa: BLE001 -- _ExportError, or a span this code cannot encode
+                    backoff = min(max(1.0, backoff * 2), 60.0)
+                    self._quiet[log] = (backoff, time.monotonic() + backoff)
+            with self._ready:
+                if self._abandoned:  # close() counted these already
+                    return
+                if sent:
+                    self.sent += len(chosen)
+                else:
+                    self.dropped += len(chosen)
+
+    def _filed(self, approval_id: str) -> tuple[str, str] | None:
+        if self.audit_path is None:
+            return None
+        return _proposal_in_log(self.audit_path, approval_id)
+
+
+class _AuditHandler(logging.Handler):
+    """Hands each audit line (AuditLog's `audit` extra) to the Telemetry; never raises."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        super().__init__(logging.INFO)
+        self.telemetry = telemetry
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = getattr(record, "audit", None)
+        if isinstance(line, dict):
+            self.telemetry.audited(line)
+
+
+def _telemetry_from_env(
+    cls: type[Telemetry],
+    environ: Mapping[str, str],
+    audit_path: Path | None,
+    tools: Callable[[], Sequence[Tool]],
+) -> Telemetry | None:
+    def setting(name: str) -> str:
+        """A signal's own variable first (OTEL_EXPORTER_OTLP_TRACES_…), then the shared one."""
+        return environ.get(name.replace("OTLP_", "OTLP_TRACES_"), "") or environ.get(name, "")
+
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
+    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") or (base and f"{base}/v1/traces")
+    logs = environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "") or (base and f"{base}/v1/logs")
+    if not traces or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    headers = _otel_pairs(setting("OTEL_EXPORTER_OTLP_HEADERS"), "OTEL_EXPORTER_OTLP_HEADERS")
+    _keep_secret(*headers.values())  # an API key of the receiver's: shown nowhere
+    resource = _otel_pairs(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
+    resource["service.name"] = (
+        environ.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "function_calling"
+    )
+    timeout_ms = setting("OTEL_EXPORTER_OTLP_TIMEOUT") or str(OTLP_TIMEOUT_S * 1000)
+    try:
+        timeout = float(timeout_ms) / 1000
+    except ValueError:
+        raise ConfigError("OTEL_EXPORTER_OTLP_TIMEOUT: a number of milliseconds") from None
+    if not 0 < timeout <= 600:
+        raise ConfigError("OTEL_EXPORTER_OTLP_TIMEOUT: from 1 to 600000 milliseconds")
+    protocol = setting("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    exporter = OtlpExporter(traces, logs or traces, headers, protocol, resource, timeout)
+    capture = environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower()
+    return cls(exporter, capture in ("true", "span_only", "span_and_event"), audit_path, tools)
+
+
+def _otel_pairs(text: str, name: str) -> dict[str, str]:
+    """key=value,… as OpenTelemetry's variables write them, values percent-decoded."""
+    pairs = {}
+    for item in filter(str.strip, text.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(f"{name}: expected key=value pairs separated by commas")
+        pairs[key.strip()] = urllib.parse.unquote(value.strip())
+    return pairs
+
+
+# ------------------------------------------------------------------------ the command line
+
+
+@contextmanager
+def _telemetry_around(args: argparse.Namespace) -> Iterator[None]:
+    """Every command, with spans sent while OTEL_EXPORTER_OTLP_ENDPOINT is set: a setting it
+    cannot use is said in one line, and the command goes on without them."""
+    folder = _data_dir(args) if hasattr(args, "data_dir") else None
+    path = folder / "audit.log" if folder else None
+    try:
+        telemetry = Telemetry.from_env(os.environ, path, lambda: args.tools)
+    except ConfigError as exc:
+        print(f"warning: no telemetry: {_shown_to_user(str(exc))}", file=sys.stderr)
+        telemetry = None
+    if telemetry is None:
+        yield
+        return
+    args.on_exchange = telemetry.exchanged
+    try:
+        with telemetry:
+            yield
+    finally:
+        _record_telemetry(telemetry)
+
+
+def _record_telemetry(telemetry: Telemetry) -> None:
+    """What was sent and dropped, as an audit line (what `stats` adds up), if anything was."""
+    path = telemetry.audit_path
+    if path is None or not (telemetry.sent or telemetry.dropped) or not path.is_file():
+        return
+    with suppress(AuditError, OSError):
+        audit = AuditLog(path, writer=AuditFile)
+        audit.record("telemetry", sent=telemetry.sent, dropped=telemetry.dropped)
+
+
+def _telemetry_stats(path: Path) -> list[str]:
+    sent = dropped = 0
+    with open(path, "rb") as log:
+        for record in map(_record_or_none, log):
+            if record is not None and record.get("event") == "telemetry":
+                sent += _count_in(record.get("sent"))
+                dropped += _count_in(record.get("dropped"))
+    if not sent + dropped:
+        return []
+    return [f"telemetry        {sent} spans and records sent, {dropped} dropped"]
+
+
+def _add_telemetry_command(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
+    export = commands.add_parser(
+        "export-otel",
+        parents=[shared["data"]],
+        help="the audit log as OTLP/JSON lines (the OpenTelemetry Collector's file format)",
+    )
+    export.add_argument(
+        "path", nargs="?", type=Path, help="the audit log (default: the data dir's)"
+    )
+    export.add_argument(
+        "--content",
+        action="store_true",
+        help="with the tools' arguments (as OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)",
+    )
+    export.set_defaults(command=_cmd_export_otel)
+
+
+def _cmd_export_otel(args: argparse.Namespace, app: App) -> int:
+    path = _audit_path(args)
+    resource = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or "function_calling"}
+    for line in otlp_json_lines(path, resource, args.content):
+        print(line)
+    return EXIT_OK
+
+
+AROUND_COMMANDS.append(_telemetry_around)
+STATS_LINES.append(_telemetry_stats)
+COMMANDS.append(_add_telemetry_command)
+# <<< TELEMETRY
 # >>> EXAMPLE: a small shop. Everything from this line to the "<<< EXAMPLE" line is the worked
 # example (three tools over SQLite, one of them a write behind a human, the prompt, the demo
 # turns) and nothing above depends on it. To make this file yours, delete it in one cut,

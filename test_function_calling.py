@@ -110,6 +110,7 @@ WIRE_CHOICES = (
     "retry_timeouts",
     "stream_idle",
     "max_stream_bytes",
+    "on_exchange",
 )
 BACK = "/?page=1#decided"  # where a decision made outside any page goes: its note
 OTHER_CUSTOMER = "CUST-0002"
@@ -5497,6 +5498,7 @@ class CopyTest(unittest.TestCase):
         "mcp",
         "sign_in",
         "inbox",
+        "telemetry",
         "example",
     )
     INSIDE: ClassVar[dict[str, str]] = {"ledger": "budgets", "sign_in": "mcp"}  # go too
@@ -5599,6 +5601,7 @@ class CopyTest(unittest.TestCase):
             "inbox": {"inbox"},
             "example": {"demo"},
             "sign_in": {"mcp-login", "mcp-logout"},
+            "telemetry": {"export-otel"},
         }
         gone_parts = {p for p in self.PARTS if p in without or self.INSIDE.get(p) in without}
         kept_commands = {c for part, cs in by_part.items() if part not in gone_parts for c in cs}
@@ -13775,6 +13778,576 @@ class McpSignInTest(RemoteCase):
         self.assertEqual(auth.requests, [])
 
 
+# ---------------------------------------------------------------------------- telemetry
+
+
+def pb_fields(data: bytes) -> dict[int, list[Any]]:
+    """A protobuf message's fields by number, each value as the wire has it (a varint or a
+    fixed64 as an int, a length-delimited field as bytes): enough to read what was sent."""
+    fields: dict[int, list[Any]] = collections.defaultdict(list)
+    position = 0
+
+    def varint() -> int:
+        nonlocal position
+        value = shift = 0
+        while True:
+            byte = data[position]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while position < len(data):
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            fields[number].append(varint())
+        elif wire == 1:
+            fields[number].append(int.from_bytes(data[position : position + 8], "little"))
+            position += 8
+        elif wire == 2:
+            length = varint()
+            fields[number].append(data[position : position + length])
+            position += length
+        else:
+            raise ValueError(f"wire type {wire}")
+    return fields
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP receiver on 127.0.0.1 in the suite's own process. It keeps every request
+    it gets (path, headers, body) and answers as `answer` says: "ok"; "hold" (nothing until
+    the block ends); "redirect" (307 to `elsewhere`); "huge" (200, then 64 MiB of body, the
+    bytes it wrote counted in `written`)."""
+
+    def __init__(self, answer: str = "ok", elsewhere: str = "") -> None:
+        self.answer, self.elsewhere = answer, elsewhere
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.release = threading.Event()
+        self.written = 0
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.requests.append((self.path, dict(self.headers), body))
+                receiver.respond(self)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def respond(self, handler: http.server.BaseHTTPRequestHandler) -> None:
+        if self.answer == "hold":
+            self.release.wait(300)
+        elif self.answer == "redirect":
+            send_reply(handler, 307, b"", "text/plain", [("Location", self.elsewhere)])
+        elif self.answer == "huge":
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(64 << 20))
+            handler.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(1024):
+                    handler.wfile.write(b"x" * 65536)
+                    self.written += 65536
+        else:
+            send_reply(handler, 200, b"", "application/x-protobuf")
+
+    def __enter__(self) -> OtlpReceiver:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def items(self, signal: str = "Spans") -> list[dict[str, Any]]:
+        """The spans (or, "Logs", log records) of the OTLP/JSON requests it got, each with
+        its attributes as a plain dict."""
+        found = []
+        for _, _, body in self.requests:
+            for sent in json.loads(body).get(f"resource{signal}", []):
+                for scoped in sent[f"scope{signal}"]:
+                    for item in scoped["spans" if signal == "Spans" else "logRecords"]:
+                        plain = {a["key"]: otlp_value(a["value"]) for a in item["attributes"]}
+                        found.append({**item, "attributes": plain})
+        return found
+
+    def bodies(self) -> bytes:
+        return b"".join(body for _, _, body in self.requests)
+
+
+def otlp_value(value: dict[str, Any]) -> Any:
+    ((kind, inner),) = value.items()
+    if kind == "arrayValue":
+        return [otlp_value(item) for item in inner.get("values", [])]
+    return int(inner) if kind == "intValue" else inner
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (it was free a moment ago)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+THREE_CALLS = [
+    tool_call_reply(
+        [
+            ("getOrderStatus", LOOKUP),
+            ("requestShippingRefund", '{"orderId": "ORD-1003"}'),
+            ("getOrderStatus", '{"orderId": "ord 1001"}'),
+        ]
+    ),
+    text_reply("Shipped; a person will confirm the refund."),
+]
+
+
+class TelemetryTest(ApprovalCase):
+    """Spans of every turn, model request and call, and a log record of every decision, sent
+    to an OTLP receiver by a thread of their own: a receiver that is down, slow or hostile
+    costs a turn nothing, and what could not be sent is counted."""
+
+    def traced(
+        self,
+        receiver_url: str,
+        script: Sequence[fc.ScriptItem] = THREE_CALLS,
+        capture: bool = False,
+        protocol: str = "http/json",
+        bound: float = 60.0,
+    ) -> tuple[TurnResult, fc.Telemetry, list[RecordedRequest]]:
+        exporter = fc.OtlpExporter(
+            receiver_url + "/v1/traces", receiver_url + "/v1/logs", protocol=protocol
+        )
+        telemetry = fc.Telemetry(exporter, capture, self.audit_path, tools=lambda: self.tools)
+        with telemetry:
+            result, requests = self.run_turn(script, client={"on_exchange": telemetry.exchanged})
+            telemetry.close(bound)
+        return result, telemetry, requests
+
+    def test_a_turn_is_one_trace_with_its_requests_and_calls_under_its_agent_span(self) -> None:
+        with OtlpReceiver() as receiver:
+            result, telemetry, _ = self.traced(receiver.url)
+        self.assertEqual(result.stop_reason, "answered")
+        spans = receiver.items()
+        (agent,) = [s for s in spans if s["name"] == "invoke_agent"]
+        chats = [s for s in spans if s["name"] == "chat test-model"]
+        calls = {s["attributes"].get("gen_ai.tool.call.id"): s for s in spans if s["kind"] == 1}
+        self.assertEqual(len(chats), 2)
+        self.assertEqual(len(spans), 1 + 2 + 3)
+        self.assertEqual({s["traceId"] for s in spans}, {agent["traceId"]})
+        self.assertNotIn("parentSpanId", agent)
+        self.assertEqual(
+            {s.get("parentSpanId") for s in spans if s is not agent}, {agent["spanId"]}
+        )
+        self.assertEqual(agent["attributes"]["gen_ai.operation.name"], "invoke_agent")
+        self.assertEqual(agent["attributes"]["gen_ai.usage.input_tokens"], 20)
+        chat = chats[0]["attributes"]
+        self.assertEqual(chats[0]["kind"], 3)  # CLIENT
+        for name, value in {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": "test-model",
+            "gen_ai.response.id": "chatcmpl-scripted",
+            "gen_ai.response.model": "scripted",
+            "gen_ai.usage.input_tokens": 10,
+            "gen_ai.usage.output_tokens": 5,
+            "server.address": "127.0.0.1",
+        }.items():
+            self.assertEqual(chat[name], value, name)
+        self.assertIn(chat["gen_ai.response.finish_reasons"], (["tool_calls"], ["stop"]))
+        outcomes = sorted(
+            (
+                s["attributes"]["gen_ai.tool.name"],
+                s["attributes"]["function_calling.call.outcome"],
+                s["attributes"].get("error.type"),
+                s.get("status", {}).get("code"),
+            )
+            for s in spans
+            if s["kind"] == 1 and s is not agent
+        )
+        self.assertEqual(
+            outcomes,
+            [
+                ("getOrderStatus", "ok", None, None),
+                ("getOrderStatus", "rejected:invalid_arguments", "invalid_arguments", 2),
+                ("requestShippingRefund", "proposed", None, None),
+            ],
+        )
+        self.assertTrue(
+            all(call_id and call_id.startswith("call_") for call_id in calls if call_id)
+        )
+        self.assertFalse(
+            [
+                a
+                for s in spans
+                for a in s["attributes"]
+                if "messages" in a or "arguments" in a or "result" in a
+            ]
+        )  # content is opt-in
+        self.assertNotIn(FAKE_KEY.encode(), receiver.bodies())
+        self.assertEqual((telemetry.sent, telemetry.dropped), (6, 0))
+
+    def test_content_goes_only_when_asked_and_redacted_as_the_audit_log_is(self) -> None:
+        said_back = [
+            tool_call_reply([("getOrderStatus", json.dumps({"orderId": FAKE_KEY}))]),
+            text_reply("ok"),
+        ]
+        with OtlpReceiver() as receiver:
+            self.traced(receiver.url, said_back, capture=True)
+        spans = receiver.items()
+        (call,) = [s["attributes"] for s in spans if s["name"] == "execute_tool getOrderStatus"]
+        self.assertIn("[redacted]", call["gen_ai.tool.call.arguments"])
+        self.assertIn('"error"', call["gen_ai.tool.call.result"])
+        last = [s["attributes"] for s in spans if s["name"] == "chat test-model"][-1]
+        told = json.loads(last["gen_ai.input.messages"])
+        self.assertEqual([m["role"] for m in told], ["system", "user", "assistant", "tool"])
+        self.assertEqual(told[2]["parts"][0]["type"], "tool_call")
+        self.assertEqual(told[3]["parts"][0]["type"], "tool_call_response")
+        self.assertEqual(json.loads(last["gen_ai.output.messages"])[0]["parts"][0]["content"], "ok")
+        self.assertNotIn(FAKE_KEY.encode(), receiver.bodies())
+        self.assertNotIn(FAKE_KEY[:20].encode(), receiver.bodies())
+
+    def test_protobuf_is_the_default_and_says_what_json_says(self) -> None:
+        with OtlpReceiver() as protobuf, OtlpReceiver() as json_receiver:
+            exporter = fc.OtlpExporter(protobuf.url + "/v1/traces", protobuf.url + "/v1/logs")
+            self.assertEqual(exporter.protocol, "http/protobuf")
+            self.traced(protobuf.url, protocol="http/protobuf")
+            self.traced(json_receiver.url)
+        ((path, headers, body),) = protobuf.requests
+        self.assertEqual((path, headers["Content-Type"]), ("/v1/traces", "application/x-protobuf"))
+        (resource_spans,) = pb_fields(body)[1]
+        (scope_spans,) = pb_fields(resource_spans)[2]
+        names = [pb_fields(span)[5][0].decode() for span in pb_fields(scope_spans)[2]]
+        self.assertEqual(sorted(names), sorted(s["name"] for s in json_receiver.items()))
+
+    def test_a_receiver_that_is_down_costs_a_turn_nothing_and_is_counted(self) -> None:
+        result, telemetry, _ = self.traced(f"http://127.0.0.1:{closed_port()}")
+        self.assertEqual(result.stop_reason, "answered")
+        self.assertEqual((telemetry.sent, telemetry.dropped), (0, 6))
+
+    def test_a_receiver_that_never_answers_holds_neither_the_turn_nor_the_exit(self) -> None:
+        with OtlpReceiver("hold") as receiver:
+            exporter = fc.OtlpExporter(receiver.url + "/v1/traces", receiver.url + "/v1/logs")
+            telemetry = fc.Telemetry(exporter, tools=lambda: self.tools)
+            with telemetry:
+                result, _ = self.run_turn(THREE_CALLS, client={"on_exchange": telemetry.exchanged})
+                self.assertEqual(result.stop_reason, "answered")  # while the receiver holds
+                closing = threading.Thread(target=telemetry.close, args=(0.5,))
+                closing.start()
+                closing.join(60)  # its bound is 0.5 s; the receiver holds for minutes
+                self.assertFalse(closing.is_alive())
+            self.assertFalse(receiver.release.is_set())
+        self.assertEqual(telemetry.sent, 0)
+        self.assertGreaterEqual(telemetry.dropped, 1)
+
+    def test_a_redirect_is_not_followed_and_a_huge_answer_is_not_read(self) -> None:
+        with OtlpReceiver() as elsewhere, OtlpReceiver("redirect", elsewhere.url) as moved:
+            _, telemetry, _ = self.traced(moved.url)
+        self.assertEqual((len(moved.requests), elsewhere.requests), (1, []))
+        self.assertEqual((telemetry.sent, telemetry.dropped), (0, 6))
+        with OtlpReceiver("huge") as huge:
+            _, telemetry, _ = self.traced(huge.url)
+        self.assertEqual((telemetry.sent, telemetry.dropped), (6, 0))
+        self.assertLess(huge.written, 16 << 20)  # of 64 MiB: it stopped being read
+
+    def test_what_waits_is_bounded_and_what_it_drops_is_counted(self) -> None:
+        exporter = fc.OtlpExporter(f"http://127.0.0.1:{closed_port()}/v1/traces", "http://x/")
+        telemetry = fc.Telemetry(exporter)  # not started: nothing takes from its queue
+        for number in range(fc.TELEMETRY_QUEUE + 100):
+            telemetry.audited({"event": "tool_call", "turn_id": f"turn-{number}"})
+        self.assertEqual(telemetry.dropped, 100)
+
+    def test_export_otel_gives_the_log_as_the_same_spans(self) -> None:
+        with OtlpReceiver() as receiver:
+            self.traced(receiver.url)
+        done = self.cli("export-otel", str(self.audit_path))
+        self.assertEqual(done.returncode, 0, done.stderr)
+        exported = [json.loads(line) for line in done.stdout.splitlines()]
+        spans = [
+            span
+            for line in exported
+            for resource in line["resourceSpans"]
+            for scoped in resource["scopeSpans"]
+            for span in scoped["spans"]
+        ]
+        live = {
+            (s["traceId"], s["spanId"], s.get("parentSpanId"), s["name"])
+            for s in receiver.items()
+            if not s["name"].startswith("chat ")
+        }
+        self.assertEqual(
+            {(s["traceId"], s["spanId"], s.get("parentSpanId"), s["name"]) for s in spans}, live
+        )
+        self.assertEqual(len(live), 4)
+
+
+class TelemetryCliTest(LoopTestCase):
+    """The command line sends spans while OTEL_EXPORTER_OTLP_ENDPOINT is set, and says in
+    `stats` what it sent and dropped."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.server = ScriptedChatServer([])
+        self.server.__enter__()
+        self.addCleanup(self.server.__exit__, None, None, None)
+        self.receiver = OtlpReceiver().__enter__()
+        self.addCleanup(self.receiver.__exit__, None, None, None)
+        self.headers = "x-api-key=otlp-secret-0123456789"
+        self.env = {
+            "OPENAI_BASE_URL": self.server.base_url,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": self.receiver.url,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+            "OTEL_EXPORTER_OTLP_HEADERS": self.headers,
+            "OTEL_SERVICE_NAME": "shop-support",
+        }
+
+    def test_a_conversation_is_one_trace_and_a_decision_joins_it_from_another_process(
+        self,
+    ) -> None:
+        self.server.script.extend(REFUND_1003)
+        done = self.cli("chat", stdin="Refund the shipping on ORD-1003\n", env=self.env)
+        found = CONVERSATION_LINE.search(done.stderr)
+        assert found is not None, done.stderr
+        (filed,) = self.audit_records()
+        decided = self.cli("approve", filed["approval_id"], "--operator", "alice", env=self.env)
+        self.assertEqual(decided.returncode, 0, decided.stderr)
+        self.server.script.append(text_reply("Refunded."))
+        again = self.cli("ask", "Done?", "--conversation", found.group(1), env=self.env)
+        self.assertEqual(again.returncode, 0, again.stderr)
+        spans = self.receiver.items()
+        agents = [s for s in spans if s["name"] == "invoke_agent"]
+        (filing,) = [s for s in spans if s["name"] == "execute_tool requestShippingRefund"]
+        self.assertEqual(len(agents), 2)
+        self.assertEqual({s["traceId"] for s in spans}, {filing["traceId"]})
+        self.assertEqual(
+            {s["attributes"]["gen_ai.conversation.id"] for s in agents}, {found.group(1)}
+        )
+        decisions = [
+            r for r in self.receiver.items("Logs") if r["eventName"] == "gen_ai.tool.call.decision"
+        ]
+        (decision,) = decisions
+        self.assertEqual(
+            (decision["traceId"], decision["spanId"]), (filing["traceId"], filing["spanId"])
+        )
+        self.assertEqual(decision["attributes"]["function_calling.decision.outcome"], "approved")
+        self.assertEqual(decision["attributes"]["function_calling.decision.by"], "person")
+        for _, headers, _ in self.receiver.requests:
+            self.assertEqual(headers["x-api-key"], "otlp-secret-0123456789")
+        resource = json.loads(self.receiver.requests[0][2])["resourceSpans"][0]["resource"]
+        self.assertIn(
+            {"key": "service.name", "value": {"stringValue": "shop-support"}},
+            resource["attributes"],
+        )
+        stats = self.cli("stats", env=self.env)
+        self.assertRegex(stats.stdout, r"telemetry +\d+ spans and records sent, 0 dropped")
+        for text in (done.stdout + done.stderr, stats.stdout, self.audit_path.read_text()):
+            self.assertNotIn("otlp-secret-0123456789", text)
+
+    def test_a_setting_it_cannot_use_is_one_line_and_the_command_goes_on(self) -> None:
+        self.server.script.append(text_reply("Hello."))
+        env = {**self.env, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+        done = self.cli("ask", "Hi", env=env)
+        self.assertEqual((done.returncode, done.stdout.strip()), (0, "Hello."))
+        self.assertEqual(
+            done.stderr.strip(),
+            "warning: no telemetry: OTLP protocol 'grpc': use http/protobuf or http/json",
+        )
+        self.assertEqual(self.receiver.requests, [])
+
+
+class TelemetryMcpTest(McpCase):
+    def test_an_mcp_call_span_carries_the_mcp_client_span_attributes(self) -> None:
+        with OtlpReceiver() as receiver:
+            env = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+            }
+            script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("In stock.")]
+            done, _ = self.ask(script, "--mcp-read-only", "stock.lookup", env=env)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (call,) = [s for s in receiver.items() if s["name"] == f"execute_tool {STOCK}"]
+        attributes = call["attributes"]
+        self.assertEqual(attributes["mcp.method.name"], "tools/call")
+        self.assertEqual(attributes["network.transport"], "pipe")
+        self.assertIn("mcp.protocol.version", attributes)
+        self.assertEqual(attributes["function_calling.call.outcome"], "ok")
+
+
+OTEL_PYTHON = os.environ.get("FUNCTION_CALLING_OTEL_PYTHON", "")
+
+# Run by the opentelemetry-proto venv's Python: each payload (a file of bytes, named
+# traces-N.pb, logs-N.pb, traces-N.json) parsed by the official definitions, then written
+# again; it prints what it read, and fails if a payload is not taken whole.
+DECODE_CHECK = r"""
+import pathlib, sys
+from google.protobuf import json_format
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+for path in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+    kind = ExportLogsServiceRequest if path.name.startswith("logs") else ExportTraceServiceRequest
+    if path.suffix == ".json":
+        message = json_format.Parse(path.read_text(), kind())
+    else:
+        message = kind.FromString(path.read_bytes())
+        assert message.SerializeToString() == path.read_bytes(), path.name
+    if kind is ExportTraceServiceRequest:
+        names = [s.name for r in message.resource_spans for ss in r.scope_spans for s in ss.spans]
+    else:
+        logs = [l for r in message.resource_logs for sl in r.scope_logs for l in sl.log_records]
+        names = [l.event_name for l in logs]
+    print(path.name, *names, sep="\t")
+"""
+
+
+@unittest.skipUnless(OTEL_PYTHON, "FUNCTION_CALLING_OTEL_PYTHON not set (make interop sets it)")
+class RealTelemetryTest(McpCase):
+    """What is sent, read by the official opentelemetry-proto definitions and by a real
+    receiver people run for LLM traces (Arize Phoenix, from PyPI, in .venv-otel/)."""
+
+    def one_turn(self, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        """One turn with a lookup, a refund filed for a person, and an MCP call."""
+        calls = [
+            ("getOrderStatus", LOOKUP),
+            ("requestShippingRefund", '{"orderId": "ORD-1003"}'),
+            (STOCK, '{"sku": "ABC-123"}'),
+        ]
+        script = [tool_call_reply(calls), text_reply("Shipped, filed, in stock.")]
+        flags = ("--mcp-read-only", "stock.lookup", "--customer", DEMO_CUSTOMER)  # the shop's
+        done, _ = self.ask(script, *flags, env={**env, "OPENAI_MODEL": "test-model"})
+        self.assertEqual(done.returncode, 0, done.stderr)
+        return done
+
+    def test_every_payload_decodes_with_the_official_definitions(self) -> None:
+        folder = self.data_dir / "payloads"
+        folder.mkdir()
+        for protocol, suffix in (("http/protobuf", "pb"), ("http/json", "json")):
+            with OtlpReceiver() as receiver:
+                env = {
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+                    "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+                    "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "true",
+                }
+                self.one_turn(env)
+                (filed,) = [r for r in self.audit_records() if r["outcome"] == "proposed"]
+                self.cli("reject", filed["approval_id"], "--reason", "not today", env=env)
+                self.audit_path.unlink()  # the next run's filing is the only one
+            for number, (path, _, body) in enumerate(receiver.requests):
+                name = "logs" if path == "/v1/logs" else "traces"
+                (folder / f"{name}-{suffix}-{number}.{suffix}").write_bytes(body)
+        decoded = subprocess.run(
+            [OTEL_PYTHON, "-c", DECODE_CHECK, str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        self.assertEqual(decoded.returncode, 0, decoded.stderr)
+        lines = decoded.stdout.splitlines()
+        report("decoded by opentelemetry-proto: " + "; ".join(lines))
+        for suffix in ("pb", "json"):
+            names = [n for line in lines if f"-{suffix}-" in line for n in line.split("\t")[1:]]
+            self.assertIn("invoke_agent", names)
+            self.assertIn(f"execute_tool {STOCK}", names)
+            self.assertIn("gen_ai.tool.call.decision", names)
+
+    def test_a_turn_as_phoenix_shows_it(self) -> None:
+        phoenix = Path(OTEL_PYTHON).with_name("phoenix")
+        if not phoenix.exists():
+            self.skipTest("no Phoenix in the venv")
+        port, grpc = closed_port(), closed_port()
+        work = self.data_dir / "phoenix"
+        work.mkdir()
+        log = (self.data_dir / "phoenix.log").open("wb")
+        self.addCleanup(log.close)
+        child = subprocess.Popen(
+            [str(phoenix), "serve"],
+            env={
+                "PATH": os.environ.get("PATH", ""),
+                "PHOENIX_WORKING_DIR": str(work),
+                "PHOENIX_PORT": str(port),
+                "PHOENIX_GRPC_PORT": str(grpc),
+                "PHOENIX_HOST": "127.0.0.1",
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.addCleanup(child.wait, 60)
+        self.addCleanup(child.terminate)
+        base = f"http://127.0.0.1:{port}"
+        self.assertTrue(poll(lambda: http_ok(base + "/healthz"), 300), "Phoenix did not start")
+        project = "fc-" + secrets.token_hex(4)
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": base,
+            "OTEL_RESOURCE_ATTRIBUTES": f"openinference.project.name={project}",
+        }
+        self.one_turn(env)
+
+        def shown() -> list[dict[str, Any]]:
+            with urllib.request.urlopen(f"{base}/v1/projects/{project}/spans?limit=100") as r:
+                return list(json.loads(r.read())["data"])
+
+        self.assertTrue(poll(lambda: len(http_or_empty(shown)) >= 6, 120), "no spans in Phoenix")
+        spans = shown()
+        (agent,) = [s for s in spans if s["parent_id"] is None]
+        report(
+            "Phoenix's API shows the turn: "
+            + "; ".join(
+                f"{s['name']} [{s['span_kind']}] under {s['parent_id'] or 'none'}"
+                for s in sorted(spans, key=lambda s: s["start_time"])
+            )
+        )
+        self.assertEqual(agent["name"], "invoke_agent")
+        self.assertEqual({s["context"]["trace_id"] for s in spans}, {agent["context"]["trace_id"]})
+        children = {s["name"]: s for s in spans if s is not agent}
+        self.assertEqual({s["parent_id"] for s in children.values()}, {agent["context"]["span_id"]})
+        self.assertEqual(
+            set(children),
+            {
+                "chat test-model",
+                "execute_tool getOrderStatus",
+                "execute_tool requestShippingRefund",
+                f"execute_tool {STOCK}",
+            },
+        )
+        self.assertEqual(
+            children["execute_tool requestShippingRefund"]["attributes"][
+                "function_calling.call.outcome"
+            ],
+            "proposed",
+        )
+        self.assertEqual(
+            children[f"execute_tool {STOCK}"]["attributes"]["mcp.method.name"], "tools/call"
+        )
+        self.assertEqual(children["execute_tool getOrderStatus"]["span_kind"], "TOOL")
+
+
+def poll(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check` holds within `seconds`, asked every tenth of a second."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def http_ok(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as answer:
+        return bool(answer.status == 200)
+    return False
+
+
+def http_or_empty(read: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return read()
+    return []
+
+
 class Benchmarks(LoopTestCase):
     """Each figure a ratio against a baseline measured interleaved in the same run, printed as
     median [first quartile..third quartile] over N pairs: `make bench`. Servers are started
@@ -13792,6 +14365,61 @@ class Benchmarks(LoopTestCase):
             report(ratio_line(said, wall))
             # this process's CPU time: what load on the machine does not move
             report(ratio_line(f"{said}, in this process's CPU time", cpu))
+
+    def test_a_round_with_the_live_exporter_against_one_without(self) -> None:
+        """The same tool round, with spans sent to a receiver (in a child process, content
+        capture off) and without: the turn's own wall-clock time, pair by pair, and this
+        process's CPU time over blocks of turns, the sender's work for them included."""
+        script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        runs, blocks = 100, 8
+        audit = AuditLog(self.data_dir / "telemetry.log", fsync=False, writer=fc.AuditFile)
+        receiver = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER_CHILD], stdout=subprocess.PIPE, text=True
+        )
+        assert receiver.stdout is not None
+        url = f"http://127.0.0.1:{receiver.stdout.readline().strip()}"
+        self.addCleanup(receiver.wait, 60)
+        self.addCleanup(receiver.terminate)
+        telemetry = fc.Telemetry(fc.OtlpExporter(f"{url}/v1/traces", f"{url}/v1/logs"))
+        logger = logging.getLogger(fc.AUDIT_LOGGER)
+        with ServerInAChild(script, 2 * runs * (blocks + 1) + 4) as server, telemetry:
+            logger.removeHandler(telemetry.handler)  # listening only while a traced turn runs
+            settings = Settings(base_url=server.base_url, model="bench")
+            plain = fc.hardened_loop(ChatClient(settings), [TrivialTool()], audit)
+            traced = fc.hardened_loop(
+                ChatClient(settings, on_exchange=telemetry.exchanged), [TrivialTool()], audit
+            )
+
+            def plain_turn() -> object:
+                return plain.run("where?", ToolContext(DEMO_CUSTOMER))
+
+            def traced_turn() -> object:
+                logger.addHandler(telemetry.handler)
+                try:
+                    return traced.run("where?", ToolContext(DEMO_CUSTOMER))
+                finally:
+                    logger.removeHandler(telemetry.handler)
+
+            plain_turn(), traced_turn()  # warm up
+            wall = interleaved(traced_turn, plain_turn, runs)
+            cpu = []
+            for _ in range(blocks):
+                sent = telemetry.sent
+                started = time.process_time()
+                for _ in range(runs):
+                    traced_turn()
+                # the spans of these turns sent, their encoding and sending counted too
+                poll(lambda: telemetry.sent >= sent + 4 * runs, 120)  # noqa: B023
+                traced_cpu = time.process_time() - started
+                started = time.process_time()
+                for _ in range(runs):
+                    plain_turn()
+                plain_cpu = time.process_time() - started
+                cpu.append((traced_cpu * 1000 / runs, plain_cpu * 1000 / runs))  # ms a turn
+        self.assertEqual(telemetry.dropped, 0)
+        said = "a tool round with spans sent live (content capture off) / the same round without"
+        report(ratio_line(f"{said}, the turn's wall clock", wall))
+        report(ratio_line(f"{said}, this process's CPU time, the sender's work included", cpu))
 
     def tool_round_against_bare_posts(
         self, tools: Sequence[Tool], fsync: bool, runs: int
@@ -14607,6 +15235,24 @@ for _ in sys.stdin:
 # A scripted server in a process of its own, as a real server is: in the benchmark's process
 # it would share the GIL, and its work after each response would be charged to whichever
 # client was busy then (the bare POST, idle, pays none of it).
+# An OTLP receiver in a child process for `make bench`: it takes each request whole and says
+# 200; it prints its port first.
+RECEIVER_CHILD = """
+import http.server
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
 SERVER_CHILD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
