@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #b060a748: the whole file, every part kept
+# function_calling.py 2026-12-05 #80a32732: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -13579,8 +13579,9 @@ class _SpanMaker:
     """Turns audit lines (and live, the model requests) into spans and log records. A turn's
     calls wait for its own line, which says how it ended and in which conversation.
 
-    It does not survive a turn whose line never comes (a crash): past MAX_OPEN_TURNS, the
-    oldest waiting turn's calls are let go, and export-otel finds them in the log."""
+    It does not survive a turn whose line never comes (a crash): live, past MAX_OPEN_TURNS
+    the oldest waiting turn's calls are let go (counted); export-otel gives them at the end
+    (unfinished), in a trace of their turn's, with no turn span above them."""
 
     def __init__(
         self,
@@ -13596,6 +13597,15 @@ class _SpanMaker:
         self._spans_of: dict[str, tuple[str, str]] = {}  # approval id: (trace, call span)
         self._closed: dict[str, tuple[str, str]] = {}  # turn id: (trace, turn span)
         self.let_go = 0  # calls and requests of turns whose line never came
+
+    def unfinished(self) -> list[TelemetrySpan]:
+        """The calls of every turn whose line has not come, as spans with no parent."""
+        open_turns, self._calls = self._calls, {}
+        return [
+            span
+            for turn_id, records in open_turns.items()
+            for span in self._call_spans(records, turn_id, _trace_of(turn_id, None), "")
+        ]
 
     def requested(self, exchange: Exchange, ended: float, thread: int) -> None:
         """A model request, kept until its thread's turn ends."""
@@ -13677,7 +13687,7 @@ class _SpanMaker:
                 self._spans_of[approval] = (trace, span_id)
             if record.get("event") == "tool_call":
                 tool = tools.get(_text_in(record, "tool"))
-                extra = _span_attributes(tool) if tool is not None else {}
+                extra = _tool_span_attributes(tool) if tool is not None else {}
                 result = (results or {}).get(call_id)
                 spans.append(self._call_span(record, trace, span_id, parent, extra, result))
             outcome = _text_in(record, "outcome")
@@ -13891,7 +13901,7 @@ def _call_error(outcome: str) -> str:
     return "timeout" if outcome == "timeout" else ""
 
 
-def _span_attributes(tool: Tool) -> dict[str, Any]:
+def _tool_span_attributes(tool: Tool) -> dict[str, Any]:
     """What a tool says of its own calls: a tool with a span_attributes() method (a part's
     tools of another protocol, say) adds them to its execute_tool span."""
     said = getattr(tool, "span_attributes", None)
@@ -14014,14 +14024,18 @@ def _pb_number(number: int, value: int) -> bytes:
 
 
 def _pb_fixed64(number: int, value: int) -> bytes:
-    return _pb_varint(number << 3 | 1) + value.to_bytes(8, "little")
+    """A time: before the epoch (a line without one) is written as the epoch."""
+    return _pb_varint(number << 3 | 1) + min(max(value, 0), (1 << 64) - 1).to_bytes(8, "little")
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)  # what an AnyValue's int_value holds
 
 
 def _pb_any(value: Any) -> bytes:
     """An AnyValue: bool 2, int 3, array 5 (of AnyValue, field 1), and text 1 for the rest."""
     if isinstance(value, bool):
         return _pb_number(2, int(value))
-    if isinstance(value, int):
+    if isinstance(value, int) and _INT64[0] <= value <= _INT64[1]:  # larger: as text
         return _pb_number(3, value)
     if isinstance(value, list | tuple):
         return _pb_bytes(5, b"".join(_pb_bytes(1, _pb_any(item)) for item in value))
@@ -14029,14 +14043,20 @@ def _pb_any(value: Any) -> bytes:
 
 
 def _pb_attributes(number: int, attributes: Mapping[str, Any]) -> bytes:
-    return b"".join(_pb_key_value(number, key, value) for key, value in attributes.items())
+    pairs = []
+    for key, value in attributes.items():
+        short = not isinstance(value, str) or len(value) <= 256  # captured text is not kept
+        pairs.append((_pb_repeated_pair if short else _pb_pair)(number, key, value))
+    return b"".join(pairs)
+
+
+def _pb_pair(number: int, key: str, value: str | int | tuple[Any, ...]) -> bytes:
+    return _pb_bytes(number, _pb_text(1, key) + _pb_bytes(2, _pb_any(value)))
 
 
 # Most attributes repeat (an operation's name, a tool's, a model's): each pair is encoded once.
 # Speed: it halves what encoding a turn's spans costs the sender (make bench, the live exporter).
-@functools.lru_cache(maxsize=4096)
-def _pb_key_value(number: int, key: str, value: str | int | tuple[Any, ...]) -> bytes:
-    return _pb_bytes(number, _pb_text(1, key) + _pb_bytes(2, _pb_any(value)))
+_pb_repeated_pair = functools.lru_cache(maxsize=4096)(_pb_pair)
 
 
 def _pb_span(span: TelemetrySpan) -> bytes:
@@ -14085,7 +14105,7 @@ def _pb_request(items: Sequence[TelemetrySpan], resource: Mapping[str, Any]) -> 
 def _json_any(value: Any) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"boolValue": value}
-    if isinstance(value, int):
+    if isinstance(value, int) and _INT64[0] <= value <= _INT64[1]:  # larger: as text
         return {"intValue": str(value)}  # int64 as a string, as protobuf's JSON writes it
     if isinstance(value, list | tuple):
         return {"arrayValue": {"values": [_json_any(item) for item in value]}}
@@ -14101,8 +14121,8 @@ def _json_item(item: TelemetrySpan) -> dict[str, Any]:
     if item.log:
         ids = {"traceId": item.trace_id, "spanId": item.span_id} if item.trace_id else {}
         return {
-            "timeUnixNano": str(item.end_ns),
-            "observedTimeUnixNano": str(item.end_ns),
+            "timeUnixNano": str(max(item.end_ns, 0)),
+            "observedTimeUnixNano": str(max(item.end_ns, 0)),
             "severityNumber": 9,
             "severityText": "INFO",
             "eventName": item.name,
@@ -14115,8 +14135,8 @@ def _json_item(item: TelemetrySpan) -> dict[str, Any]:
         **({"parentSpanId": item.parent_id} if item.parent_id else {}),
         "name": item.name,
         "kind": item.kind,
-        "startTimeUnixNano": str(item.start_ns),
-        "endTimeUnixNano": str(item.end_ns),
+        "startTimeUnixNano": str(max(item.start_ns, 0)),
+        "endTimeUnixNano": str(max(item.end_ns, 0)),
         "attributes": _json_attributes(item.attributes),
         **({"status": {"code": 2, "message": item.error}} if item.error else {}),
     }
@@ -14146,7 +14166,9 @@ def otlp_json_lines(
             while len(ready) >= TELEMETRY_BATCH:
                 yield from _json_lines(ready[:TELEMETRY_BATCH], resource)
                 del ready[:TELEMETRY_BATCH]
-    yield from _json_lines(ready, resource)
+    ready += maker.unfinished()
+    for start in range(0, len(ready), TELEMETRY_BATCH):
+        yield from _json_lines(ready[start : start + TELEMETRY_BATCH], resource)
 
 
 def _json_lines(items: Sequence[TelemetrySpan], resource: Mapping[str, Any]) -> Iterator[str]:
@@ -14164,74 +14186,95 @@ class _ExportError(Exception):
 
 
 class OtlpExporter:
-    """Sends spans and log records to an OTLP/HTTP receiver, one request each, whole by a
-    deadline: a redirect is not followed (it would carry the headers elsewhere), an answer
-    other than 2xx is a failure, and no more than MAX_OTLP_ANSWER_BYTES of any is read."""
+    """Sends spans to an OTLP/HTTP receiver's traces URL, and log records to its logs URL
+    ("": none are sent), one request each, by a deadline: a redirect is not followed (it
+    would carry the headers elsewhere), an answer other than 2xx is a failure, and no more
+    than MAX_OTLP_ANSWER_BYTES of any is read. `logs_headers` (None: `headers`) go to the
+    logs URL, which may be another host."""
 
     def __init__(
         self,
         traces_url: str,
-        logs_url: str,
+        logs_url: str = "",
         headers: Mapping[str, str] | None = None,
         protocol: str = "http/protobuf",
         resource: Mapping[str, Any] | None = None,
         timeout: float = OTLP_TIMEOUT_S,
+        logs_headers: Mapping[str, str] | None = None,
     ) -> None:
         if protocol not in ("http/protobuf", "http/json"):
             raise ConfigError(f"OTLP protocol {protocol!r}: use http/protobuf or http/json")
-        for url in (traces_url, logs_url):
-            target = urllib.parse.urlsplit(url)
-            if target.scheme not in ("http", "https") or not target.hostname:
-                raise ConfigError("an OTLP endpoint must be an http:// or https:// URL")
         self.traces_url, self.logs_url = traces_url, logs_url
-        self.headers = dict(headers or {})
+        self.headers = _otlp_headers(headers or {})
+        self.logs_headers = self.headers if logs_headers is None else _otlp_headers(logs_headers)
+        self._targets = {False: _otlp_target(traces_url)}
+        if logs_url:
+            self._targets[True] = _otlp_target(logs_url)
         self.protocol, self.timeout = protocol, timeout
         self.resource = dict(resource or {"service.name": "function_calling"})
-        https = any(url.startswith("https:") for url in (traces_url, logs_url))
+        https = any(target.scheme == "https" for target in self._targets.values())
         self._tls = ssl.create_default_context() if https else None
 
     def send(self, items: Sequence[TelemetrySpan]) -> None:
-        """Export `items`, all spans (to the traces URL) or all log records (to the logs
-        URL), in one request; _ExportError if the receiver does not take them."""
-        url = self.logs_url if items[0].log else self.traces_url
+        """Export `items`, all spans or all log records, in one request; _ExportError if the
+        receiver does not take them (or, for log records, there is no logs URL)."""
+        log = items[0].log
+        if log not in self._targets:
+            raise _ExportError("no logs endpoint")
+        headers = self.logs_headers if log else self.headers
         if self.protocol == "http/json":
-            self._post(url, _json_request(items, self.resource).encode(), "application/json")
+            body, kind = _json_request(items, self.resource).encode(), "application/json"
         else:
-            self._post(url, _pb_request(items, self.resource), "application/x-protobuf")
+            body, kind = _pb_request(items, self.resource), "application/x-protobuf"
+        self._post(self._targets[log], body, {"Content-Type": kind, **headers})
 
-    def _post(self, url: str, body: bytes, content_type: str) -> None:
-        target = urllib.parse.urlsplit(url)
+    def _post(
+        self, target: urllib.parse.SplitResult, body: bytes, headers: Mapping[str, str]
+    ) -> None:
+        """One request: connected within the timeout, then sent and answered by a deadline
+        the same length later (a name lookup takes what the system's resolver takes)."""
         deadline = time.monotonic() + self.timeout
-        connection: _TimedHTTPConnection = (
-            _TimedHTTPSConnection(
-                target.hostname,
-                target.port,
-                deadline=deadline,
-                timeout=self.timeout,
-                context=self._tls,
-            )
+        where = {"deadline": deadline, "timeout": self.timeout}
+        connection = (
+            _TimedHTTPSConnection(target.hostname, target.port, context=self._tls, **where)
             if target.scheme == "https"
-            else _TimedHTTPConnection(
-                target.hostname, target.port, deadline=deadline, timeout=self.timeout
-            )
+            else _TimedHTTPConnection(target.hostname, target.port, **where)
         )
-        path = target.path or "/"
-        headers = {"Content-Type": content_type, "User-Agent": _USER_AGENT, **self.headers}
+        path = (target.path or "/") + (f"?{target.query}" if target.query else "")
         try:
-            connection.request(
-                "POST",
-                path + (f"?{target.query}" if target.query else ""),
-                body=body,
-                headers=headers,
-            )
+            connection.request("POST", path, body=body, headers=headers)
             response = connection.getresponse()
             response.read(MAX_OTLP_ANSWER_BYTES)  # a success's answer says nothing we use
             if not 200 <= response.status < 300:
                 raise _ExportError(f"the receiver answered {response.status}")
+        except ssl.SSLCertVerificationError:  # its own text names the host
+            raise _ExportError("the receiver's TLS certificate could not be verified") from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise _ExportError(_transport_reason(exc)) from None
         finally:
             connection.close()
+
+
+def _otlp_target(url: str) -> urllib.parse.SplitResult:
+    """An endpoint's URL, or ConfigError if it cannot be one."""
+    try:
+        target = urllib.parse.urlsplit(url)
+        target.port  # noqa: B018 -- a port that is not a number from 0 to 65535 raises here
+    except ValueError:
+        target = None
+    if target is None or target.scheme not in ("http", "https") or not target.hostname:
+        raise ConfigError("an OTLP endpoint must be a URL such as http://127.0.0.1:4318")
+    return target
+
+
+def _otlp_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers to send, or ConfigError for one that cannot go in a request as it is."""
+    for name, value in headers.items():
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or re.search(
+            r"[\x00-\x08\x0a-\x1f\x7f]", value
+        ):
+            raise ConfigError(f"OTLP header {_quoted(name)}: not a header a request can carry")
+    return dict(headers)
 
 
 _USER_AGENT = f"function_calling/{__version__}"
@@ -14243,8 +14286,11 @@ class Telemetry:
     bounded (TELEMETRY_QUEUE; past it, each item is dropped and counted), a failed export
     drops its batch (counted) and later ones for a while, and close() waits at most its
     bound. As a context manager it listens to AUDIT_LOGGER; give `exchanged` to ChatClient
-    (on_exchange) for the model requests' spans. `sent` and `dropped` count spans and log
-    records."""
+    (on_exchange) for the model requests' spans.
+
+    `sent` counts spans and log records; `dropped` counts what was lost: spans and log
+    records not sent, and the audit lines and requests lost before they were made into any
+    (a full queue, a close that could not wait). `last_error` says why an export failed."""
 
     def __init__(
         self,
@@ -14258,13 +14304,15 @@ class Telemetry:
         self.audit_path = audit_path  # where a decision looks for its filing, if given
         self._maker = _SpanMaker(capture, tools, self._filed)
         self._queue: collections.deque[Any] = collections.deque()
-        self._ready = threading.Condition()
+        self._ready = threading.Condition()  # guards the queue and the counts
         self.handler = _AuditHandler(self)  # what it adds to AUDIT_LOGGER while entered
         self._thread: threading.Thread | None = None
         self._level: int | None = None  # AUDIT_LOGGER's own, given back on close
-        self._holding, self._abandoned = 0, False  # the sender's batch; given up on?
-        self._quiet: dict[bool, tuple[float, float]] = {}  # by signal: (backoff, until)
+        self._holding = 0  # what the sender has taken and not yet counted
+        self._given_up = self._closed = False
+        self._quiet: dict[str, tuple[float, float]] = {}  # traces, logs: (backoff, until)
         self.sent = self.dropped = 0
+        self.last_error = ""
 
     @classmethod
     def from_env(
@@ -14288,7 +14336,7 @@ class Telemetry:
 
     def _put(self, item: Any) -> None:
         with self._ready:
-            if len(self._queue) >= TELEMETRY_QUEUE:
+            if self._closed or len(self._queue) >= TELEMETRY_QUEUE:
                 self.dropped += 1
                 return
             self._queue.append(item)
@@ -14301,6 +14349,7 @@ class Telemetry:
         if not logger.isEnabledFor(logging.INFO):  # the log's lines are handed over as INFO
             logger.setLevel(logging.INFO)
         logger.addHandler(self.handler)
+        self._given_up = self._closed = False
         self._thread = threading.Thread(target=self._send_all, name="otlp", daemon=True)
         self._thread.start()
         return self
@@ -14310,23 +14359,24 @@ class Telemetry:
 
     def close(self, bound: float = TELEMETRY_FLUSH_S) -> None:
         """Stop listening; send what waits, for at most `bound` seconds; what has not left
-        by then is counted as dropped."""
+        by then is counted as dropped, and what comes later is dropped too."""
         logger = logging.getLogger(AUDIT_LOGGER)
         logger.removeHandler(self.handler)
         if self._level is not None:
             logger.setLevel(self._level)
             self._level = None
-        if self._thread is None:
-            return
         with self._ready:
+            self._closed = True
             self._queue.append(_STOP)
             self._ready.notify()
-        self._thread.join(bound)
+        if self._thread is not None:
+            self._thread.join(bound)
         with self._ready:
-            if self._thread.is_alive():  # still sending: what it holds is not known to be in
-                self._abandoned = True
+            if self._thread is None or self._thread.is_alive():  # what it holds may never go
+                self._given_up = True
                 waiting = sum(item is not _STOP for item in self._queue)
                 self.dropped += self._holding + waiting
+                self._holding = 0
                 self._queue.clear()
         self._thread = None
 
@@ -14339,47 +14389,59 @@ class Telemetry:
                     self._ready.wait(TELEMETRY_WAIT_S)
                 items = list(self._queue)
                 self._queue.clear()
-            batch: list[TelemetrySpan] = []
-            for item in items:
-                if item is not _STOP:
-                    with suppress(Exception):  # a line this code cannot read: its spans only
-                        batch += self._made(item)
-            self._holding = len(batch)
+                self._holding = sum(item is not _STOP for item in items)
+            batch = self._made(item for item in items if item is not _STOP)
             for start in range(0, len(batch), TELEMETRY_BATCH):
                 self._send(batch[start : start + TELEMETRY_BATCH])
-                self._holding = max(0, len(batch) - start - TELEMETRY_BATCH)
-            if items and items[-1] is _STOP:
+            if any(item is _STOP for item in items):
                 return
 
-    def _made(self, item: tuple[str, Any, float, int]) -> list[TelemetrySpan]:
-        kind, value, ended, thread = item
-        if kind == "request":
-            self._maker.requested(value, ended, thread)
-            return []
-        return self._maker.audited(value, thread)
+    def _made(self, items: Iterable[tuple[str, Any, float, int]]) -> list[TelemetrySpan]:
+        """The spans and log records of what the sender took, now counted as such."""
+        made: list[TelemetrySpan] = []
+        lost = 0
+        for kind, value, ended, thread in items:
+            try:
+                if kind == "request":
+                    self._maker.requested(value, ended, thread)
+                else:
+                    made += self._maker.audited(value, thread)
+            except Exception:  # noqa: BLE001 -- a line this code cannot read: it alone is lost
+                lost += 1
+        if not self.exporter.logs_url:  # no receiver takes them: not made to be sent
+            made = [item for item in made if not item.log]
+        with self._ready:
+            if not self._given_up:
+                self.dropped += lost + self._maker.let_go
+                self._holding = len(made)
+            self._maker.let_go = 0
+        return made
 
     def _send(self, batch: list[TelemetrySpan]) -> None:
         """The spans, then the log records, each in one export, unless a recent failure of
         that signal's says its receiver is still away: then they are dropped unsent, so that
         a receiver that is down (or takes no logs) is not asked every second."""
-        for log in (False, True):
+        for kind, log in (("traces", False), ("logs", True)):
             chosen = [item for item in batch if item.log is log]
-            backoff, until = self._quiet.get(log, (0.0, 0.0))
-            sent = False
+            backoff, until = self._quiet.get(kind, (0.0, 0.0))
+            sent, failure = False, "the receiver failed a moment ago"
             if chosen and time.monotonic() >= until:
                 try:
                     self.exporter.send(chosen)
-                    sent, self._quiet[log] = True, (0.0, 0.0)
-                except Exception:  # noqa: BLE001 -- _ExportError, or a span this code cannot encode
+                    sent, self._quiet[kind] = True, (0.0, 0.0)
+                except Exception as exc:  # noqa: BLE001 -- _ExportError, or a span not encoded
+                    failure = str(exc) if isinstance(exc, _ExportError) else type(exc).__name__
                     backoff = min(max(1.0, backoff * 2), 60.0)
-                    self._quiet[log] = (backoff, time.monotonic() + backoff)
+                    self._quiet[kind] = (backoff, time.monotonic() + backoff)
             with self._ready:
-                if self._abandoned:  # close() counted these already
-                    return
+                if self._given_up or not chosen:  # close() counted these already
+                    continue
+                self._holding -= len(chosen)
                 if sent:
                     self.sent += len(chosen)
                 else:
                     self.dropped += len(chosen)
+                    self.last_error = f"{kind}: {failure}"
 
     def _filed(self, approval_id: str) -> tuple[str, str] | None:
         if self.audit_path is None:
@@ -14406,32 +14468,56 @@ def _telemetry_from_env(
     audit_path: Path | None,
     tools: Callable[[], Sequence[Tool]],
 ) -> Telemetry | None:
-    def setting(name: str) -> str:
-        """A signal's own variable first (OTEL_EXPORTER_OTLP_TRACES_…), then the shared one."""
-        return environ.get(name.replace("OTLP_", "OTLP_TRACES_"), "") or environ.get(name, "")
+    def setting(kind: str, name: str) -> str:
+        """A signal's own variable (OTEL_EXPORTER_OTLP_LOGS_HEADERS), else the shared one."""
+        own = environ.get(f"OTEL_EXPORTER_OTLP_{kind}_{name}", "")
+        return own or environ.get(f"OTEL_EXPORTER_OTLP_{name}", "")
 
     base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
-    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") or (base and f"{base}/v1/traces")
-    logs = environ.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", "") or (base and f"{base}/v1/logs")
-    if not traces or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    urls = {
+        kind: environ.get(f"OTEL_EXPORTER_OTLP_{kind}_ENDPOINT", "")
+        or (f"{base}/v1/{kind.lower()}" if base else "")
+        for kind in ("TRACES", "LOGS")
+    }
+    if not urls["TRACES"] or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    headers = _otel_pairs(setting("OTEL_EXPORTER_OTLP_HEADERS"), "OTEL_EXPORTER_OTLP_HEADERS")
-    _keep_secret(*headers.values())  # an API key of the receiver's: shown nowhere
+    headers = {
+        kind: _otel_pairs(setting(kind, "HEADERS"), f"OTEL_EXPORTER_OTLP_{kind}_HEADERS")
+        for kind in ("TRACES", "LOGS")
+    }
+    _keep_secret(*_header_secrets({**headers["TRACES"], **headers["LOGS"]}))
     resource = _otel_pairs(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
     resource["service.name"] = (
         environ.get("OTEL_SERVICE_NAME") or resource.get("service.name") or "function_calling"
     )
-    timeout_ms = setting("OTEL_EXPORTER_OTLP_TIMEOUT") or str(OTLP_TIMEOUT_S * 1000)
     try:
-        timeout = float(timeout_ms) / 1000
+        timeout = float(setting("TRACES", "TIMEOUT") or OTLP_TIMEOUT_S * 1000) / 1000
     except ValueError:
-        raise ConfigError("OTEL_EXPORTER_OTLP_TIMEOUT: a number of milliseconds") from None
-    if not 0 < timeout <= 600:
+        timeout = math.nan
+    if not 0 < timeout <= 600:  # nan too
         raise ConfigError("OTEL_EXPORTER_OTLP_TIMEOUT: from 1 to 600000 milliseconds")
-    protocol = setting("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-    exporter = OtlpExporter(traces, logs or traces, headers, protocol, resource, timeout)
+    exporter = OtlpExporter(
+        urls["TRACES"],
+        urls["LOGS"],
+        headers["TRACES"],
+        setting("TRACES", "PROTOCOL") or "http/protobuf",
+        resource,
+        timeout,
+        headers["LOGS"],
+    )
     capture = environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower()
     return cls(exporter, capture in ("true", "span_only", "span_and_event"), audit_path, tools)
+
+
+def _header_secrets(headers: Mapping[str, str]) -> list[str]:
+    """The receiver's credentials among its headers, kept from everything (_keep_secret):
+    those named as credentials are (as _credentials reads names), and Honeycomb's team key;
+    with a scheme ("Bearer tok…"), the credential after it too. A tenant's name is not one."""
+    found = []
+    for name, value in headers.items():
+        if _CREDENTIAL_NAME.search(name) or name.lower() == "x-honeycomb-team":
+            found += [value, value.partition(" ")[2].strip()]
+    return found
 
 
 def _otel_pairs(text: str, name: str) -> dict[str, str]:
@@ -14475,21 +14561,26 @@ def _record_telemetry(telemetry: Telemetry) -> None:
     path = telemetry.audit_path
     if path is None or not (telemetry.sent or telemetry.dropped) or not path.is_file():
         return
+    failed = {"error": telemetry.last_error} if telemetry.dropped and telemetry.last_error else {}
     with suppress(AuditError, OSError):
         audit = AuditLog(path, writer=AuditFile)
-        audit.record("telemetry", sent=telemetry.sent, dropped=telemetry.dropped)
+        audit.record("telemetry", sent=telemetry.sent, dropped=telemetry.dropped, **failed)
 
 
 def _telemetry_stats(path: Path) -> list[str]:
+    """What every command's telemetry sent and dropped, and the last reason it failed."""
     sent = dropped = 0
+    last = ""
     with open(path, "rb") as log:
         for record in map(_record_or_none, log):
             if record is not None and record.get("event") == "telemetry":
                 sent += _count_in(record.get("sent"))
                 dropped += _count_in(record.get("dropped"))
+                last = _text_in(record, "error") or last
     if not sent + dropped:
         return []
-    return [f"telemetry        {sent} spans and records sent, {dropped} dropped"]
+    why = f" (the last failure: {_escaped(last)})" if last else ""
+    return [f"telemetry        {sent} spans and records sent, {dropped} dropped{why}"]
 
 
 def _add_telemetry_command(commands: Any, shared: Mapping[str, argparse.ArgumentParser]) -> None:
