@@ -14502,9 +14502,22 @@ class Benchmarks(LoopTestCase):
         """The same tool round, with spans sent to a receiver (in a child process, content
         capture off) and without: the turn's own wall-clock time, pair by pair, and this
         process's CPU time over blocks of turns, the sender's work for them included."""
+        for label, tools, fsync in (
+            ("a trivial tool, audit fsync off", [TrivialTool()], False),
+            ("the shipped SQLite tool, audit fsync on", self.tools, True),
+        ):
+            wall, cpu = self.rounds_with_and_without_telemetry(tools, fsync)
+            said = f"a tool round ({label}) with spans sent live (content capture off) / the"
+            said += " same round without"
+            report(ratio_line(f"{said}, the turn's wall clock", wall))
+            report(ratio_line(f"{said}, this process's CPU time, the sender's work included", cpu))
+
+    def rounds_with_and_without_telemetry(
+        self, tools: Sequence[Tool], fsync: bool, runs: int = 100, blocks: int = 8
+    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
         script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
-        runs, blocks = 100, 8
-        audit = AuditLog(self.data_dir / "telemetry.log", fsync=False, writer=fc.AuditFile)
+        audit = AuditLog(self.data_dir / f"otel-{fsync}.log", fsync=fsync, writer=fc.AuditFile)
+        approvals = fc.JournaledApprovals(self.database, audit)
         receiver = subprocess.Popen(
             [sys.executable, "-c", RECEIVER_CHILD], stdout=subprocess.PIPE, text=True
         )
@@ -14517,10 +14530,9 @@ class Benchmarks(LoopTestCase):
         with ServerInAChild(script, 2 * runs * (blocks + 1) + 4) as server, telemetry:
             logger.removeHandler(telemetry.handler)  # listening only while a traced turn runs
             settings = Settings(base_url=server.base_url, model="bench")
-            plain = fc.hardened_loop(ChatClient(settings), [TrivialTool()], audit)
-            traced = fc.hardened_loop(
-                ChatClient(settings, on_exchange=telemetry.exchanged), [TrivialTool()], audit
-            )
+            plain = fc.hardened_loop(ChatClient(settings), tools, audit, approvals=approvals)
+            client = ChatClient(settings, on_exchange=telemetry.exchanged)
+            traced = fc.hardened_loop(client, tools, audit, approvals=approvals)
 
             def plain_turn() -> object:
                 return plain.run("where?", ToolContext(DEMO_CUSTOMER))
@@ -14549,9 +14561,7 @@ class Benchmarks(LoopTestCase):
                 plain_cpu = time.process_time() - started
                 cpu.append((traced_cpu * 1000 / runs, plain_cpu * 1000 / runs))  # ms a turn
         self.assertEqual(telemetry.dropped, 0)
-        said = "a tool round with spans sent live (content capture off) / the same round without"
-        report(ratio_line(f"{said}, the turn's wall clock", wall))
-        report(ratio_line(f"{said}, this process's CPU time, the sender's work included", cpu))
+        return wall, cpu
 
     def tool_round_against_bare_posts(
         self, tools: Sequence[Tool], fsync: bool, runs: int
