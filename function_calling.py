@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #80a32732: the whole file, every part kept
+# function_calling.py 2026-12-05 #89a1a5d6: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -28,7 +28,7 @@ a constructor argument whose default is Part I's simple piece and where Part II'
 First reading: Part I, the mechanism, is lines 1 to 2,030 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,190 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -1373,13 +1373,11 @@ class ToolLoop:
         self.tools = checks(tools)
         _require_approval_step(self.tools.values(), approvals)
         self.audit, self.approvals = audit, approvals
-        self.system_prompt = system_prompt
+        self.system_prompt, self.turn_timeout = system_prompt, turn_timeout
         self.fallbacks = {"round_cap": round_cap_answer, "repeated_calls": repeated_calls_answer}
         self.budget = (budget or Unlimited()).checked()
         self.max_rounds, self.max_calls_per_reply = max_rounds, max_calls_per_reply
-        self.turn_timeout = turn_timeout
-        self.runner = runner or InOrder()
-        self.quirks = quirks or Quirks()
+        self.runner, self.quirks = runner or InOrder(), quirks or Quirks()
         self._tools_json = _compact([tool.definition() for tool in self.tools.values()])
         self.tool_choice = _tool_choice_json(tool_choice, self.tools)  # for the first round
         self.parallel_tool_calls = parallel_tool_calls  # None: not sent, the server decides
@@ -1555,6 +1553,7 @@ class ToolLoop:
                 duration_ms=round((time.monotonic() - turn.started) * 1000, 3),
                 usage=result.usage,
                 **({"budget": error} if stop_reason == "budget" else {}),
+                **({"history": "portable"} if turn.portable else {}),
                 **({"conversation_id": context.conversation_id} if context.conversation_id else {}),
             )
         except AuditError as exc:
@@ -1592,6 +1591,7 @@ class _Turn:
     tool_errors: int = 0
     failed_tool: str | None = None
     refused_calls: int = 0  # refused with tool_use_failed (ServerQuirks asks again, twice)
+    portable: bool = False  # its history sent again in portable form (ServerQuirks), once
     usage: dict[str, int] = field(default_factory=dict)
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
@@ -2864,11 +2864,25 @@ class ServerQuirks(Quirks):
     tool_choice a server refuses is said, and another's history goes in portable form."""
 
     def asks_again(self, exc: ApiError, turn: _Turn, max_rounds: int) -> bool:
-        """After a server's tool_use_failed: is there a round left, and a try?"""
+        """After a server's tool_use_failed: is there a round left, and a try? After another
+        refusal: is it one that the history's portable form may pass (_goes_portable)?"""
         if exc.code != "tool_use_failed":
-            return False
+            return self._goes_portable(exc, turn) and turn.rounds < max_rounds
         turn.refused_calls += 1
         return turn.refused_calls <= MAX_REFUSED_CALLS and turn.rounds < max_rounds
+
+    def _goes_portable(self, exc: ApiError, turn: _Turn) -> bool:
+        """A request refused (a 4xx, or a 5xx its retries met again) whose history holds a
+        call with arguments that are no JSON object: llama.cpp answers 500 to every request
+        of such a history, since it parses each call's arguments back. The history is sent
+        once more in portable form, those arguments as an object; the turn's line says so. A
+        refusal for another reason ends the turn as before: nothing is sent again."""
+        refused = exc.status is not None and 400 <= exc.status < 600
+        if turn.portable or not refused or not _holds_unreadable_call(turn.messages):
+            return False
+        turn.messages[:] = portable_history(turn.messages)
+        turn.portable = True
+        return True
 
     def failure(self, exc: ApiError, choice: str, turn: _Turn) -> tuple[str, None, str]:
         """How an ApiError ends the turn: its stop reason, no answer, and what to say."""
@@ -2967,16 +2981,41 @@ def portable_history(messages: Sequence[str]) -> tuple[str, ...]:
 
 
 def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A call as id, type, name and arguments, its arguments a JSON object's text: what a
+    model wrote that is none (cut JSON, prose) is kept as the text of {"not_json": …}."""
     function = call.get("function") or {}
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         arguments = "{}" if arguments is None else _compact(arguments)
+    if not _is_object_text(arguments):
+        arguments = "{}" if not arguments.strip() else _compact({"not_json": arguments})
     name = function.get("name")
     return {
         "id": call.get("id"),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def _is_object_text(text: str) -> bool:
+    with suppress(ValueError, RecursionError):
+        return isinstance(json.loads(text), dict)
+    return False
+
+
+def _holds_unreadable_call(messages: Sequence[str]) -> bool:
+    """Does an assistant message of `messages` hold a call whose arguments are not a JSON
+    object's text (what a server that parses them back, as llama.cpp does, fails on)?"""
+    for raw in messages:
+        message = json.loads(raw) if '"tool_calls"' in raw else None  # the echo: any spelling
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            continue
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(arguments, str) or not _is_object_text(arguments):
+                return True
+    return False
 
 
 # ---------------------------------------------------------------------------- start-up checks

@@ -2476,6 +2476,87 @@ def reply_with_call(call: dict[str, Any], **message: Any) -> bytes:
     return json.dumps(body).encode()
 
 
+def like_llama_cpp(answer: bytes) -> Callable[[RecordedRequest], bytes | fc.ScriptedReply]:
+    """A reply as llama.cpp's server gives it: a 500 while the history holds a call whose
+    arguments are not a JSON object (it parses them back, llama.cpp#25510), else `answer`."""
+
+    def reply(request: RecordedRequest) -> bytes | fc.ScriptedReply:
+        for message in json.loads(request.body)["messages"]:
+            for call in message.get("tool_calls") or ():
+                try:
+                    readable = isinstance(json.loads(call["function"]["arguments"]), dict)
+                except ValueError:
+                    readable = False
+                if not readable:
+                    said = b'{"error":{"code":500,"message":"parse error: [json.exception.parse_'
+                    said += b'error.101] syntax error","type":"server_error"}}'
+                    return fc.ScriptedReply(said, status=500)
+        return answer
+
+    return reply
+
+
+CUT_CALL = '{"orderId": "ORD-1001"'  # JSON cut short, as a local model writes it
+
+
+class PortableRetryTest(LoopTestCase):
+    """A request a server refuses because its history holds a call it cannot read back
+    (llama.cpp: a 500) is sent once more in portable form, and the turn goes on; any other
+    refusal ends the turn as it did."""
+
+    def test_a_call_the_server_cannot_read_back_is_sent_once_portable_and_the_turn_goes_on(
+        self,
+    ) -> None:
+        script: list[fc.ScriptItem] = [
+            tool_call_reply([("getOrderStatus", CUT_CALL)]),
+            like_llama_cpp(text_reply("unused")),
+            like_llama_cpp(text_reply("ORD-1001 has shipped.")),
+        ]
+        result, requests = self.run_turn(script)
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "ORD-1001 has shipped."))
+        self.assertEqual(len(requests), 3)
+        echoed = json.loads(requests[1].body)["messages"][2]["tool_calls"][0]["function"]
+        self.assertEqual(echoed["arguments"], CUT_CALL)  # the echo, byte for byte, first
+        sent = json.loads(requests[2].body)["messages"][2]["tool_calls"][0]["function"]
+        self.assertEqual(json.loads(sent["arguments"]), {"not_json": CUT_CALL})
+        self.assertEqual(
+            [json.loads(m) for m in result.messages[:-1]], json.loads(requests[2].body)["messages"]
+        )  # what the turn returns (and a saved conversation keeps) is the portable form
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["history"], "portable")
+        (call,) = self.audit_records()
+        self.assertEqual(call["outcome"], "rejected:invalid_arguments")
+
+    def test_a_refusal_for_another_reason_is_not_paid_for_again(self) -> None:
+        refused = fc.ScriptedReply(b'{"error":{"message":"context too long"}}', status=400)
+        clean, _ = self.run_turn([tool_call_reply([("getOrderStatus", LOOKUP)]), refused])
+        self.assertEqual(clean.stop_reason, "api_error")
+        self.assertEqual(len(self.audit_records("turn")), 1)
+        self.assertNotIn("history", self.audit_records("turn")[0])
+        script: list[fc.ScriptItem] = [tool_call_reply([("getOrderStatus", CUT_CALL)])]
+        result, requests = self.run_turn([*script, refused, refused, refused])
+        self.assertEqual(result.stop_reason, "api_error")
+        self.assertEqual(len(requests), 3)  # the call, its refusal, one portable try: no more
+
+    def test_a_saved_conversation_goes_on_after_it(self) -> None:
+        with ScriptedChatServer(
+            [
+                tool_call_reply([("getOrderStatus", CUT_CALL)]),
+                *[like_llama_cpp(text_reply("unused"))] * 3,  # a 500, and the client's 2 retries
+                like_llama_cpp(text_reply("Shipped.")),
+                like_llama_cpp(text_reply("You are welcome.")),
+            ]
+        ) as server:
+            env = {"OPENAI_BASE_URL": server.base_url}
+            done = self.cli("chat", stdin="Where is ORD-1001?\n", env=env)
+            found = CONVERSATION_LINE.search(done.stderr)
+            assert found is not None, done.stderr
+            again = self.cli("ask", "Thanks", "--conversation", found.group(1), env=env)
+        self.assertEqual((done.returncode, done.stdout), (0, "Shipped.\n"), done.stderr)
+        self.assertEqual((again.returncode, again.stdout), (0, "You are welcome.\n"))
+        self.assertEqual(len(server.requests), 6)  # the conversation goes on, portable
+
+
 class ProviderQuirkTest(LoopTestCase):
     def test_tool_calls_are_read_whatever_finish_reason_says(self) -> None:
         call = {
