@@ -1,4 +1,4 @@
-# function_calling: make run · make test · make test-all · make lint · make version
+# function_calling: make run · make test · make test-all · make lint · make version · make llama
 # Only Python 3 and make are needed; `make lint` alone downloads its checkers (into .venv-lint/).
 
 PYTHON ?= python3
@@ -15,7 +15,7 @@ RUFF_RULES := --line-length 100 --target-version py310 \
 	--select E,F,W,I,B,UP,SIM,RUF,N,C4,PL,PIE,RET,BLE,S \
 	--ignore PLR2004,PLR0913,PLR0917 --per-file-ignores test_function_calling.py:S
 
-.PHONY: run demo test test-all lint bench interop browser version pg-driver
+.PHONY: run demo test test-all lint bench interop llama browser version pg-driver
 
 # With a key or a base URL (a local server needs no key), ask that model; with neither,
 # run the offline scripted demo.
@@ -128,6 +128,31 @@ interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed $(OTEL_VENV)/.install
 	FUNCTION_CALLING_OTEL_PYTHON=$(abspath $(OTEL_VENV))/bin/python \
 	$(PYTHON) test_function_calling.py RealMcpServerTest RealRemoteMcpServerTest \
 		RealTypeScriptMcpServerTest McpConformanceTest RealTelemetryTest 2>&1
+
+# A real llama.cpp llama-server, built from the llama-cpp-python sdist (it carries llama.cpp's
+# source; some 15 to 20 minutes on two cores), and llama.cpp's own gguf package from the same
+# sdist, which writes the tiny model the test runs: all in .venv-llama/. Not in .ci/run (the
+# build's length); the module itself never needs any of it.
+LLAMA_VENV := .venv-llama
+LLAMA_SDIST := llama-cpp-python==0.3.36
+LLAMA_CPP = $(LLAMA_VENV)/src/llama_cpp_python-0.3.36/vendor/llama.cpp
+llama: $(LLAMA_VENV)/.installed
+	@FUNCTION_CALLING_LLAMA_SERVER=$(abspath $(LLAMA_CPP))/build/bin/llama-server \
+	FUNCTION_CALLING_GGUF_PYTHON=$(abspath $(LLAMA_VENV))/bin/python \
+	FUNCTION_CALLING_LLAMA_VOCAB=$(abspath $(LLAMA_CPP))/models/ggml-vocab-llama-bpe.gguf \
+	$(PYTHON) test_function_calling.py RealLlamaCppTest 2>&1
+
+$(LLAMA_VENV)/.installed:
+	rm -rf $(LLAMA_VENV)
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip download --quiet --disable-pip-version-check --no-deps \
+		--no-binary :all: $(LLAMA_SDIST) -d $(LLAMA_VENV)/src
+	tar xzf $(LLAMA_VENV)/src/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_VENV)/src
+	cmake -S $(LLAMA_CPP) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+	cmake --build $(LLAMA_CPP)/build --target llama-server -j2 >/dev/null
+	$(LLAMA_VENV)/bin/pip install --quiet --disable-pip-version-check $(LLAMA_CPP)/gguf-py
+	touch $@
 
 $(OTEL_VENV)/.installed:
 	rm -rf $(OTEL_VENV)

@@ -52,6 +52,7 @@ import threading
 import time
 import tracemalloc
 import unittest
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -2555,6 +2556,139 @@ class PortableRetryTest(LoopTestCase):
         self.assertEqual((done.returncode, done.stdout), (0, "Shipped.\n"), done.stderr)
         self.assertEqual((again.returncode, again.stdout), (0, "You are welcome.\n"))
         self.assertEqual(len(server.requests), 6)  # the conversation goes on, portable
+
+
+LLAMA_SERVER = os.environ.get("FUNCTION_CALLING_LLAMA_SERVER", "")
+GGUF_PYTHON = os.environ.get("FUNCTION_CALLING_GGUF_PYTHON", "")
+LLAMA_VOCAB = os.environ.get("FUNCTION_CALLING_LLAMA_VOCAB", "")
+
+# Run by a Python with llama.cpp's gguf package: a tiny llama-architecture model with the
+# llama-bpe vocabulary (argv 1) and one layer, written to argv 2, whose weights answer "ok"
+# and end: every token embeds as e0 but "ok", which embeds as e1; the layer adds nothing
+# (zeros); the output layer maps e0 to "ok" and e1 to the end of text.
+TINY_MODEL = r"""
+import sys
+import numpy as np
+import gguf
+vocab = gguf.GGUFReader(sys.argv[1])
+def value(name):
+    return vocab.fields[name].parts[-1]
+def items(name):
+    field = vocab.fields[name]
+    return [field.parts[i] for i in field.data]
+tokens = [bytes(part) for part in items("tokenizer.ggml.tokens")]
+n_vocab, n_embd, n_ff, n_head = len(tokens), 16, 32, 2
+out = gguf.GGUFWriter(sys.argv[2], "llama")
+out.add_name("tiny")
+out.add_context_length(1024)
+out.add_embedding_length(n_embd)
+out.add_block_count(1)
+out.add_feed_forward_length(n_ff)
+out.add_head_count(n_head)
+out.add_head_count_kv(n_head)
+out.add_rope_dimension_count(n_embd // n_head)
+out.add_layer_norm_rms_eps(1e-5)
+out.add_file_type(0)
+out.add_vocab_size(n_vocab)
+out.add_tokenizer_model(bytes(value("tokenizer.ggml.model")).decode())
+out.add_tokenizer_pre(bytes(value("tokenizer.ggml.pre")).decode())
+out.add_token_list(tokens)
+out.add_token_types([int(part[0]) for part in items("tokenizer.ggml.token_type")])
+out.add_token_merges([bytes(part).decode() for part in items("tokenizer.ggml.merges")])
+eos = int(value("tokenizer.ggml.eos_token_id")[0])
+out.add_bos_token_id(int(value("tokenizer.ggml.bos_token_id")[0]))
+out.add_eos_token_id(eos)
+out.add_chat_template(
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+ok = tokens.index(b"ok")
+embd = np.zeros((n_vocab, n_embd), dtype=np.float32)
+embd[:, 0] = 1.0
+embd[ok] = 0.0
+embd[ok, 1] = 1.0
+out.add_tensor("token_embd.weight", embd)
+out.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+head = np.zeros((n_vocab, n_embd), dtype=np.float32)
+head[ok, 0] = head[eos, 1] = 10.0
+out.add_tensor("output.weight", head)
+for norm in ("attn_norm", "ffn_norm"):
+    out.add_tensor(f"blk.0.{norm}.weight", np.ones(n_embd, dtype=np.float32))
+for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+    out.add_tensor(f"blk.0.{name}.weight", np.zeros((n_embd, n_embd), dtype=np.float32))
+out.add_tensor("blk.0.ffn_gate.weight", np.zeros((n_ff, n_embd), dtype=np.float32))
+out.add_tensor("blk.0.ffn_up.weight", np.zeros((n_ff, n_embd), dtype=np.float32))
+out.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, n_ff), dtype=np.float32))
+out.write_header_to_file()
+out.write_kv_data_to_file()
+out.write_tensors_to_file()
+out.close()
+"""
+
+
+@unittest.skipUnless(
+    LLAMA_SERVER and GGUF_PYTHON and LLAMA_VOCAB, "no llama-server given (make llama builds one)"
+)
+class RealLlamaCppTest(LoopTestCase):
+    """A real llama.cpp llama-server, built from the llama-cpp-python sdist, on a tiny model
+    the test writes: a history holding a call whose arguments are cut JSON is refused with a
+    500 on every request, and the turn after it answers all the same."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        model = self.data_dir / "tiny.gguf"
+        subprocess.run(
+            [GGUF_PYTHON, "-c", TINY_MODEL, LLAMA_VOCAB, str(model)], check=True, timeout=600
+        )
+        port = closed_port()
+        log = (self.data_dir / "llama-server.log").open("wb")
+        self.addCleanup(log.close)
+        command = [LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+        server = subprocess.Popen(
+            [*command, "--jinja", "-c", "1024", "-n", "16", "--no-webui"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.addCleanup(server.wait, 60)
+        self.addCleanup(server.terminate)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        up = poll(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 300)
+        self.assertTrue(up, (self.data_dir / "llama-server.log").read_text(errors="replace"))
+
+    def history(self) -> list[str]:
+        """A turn a local model ended by writing a call's arguments cut short."""
+        function = {"name": "getOrderStatus", "arguments": CUT_CALL}
+        call = {"id": "call_1", "type": "function", "function": function}
+        return [
+            json.dumps({"role": "system", "content": "You are a shop's assistant."}),
+            json.dumps({"role": "user", "content": "Where is ORD-1001?"}),
+            json.dumps({"role": "assistant", "content": None, "tool_calls": [call]}),
+            json.dumps({"role": "tool", "tool_call_id": "call_1", "content": '{"error":"x"}'}),
+            json.dumps({"role": "assistant", "content": "Sorry, I could not look."}),
+        ]
+
+    def test_the_echo_as_it_is_is_refused_and_the_portable_form_answers(self) -> None:
+        body = json.dumps(
+            {"model": "tiny", "messages": [json.loads(m) for m in self.history()]}
+        ).encode()
+        asked = urllib.request.Request(
+            self.base_url + "/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        with self.assertRaises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(asked, timeout=120)
+        self.assertEqual(refused.exception.code, 500)
+        report(f"llama-server refused the echo: {refused.exception.read()[:200]!r}")
+        settings = Settings(base_url=self.base_url, model="tiny")
+        # no tools offered: the tiny model's "ok" is no call in any format llama.cpp parses
+        loop = fc.hardened_loop(ChatClient(settings, max_retries=0), [], self.audit)
+        context = ToolContext(DEMO_CUSTOMER)
+        result = loop.run("Try again?", context, self.history())
+        self.assertEqual((result.stop_reason, result.answer), ("answered", "ok"), result.error)
+        (turn,) = self.audit_records("turn")
+        self.assertEqual(turn["history"], "portable")
+        again = loop.run("Thanks.", ToolContext(DEMO_CUSTOMER), result.messages)
+        self.assertEqual((again.stop_reason, again.answer), ("answered", "ok"), again.error)
 
 
 class ProviderQuirkTest(LoopTestCase):
@@ -5856,7 +5990,7 @@ class ShapeTest(unittest.TestCase):
         source = MODULE.read_text()
         self.assertEqual(forward_names(source, self.part_one_end), set())
         # the check sees one: Part I's loop made to build a Part II runner
-        planted = source.replace("self.runner = runner or InOrder()", "self.runner = Workers()")
+        planted = source.replace("runner or InOrder(), quirks", "Workers(), quirks")
         self.assertEqual(forward_names(planted, self.part_one_end), {"Workers"})
 
     def test_the_mechanisms_copy_drops_only_imports_nothing_reads(self) -> None:
