@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #89a1a5d6: the whole file, every part kept
+# function_calling.py 2026-12-05 #4b1cee69: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,7 +25,7 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,030 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,047 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
@@ -385,6 +385,8 @@ class Tool:
     strict: ClassVar[bool] = False  # OpenAI's strict mode for the arguments (checked_tools)
     inline: ClassVar[bool] = False  # cannot hang: Workers run a reply's one call on the loop
     source: ClassVar[str] = ""  # where it comes from, for the approver ("": this file)
+    result_limit: ClassVar[int] = MAX_RESULT_BYTES  # past it, a result is cut (_cap_result)
+    paging: ClassVar[str] = ""  # how the model asks for the rest of a cut result, if it can
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         """Run with parsed arguments; raise ToolError for anything the model should fix."""
@@ -1076,7 +1078,7 @@ def dispatch(
     """
     started = time.monotonic()
 
-    def record(outcome: str, detail: Mapping[str, str]) -> None:
+    def record(outcome: str, detail: Mapping[str, Any]) -> None:
         # a filing's line is written inside its transaction (Approvals): never batched
         durable = outcome == "proposed"
         _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
@@ -1092,8 +1094,8 @@ def _execute(
     tools: Mapping[str, Tool],
     context: ToolContext,
     approvals: Approvals | None,
-    record: Callable[[str, Mapping[str, str]], None],
-) -> tuple[str, str, dict[str, str]]:
+    record: Callable[[str, Mapping[str, Any]], None],
+) -> tuple[str, str, dict[str, Any]]:
     """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
     tool = tools.get(call.name)
     if tool is None:
@@ -1103,8 +1105,9 @@ def _execute(
         args = parse_arguments(call.arguments_json)
         _refuse_secrets(args)  # the key, said back by a server or guessed: never a tool's
         result = tool.run(args, context)
-        if not tool.writes:
-            return _cap_result(_compact(result)), "ok", {}
+        if not tool.writes:  # past the tool's limit, cut; the audit line sizes the whole
+            content, limit = _compact(result), tool.result_limit
+            return _cap_result(content, limit, tool.paging), "ok", _whole_result(content, limit)
         if approvals is None:  # fail closed: a write with nobody to approve it never runs
             raise RuntimeError(f"{tool.name} writes, but there is no approval store")
         # the request and its audit line are filed together, or neither is
@@ -1125,10 +1128,24 @@ def _execute(
         )
 
 
-def _cap_result(content: str, limit: int = MAX_RESULT_BYTES) -> str:
+def _cap_result(content: str, limit: int = MAX_RESULT_BYTES, paging: str = "") -> str:
+    """A result past `limit` bytes, cut visibly: its head and its tail, and between them what
+    was left out and, where the tool pages, how to ask for it."""
     if len(content) <= limit:  # _compact writes ASCII: characters are bytes
         return content
-    return content[:limit] + f"…[cut: the result was {len(content)} bytes, the cap is {limit}]"
+    lines = content.count("\\n") + 1  # its text's lines, as JSON escapes them
+    note = f"…[cut: the result was {len(content)} bytes, {lines} line{'s' * (lines != 1)};"
+    note += " its middle is left out"
+    note += f"; {paging}]…" if paging else "]…"
+    keep = max(0, limit - len(note.encode())) // 2
+    return content[:keep] + note + content[len(content) - keep :]
+
+
+def _whole_result(content: str, limit: int) -> dict[str, Any]:
+    """What a call's audit line says of a result the model got cut: its size and hash."""
+    cut = len(content) > limit
+    sha256 = hashlib.sha256(content.encode()).hexdigest() if cut else ""
+    return {"result_bytes": len(content), "result_sha256": sha256} if cut else {}
 
 
 def _error_content(code: str, message: str) -> str:
@@ -1142,7 +1159,7 @@ def _audit_call(
     round_number: int,
     outcome: str,
     started: float,
-    detail: Mapping[str, str],
+    detail: Mapping[str, Any],
     durable: bool = False,
 ) -> None:
     """A call's line (inside the loop's batch: AuditLog.batch)."""
@@ -10810,7 +10827,8 @@ class McpTool(Tool):
 
 def _fitted(text: str, structured: Any) -> dict[str, Any]:
     """The result the model gets, within MAX_RESULT_BYTES as JSON: structuredContent whole or
-    left out (cut JSON is no JSON), the text cut visibly to fit beside it."""
+    left out (cut JSON is no JSON), the text cut visibly to fit beside it (its head and its
+    tail, as _cap_result cuts)."""
     converted: dict[str, Any] = {"content": text}
     if structured is not None:
         size = len(_compact(structured))
@@ -10820,7 +10838,7 @@ def _fitted(text: str, structured: Any) -> dict[str, Any]:
     size, kept = len(_compact(converted)), len(text)
     while size > MAX_RESULT_BYTES:  # a character is at least one byte of JSON: this ends
         kept = max(0, kept - (size - MAX_RESULT_BYTES) - 80)
-        converted["content"] = text[:kept] + f"…[cut: the text was {len(text)} characters]"
+        converted["content"] = _cap_result(text, kept)  # its head and its tail, visibly
         size = len(_compact(converted))
     return converted
 

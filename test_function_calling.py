@@ -3643,6 +3643,22 @@ class DirectTool(Tool):
         return {"card": f"[{order_id}]"}
 
 
+class SearchTool(Tool):
+    """A read tool whose result is some 160 KB of lines, as a code search's may be, and which
+    says how it pages."""
+
+    name = "searchCode"
+    description = "Searches the code. Returns matches, 2,000 at a time; offset: where to go on."
+    parameters: ClassVar[dict[str, Any]] = NO_ARGUMENTS
+    paging = "ask again with offset set to where you want to go on, as the description says"
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        lines = [
+            f"src/module_{n:04}.py:{n:04}: a match of the pattern, {'x' * 31}" for n in range(2000)
+        ]
+        return {"matches": "\n".join(["first match", *lines[1:-1], "last match"])}
+
+
 class BigTool(Tool):
     """A read tool whose result is far over the result cap."""
 
@@ -3811,16 +3827,49 @@ class GuardTest(LoopTestCase):
         )
         self.assertEqual(again.stop_reason, "repeated_calls")  # what it just got, asked again
 
-    def test_a_huge_result_is_cut_with_a_visible_marker(self) -> None:
+    def test_a_huge_result_is_cut_to_its_head_and_tail_and_says_what_was_left_out(self) -> None:
         _, requests = self.run_turn(
-            [tool_call_reply([("dumpEverything", "{}")]), text_reply("ok")], tools=[BigTool()]
+            [tool_call_reply([("searchCode", "{}")]), text_reply("ok")], tools=[SearchTool()]
         )
         (message,) = tool_messages(requests[1])
-        self.assertTrue(message["content"].startswith('{"blob":"xxx'))
-        self.assertTrue(
-            message["content"].endswith("…[cut: the result was 100011 bytes, the cap is 16384]")
+        whole = fc._compact(SearchTool().execute({}, ToolContext(DEMO_CUSTOMER)))
+        self.assertEqual((len(whole) // 1024, whole.count("\\n") + 1), (160, 2000))  # 160 KiB
+        content = message["content"]
+        found = re.fullmatch(r"(.*)…\[(cut: [^]]*)\]…(.*)", content)
+        assert found is not None, content[:200]
+        head, note, tail = found.groups()
+        self.assertTrue(whole.startswith(head) and whole.endswith(tail))
+        self.assertGreater(len(head), 8000)
+        self.assertEqual(len(head), len(tail))
+        self.assertIn("first match", head)
+        self.assertIn("last match", tail)  # the end of a result is seen, not lost
+        self.assertEqual(
+            note,
+            f"cut: the result was {len(whole)} bytes, 2000 lines; its middle is left out; ask"
+            " again with offset set to where you want to go on, as the description says",
         )
-        self.assertLess(len(message["content"]), fc.MAX_RESULT_BYTES + 100)
+        self.assertLessEqual(len(content.encode()), fc.MAX_RESULT_BYTES)
+        (line,) = self.audit_records()
+        self.assertEqual(line["result_bytes"], len(whole))
+        self.assertEqual(line["result_sha256"], hashlib.sha256(whole.encode()).hexdigest())
+
+    def test_a_tool_sets_its_own_limit_and_a_result_within_it_is_untouched(self) -> None:
+        small = type("SmallSearch", (SearchTool,), {"result_limit": 2000, "paging": ""})()
+        _, requests = self.run_turn(
+            [tool_call_reply([("searchCode", "{}")]), text_reply("ok")], tools=[small]
+        )
+        (message,) = tool_messages(requests[1])
+        self.assertLessEqual(len(message["content"].encode()), 2000)
+        self.assertTrue(message["content"].endswith('last match"}'))
+        self.assertRegex(
+            message["content"], r"…\[cut: the result was 163873 bytes, 2000 lines; its middle"
+        )
+        _, requests = self.run_turn(
+            [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        )
+        (message,) = tool_messages(requests[1])
+        self.assertNotIn("cut:", message["content"])
+        self.assertNotIn("result_bytes", self.audit_records()[-1])
 
 
 # ----------------------------------------------------------------------------------- approvals
@@ -5921,8 +5970,8 @@ class ShapeTest(unittest.TestCase):
         expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
         self.assertEqual(top, expected | {".ci", ".gitignore"})
 
-    def test_part_one_is_at_most_2030_lines_and_the_docstring_says_how_long_it_is(self) -> None:
-        self.assertLessEqual(self.part_one_end, 2030)
+    def test_part_one_is_at_most_2050_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 2050)
         doc = " ".join((fc.__doc__ or "").split())
         said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
         assert said is not None, "the docstring's first reading names Part I's lines"
@@ -9891,7 +9940,10 @@ class McpToolsTest(McpCase):
         done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["big"])
         self.assertEqual(done.returncode, 0, done.stderr)
         (result,) = tool_results(requests[1])
-        self.assertIn("[cut: the text was 100000 characters]", result["content"])
+        self.assertRegex(  # the text's head and its tail, and what was left out between
+            result["content"],
+            r"…\[cut: the result was 100000 bytes, 1 line; its middle is left out\]…",
+        )
         self.assertRegex(result["structuredContent"], r"^\[cut: \d+ bytes of JSON")
         self.assertLessEqual(len(tool_messages(requests[1])[0]["content"]), fc.MAX_RESULT_BYTES)
 
@@ -11000,7 +11052,7 @@ class InboxCase(LoopTestCase):
     def stop(self, process: subprocess.Popen[str]) -> None:
         process.send_signal(signal.SIGINT)
         try:
-            _, self.inbox_stderr = process.communicate(timeout=10)
+            _, self.inbox_stderr = process.communicate(timeout=60)  # a loaded machine: wide
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
