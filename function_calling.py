@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #4b1cee69: the whole file, every part kept
+# function_calling.py 2026-12-05 #905e76b5: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -28,7 +28,7 @@ a constructor argument whose default is Part I's simple piece and where Part II'
 First reading: Part I, the mechanism, is lines 1 to 2,047 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,230 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,270 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -2054,6 +2054,9 @@ MAX_RETRIES = 2  # retries of one request (408, 409, 429, 5xx, no response at al
 MAX_RETRY_WAIT_S = 60.0  # a server asking for a longer wait fails at once
 STREAM_IDLE_S = 60.0  # after its headers, a stream goes on while a byte comes this often
 MAX_STREAM_BYTES = 64 * 1024 * 1024  # a stream's bytes on the wire, framing and all
+MAX_RESULTS_SENT_BYTES = 64 * 1024  # our tool results in one request; past it, older ones shrink
+RECENT_ROUNDS_SENT_WHOLE = 2  # the results of the last rounds are never shrunk
+SHRUNK_RESULT_BYTES = 512  # what is left of an older result: its head, and a note
 
 # One kept-alive connection per ChatClient, reused across rounds and turns: a new one per
 # request would cost a TCP and (over https) a TLS handshake every round. http.client is the
@@ -2203,6 +2206,42 @@ def _connection(
     return tunnel, target.path
 
 
+# A conversation's requests carry every earlier result again: 16 KiB a call, ten rounds on,
+# is 160 KiB a request. Past MAX_RESULTS_SENT_BYTES of our own tool messages, the oldest
+# results outside the last rounds go as their head and a note, in the request only: the
+# history (and a saved conversation) keeps them as the model first saw them, and every
+# assistant message still goes byte for byte.
+
+
+def _within_results_budget(
+    messages: Sequence[str], budget: int, recent: int = RECENT_ROUNDS_SENT_WHOLE
+) -> Sequence[str]:
+    """`messages` as they are, or, when our tool results take more than `budget` bytes, with
+    the oldest outside the last `recent` rounds shrunk, oldest first, until they fit."""
+    if sum(map(len, messages)) <= budget:  # what most requests find: one pass, in C
+        return messages
+    total = sum(len(message) for message in messages if message.startswith('{"role":"tool"'))
+    if total <= budget:
+        return messages
+    ours = [n for n, message in enumerate(messages) if message.startswith('{"role":"tool"')]
+    replies = [n for n, message in enumerate(messages) if not message.startswith(_OURS)]
+    start_of_recent = replies[-recent] if len(replies) >= recent else 0
+    sent = list(messages)
+    for n in (n for n in ours if n < start_of_recent):
+        if total <= budget:
+            break
+        told = json.loads(sent[n])
+        content = told["content"]
+        if len(content) > SHRUNK_RESULT_BYTES:
+            note = f"…[an older result of {len(content)} bytes, shortened here; sent whole before]"
+            sent[n] = _tool_message(told["tool_call_id"], content[:SHRUNK_RESULT_BYTES] + note)
+            total -= len(messages[n]) - len(sent[n])
+    return sent
+
+
+_OURS = ('{"role":"system"', '{"role":"user"', '{"role":"tool"')  # else a reply's, echoed
+
+
 class _RetryableError(ApiError):
     """A failure worth another try: no response at all, or 408, 409, 429, 5xx."""
 
@@ -2325,13 +2364,14 @@ class ChatClient(Client):
         stream_idle: float = STREAM_IDLE_S,
         max_stream_bytes: int = MAX_STREAM_BYTES,
         on_exchange: Callable[[Exchange], None] | None = None,  # each request, once it ends
+        max_results_bytes: int | None = MAX_RESULTS_SENT_BYTES,  # None: every result whole
     ) -> None:
         if stream_idle <= 0 or min(max_retries, max_retry_wait) < 0:
             raise ConfigError("timeouts must be positive and retries not negative")
         self.settings = settings
         self.max_retries, self.max_retry_wait = max_retries, max_retry_wait
         self.retry_timeouts, self.stream_idle = retry_timeouts, stream_idle
-        self.max_stream_bytes = max_stream_bytes
+        self.max_stream_bytes, self.max_results_bytes = max_stream_bytes, max_results_bytes
         self.on_exchange = on_exchange  # the telemetry part's spans: it must not raise
         _keep_secret(settings.api_key)  # never shown, saved or logged, whoever says it back
         self._sleep = sleep  # injectable, so tests can see a retry's wait without waiting
@@ -2370,6 +2410,8 @@ class ChatClient(Client):
         as it arrives; else its text is handed over whole. `max_output` bounds the tokens
         the reply may write, in the field Settings.output_field names."""
         field = str(self.settings.output_field)
+        if self.max_results_bytes is not None:
+            messages = _within_results_budget(messages, self.max_results_bytes)
         body = _request_body(
             self.settings.model,
             messages,

@@ -3659,6 +3659,17 @@ class SearchTool(Tool):
         return {"matches": "\n".join(["first match", *lines[1:-1], "last match"])}
 
 
+class PagedSearchTool(SearchTool):
+    """The same search, asked for by page: a model that wants ten pages asks ten times."""
+
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"offset": {"type": "integer"}},
+        "required": ["offset"],
+        "additionalProperties": False,
+    }
+
+
 class BigTool(Tool):
     """A read tool whose result is far over the result cap."""
 
@@ -3852,6 +3863,28 @@ class GuardTest(LoopTestCase):
         (line,) = self.audit_records()
         self.assertEqual(line["result_bytes"], len(whole))
         self.assertEqual(line["result_sha256"], hashlib.sha256(whole.encode()).hexdigest())
+
+    def test_requests_stay_bounded_as_big_results_pile_up_and_the_history_keeps_them(
+        self,
+    ) -> None:
+        pages = [tool_call_reply([("searchCode", json.dumps({"offset": n}))]) for n in range(10)]
+        result, requests = self.run_turn(
+            [*pages, text_reply("Found it.")], tools=[PagedSearchTool()], max_rounds=12
+        )
+        self.assertEqual(result.stop_reason, "answered")
+        sizes = [len(request.body) for request in requests]
+        report(f"a turn of ten 160 KiB results, its requests' bytes: {sizes}")
+        self.assertLess(sizes[-1], fc.MAX_RESULTS_SENT_BYTES + 16 * 1024)  # not ten times 16 KiB
+        sent = json.loads(requests[-1].body)["messages"]
+        told = [m for m in sent if m["role"] == "tool"]
+        whole = [json.loads(m) for m in result.messages if m.startswith('{"role":"tool"')]
+        self.assertEqual(len(told), 10)
+        self.assertEqual(told[-2:], whole[-2:])  # the last two rounds' results: as first sent
+        self.assertIn("an older result of", told[0]["content"])
+        self.assertTrue(whole[0]["content"].startswith(told[0]["content"][:512]))
+        self.assertGreater(len(whole[0]["content"]), 16000)  # the history keeps it as it was
+        replies = [json.loads(m) for m in result.messages if not m.startswith('{"role":"')]
+        self.assertEqual([m for m in sent if m["role"] == "assistant"], replies[:-1])  # echoes
 
     def test_a_tool_sets_its_own_limit_and_a_result_within_it_is_untouched(self) -> None:
         small = type("SmallSearch", (SearchTool,), {"result_limit": 2000, "paging": ""})()
@@ -14764,6 +14797,43 @@ class Benchmarks(LoopTestCase):
             report(ratio_line(said, wall))
             # this process's CPU time: what load on the machine does not move
             report(ratio_line(f"{said}, in this process's CPU time", cpu))
+
+    def test_a_round_with_the_results_budget_against_one_without(self) -> None:
+        """What keeping the results within MAX_RESULTS_SENT_BYTES costs a request whose results
+        are small (the budget never reached), with 50 earlier rounds in its history: the same
+        round with max_results_bytes=None."""
+        history = [fc._message("system", "be brief"), fc._message("user", "look")]
+        for n in range(50):
+            function = {"name": "getOrderStatus", "arguments": LOOKUP}
+            call = {"id": f"call_{n}", "type": "function", "function": function}
+            history.append(
+                fc._compact({"role": "assistant", "content": None, "tool_calls": [call]})
+            )
+            history.append(fc._tool_message(f"call_{n}", '{"status":"SHIPPED"}'))
+        history.append(fc._compact({"role": "assistant", "content": "It shipped."}))
+        script = [tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")]
+        runs = 200
+        audit = AuditLog(self.data_dir / "budget.log", fsync=False, writer=fc.AuditFile)
+        with ServerInAChild(script, 4 * runs + 4) as server:
+            settings = Settings(base_url=server.base_url, model="bench")
+            checked = fc.hardened_loop(ChatClient(settings), [TrivialTool()], audit)
+            unchecked = fc.hardened_loop(
+                ChatClient(settings, max_results_bytes=None), [TrivialTool()], audit
+            )
+
+            def turn(loop: fc.ToolLoop) -> Callable[[], object]:
+                return functools.partial(loop.run, "again?", ToolContext(DEMO_CUSTOMER), history)
+
+            turn(checked)(), turn(unchecked)()  # warm up
+            wall = interleaved(turn(checked), turn(unchecked), runs)
+            cpu = alternating(
+                functools.partial(cpu_timed, turn(checked)),
+                functools.partial(cpu_timed, turn(unchecked)),
+                runs,
+            )
+        said = "a tool round after 50 rounds of small results, the results' budget checked / not"
+        report(ratio_line(f"{said}, the turn's wall clock", wall))
+        report(ratio_line(f"{said}, in this process's CPU time", cpu))
 
     def test_a_round_with_the_live_exporter_against_one_without(self) -> None:
         """The same tool round, with spans sent to a receiver (in a child process, content
