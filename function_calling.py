@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #905e76b5: the whole file, every part kept
+# function_calling.py 2026-12-05 #0af90d26: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -13740,14 +13740,15 @@ class _SpanMaker:
         self._closed[turn_id] = (trace, span_id)
         if len(self._closed) > MAX_OPEN_TURNS:
             del self._closed[next(iter(self._closed))]
-        end = _time_ns(record.get("time"))
-        start = end - round(_number_in(record.get("duration_ms")) * 1e6)
+        start, end = _span_times(record)
         common = {"gen_ai.conversation.id": conversation} if conversation else {}
         model = requests[-1][0].settings if requests else None
         stop = _text_in(record, "stop_reason")
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "invoke_agent",
-            "gen_ai.provider.name": _provider(model.base_url) if model else "openai",
+            "gen_ai.provider.name": (
+                _server_attributes(model.base_url)["gen_ai.provider.name"] if model else "openai"
+            ),
             **({"gen_ai.request.model": model.model} if model else {}),
             **common,
             **_usage_attributes(record.get("usage")),
@@ -13755,10 +13756,9 @@ class _SpanMaker:
             "function_calling.stop_reason": stop,
             "function_calling.rounds": _count_in(record.get("rounds")),
         }
-        failed = stop in _FAILED_STOPS
-        if failed:
-            attributes["error.type"] = stop
-        error = stop if failed else ""
+        error = stop if stop in _FAILED_STOPS else ""
+        if error:
+            attributes["error.type"] = error
         turn = TelemetrySpan(
             "invoke_agent", trace, span_id, "", SPAN_INTERNAL, start, end, attributes, error
         )
@@ -13804,8 +13804,7 @@ class _SpanMaker:
         result: str | None,
     ) -> TelemetrySpan:
         name, outcome = _text_in(record, "tool"), _text_in(record, "outcome")
-        end = _time_ns(record.get("time"))
-        start = end - round(_number_in(record.get("duration_ms")) * 1e6)
+        start, end = _span_times(record)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "execute_tool",
             "gen_ai.tool.name": name,
@@ -13941,8 +13940,13 @@ _FAILED_STOPS = frozenset(
 )
 
 
-def _number_in(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+def _span_times(record: Mapping[str, Any]) -> tuple[int, int]:
+    """A span's start and end, from its audit line: written as it ended, with its duration."""
+    end = _time_ns(record.get("time"))
+    duration = record.get("duration_ms")
+    if not isinstance(duration, int | float) or isinstance(duration, bool):
+        duration = 0
+    return end - round(duration * 1e6), end
 
 
 @functools.lru_cache(maxsize=16)
@@ -13950,14 +13954,13 @@ def _server_attributes(base_url: str) -> dict[str, Any]:
     """The provider and the server of a base URL (read once: every request names them)."""
     target = urllib.parse.urlsplit(base_url)
     return {
-        "gen_ai.provider.name": _provider(base_url),
+        "gen_ai.provider.name": _provider(target.hostname or ""),
         "server.address": target.hostname or "",
         "server.port": target.port or (443 if target.scheme == "https" else 80),
     }
 
 
-def _provider(base_url: str) -> str:
-    host = urllib.parse.urlsplit(base_url).hostname or ""
+def _provider(host: str) -> str:
     return (
         "azure.ai.openai" if host.endswith(".openai.azure.com") else _PROVIDERS.get(host, "openai")
     )

@@ -2641,7 +2641,7 @@ class RealLlamaCppTest(LoopTestCase):
         subprocess.run(
             [GGUF_PYTHON, "-c", TINY_MODEL, LLAMA_VOCAB, str(model)], check=True, timeout=600
         )
-        port = closed_port()
+        port = free_port()
         log = (self.data_dir / "llama-server.log").open("wb")
         self.addCleanup(log.close)
         command = [LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
@@ -14190,13 +14190,6 @@ def otlp_value(value: dict[str, Any]) -> Any:
     return int(inner) if kind == "intValue" else inner
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 nothing listens on (it was free a moment ago)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 THREE_CALLS = [
     tool_call_reply(
         [
@@ -14328,7 +14321,7 @@ class TelemetryTest(ApprovalCase):
         self.assertEqual(sorted(names), sorted(s["name"] for s in json_receiver.items()))
 
     def test_a_receiver_that_is_down_costs_a_turn_nothing_and_is_counted(self) -> None:
-        result, telemetry, _ = self.traced(f"http://127.0.0.1:{closed_port()}")
+        result, telemetry, _ = self.traced(f"http://127.0.0.1:{free_port()}")
         self.assertEqual(result.stop_reason, "answered")
         self.assertEqual((telemetry.sent, telemetry.dropped), (0, 6))
 
@@ -14358,7 +14351,7 @@ class TelemetryTest(ApprovalCase):
         self.assertLess(huge.written, 16 << 20)  # of 64 MiB: it stopped being read
 
     def test_what_waits_is_bounded_and_what_it_drops_is_counted(self) -> None:
-        exporter = fc.OtlpExporter(f"http://127.0.0.1:{closed_port()}/v1/traces", "http://x/")
+        exporter = fc.OtlpExporter(f"http://127.0.0.1:{free_port()}/v1/traces", "http://x/")
         telemetry = fc.Telemetry(exporter)  # not started: nothing takes from its queue
         for number in range(fc.TELEMETRY_QUEUE + 100):
             telemetry.audited({"event": "tool_call", "turn_id": f"turn-{number}"})
@@ -14572,7 +14565,7 @@ class TelemetryCliTest(LoopTestCase):
 
     def test_stats_says_why_an_export_failed(self) -> None:
         self.server.script.append(text_reply("Hello."))
-        env = {**self.env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}"}
+        env = {**self.env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
         self.assertEqual(self.cli("ask", "Hi", env=env).returncode, 0)
         stats = self.cli("stats", env=env)
         self.assertRegex(
@@ -14691,7 +14684,7 @@ class RealTelemetryTest(McpCase):
         phoenix = Path(OTEL_PYTHON).with_name("phoenix")
         if not phoenix.exists():
             self.skipTest("no Phoenix in the venv")
-        port, grpc = closed_port(), closed_port()
+        port, grpc = free_port(), free_port()
         work = self.data_dir / "phoenix"
         work.mkdir()
         log = (self.data_dir / "phoenix.log").open("wb")
