@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #0af90d26: the whole file, every part kept
+# function_calling.py 2026-12-05 #03dfab68: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -2331,9 +2331,9 @@ STREAM_READERS: list[Callable[[Iterable[bytes], Callable[[str], None], int], Rep
 @dataclass(frozen=True)
 class Exchange:
     """One model request as ChatClient's `on_exchange` sees it, once it has ended (the
-    telemetry part's spans): the settings it went with, its messages (the turn's own list,
-    still growing: copy what you keep), when it started (time.time()), and the reply or the
-    failure."""
+    telemetry part's spans): the settings it went with, its messages as sent (often the
+    turn's own list, still growing: copy what you keep), when it started (time.time()), and
+    the reply or the failure."""
 
     settings: Settings
     messages: Sequence[str]
@@ -13873,13 +13873,14 @@ class _SpanMaker:
         )
 
     def _results(self, requests: list[tuple[Exchange, float]]) -> dict[str, str]:
-        """Each call's result, by call id, as a later request of the turn sent it."""
+        """Each call's result, by call id, as the first request of the turn that carried it
+        sent it (a later one may carry it shortened: _within_results_budget)."""
         results: dict[str, str] = {}
         for exchange, _ in requests:
             for message in exchange.messages:
                 if message.startswith('{"role":"tool"'):  # ours, written by _tool_message
                     told = json.loads(message)
-                    results[told["tool_call_id"]] = told["content"]
+                    results.setdefault(told["tool_call_id"], told["content"])
         return results
 
     def _person_decision(self, record: Mapping[str, Any]) -> list[TelemetrySpan]:

@@ -112,6 +112,7 @@ WIRE_CHOICES = (
     "stream_idle",
     "max_stream_bytes",
     "on_exchange",
+    "max_results_bytes",
 )
 BACK = "/?page=1#decided"  # where a decision made outside any page goes: its note
 OTHER_CUSTOMER = "CUST-0002"
@@ -14306,6 +14307,30 @@ class TelemetryTest(ApprovalCase):
         self.assertEqual(json.loads(last["gen_ai.output.messages"])[0]["parts"][0]["content"], "ok")
         self.assertNotIn(FAKE_KEY.encode(), receiver.bodies())
         self.assertNotIn(FAKE_KEY[:20].encode(), receiver.bodies())
+
+    def test_a_captured_result_is_the_one_the_model_first_got_not_a_later_shortening(
+        self,
+    ) -> None:
+        pages = [tool_call_reply([("searchCode", json.dumps({"offset": n}))]) for n in range(3)]
+        with OtlpReceiver() as receiver:
+            urls = (receiver.url + "/v1/traces", receiver.url + "/v1/logs")
+            exporter = fc.OtlpExporter(*urls, protocol="http/json")
+            telemetry = fc.Telemetry(exporter, capture=True, tools=lambda: [PagedSearchTool()])
+            with telemetry:
+                client = {"on_exchange": telemetry.exchanged, "max_results_bytes": 20_000}
+                _, requests = self.run_turn(
+                    [*pages, text_reply("ok")], tools=[PagedSearchTool()], client=client
+                )
+                telemetry.close(60)
+        first = tool_messages(requests[1])[0]["content"]  # as the model first got it
+        self.assertIn("an older result of", tool_messages(requests[3])[0]["content"])
+        results = [
+            s["attributes"]["gen_ai.tool.call.result"]
+            for s in receiver.items()
+            if s["name"] == "execute_tool searchCode"
+        ]
+        self.assertIn(first, results)
+        self.assertFalse([r for r in results if "an older result of" in r])
 
     def test_protobuf_is_the_default_and_says_what_json_says(self) -> None:
         with OtlpReceiver() as protobuf, OtlpReceiver() as json_receiver:
