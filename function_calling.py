@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #03dfab68: the whole file, every part kept
+# function_calling.py 2026-12-05 #b4db01c1: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,7 +25,7 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,047 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,060 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,270 lines),
@@ -420,6 +420,11 @@ class Tool:
         """Validate, then execute."""
         self.validate(args)
         return self.execute(args, context)
+
+    def cut(self, content: str) -> str:
+        """What the model gets of a result (its JSON text) past result_limit: its head and
+        its tail, and between them what was left out (ToolResult.whole keeps all of it)."""
+        return _cap_result(content, self.result_limit, self.paging)
 
     def definition(self) -> dict[str, Any]:
         """The entry of the request's `tools` array."""
@@ -1050,6 +1055,7 @@ class ToolResult:
     call: ToolCall
     content: str
     outcome: str
+    whole: str | None = None  # when `content` is a result cut for the model (Tool.cut): all of it
 
     @property
     def ends_turn(self) -> bool:
@@ -1084,9 +1090,13 @@ def dispatch(
         _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
 
     content, outcome, detail = _execute(call, tools, context, approvals, record)
+    whole, tool = None, tools.get(call.name)
+    if outcome == "ok" and tool and len(content) > tool.result_limit:  # _compact writes ASCII
+        content, whole = tool.cut(content), content  # the line sizes the whole, to check it by
+        detail = {"result_bytes": len(whole), "result_sha256": _sha256(whole)}
     if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
         record(outcome, detail)
-    return ToolResult(call, content, outcome)
+    return ToolResult(call, content, outcome, whole)
 
 
 def _execute(
@@ -1105,9 +1115,8 @@ def _execute(
         args = parse_arguments(call.arguments_json)
         _refuse_secrets(args)  # the key, said back by a server or guessed: never a tool's
         result = tool.run(args, context)
-        if not tool.writes:  # past the tool's limit, cut; the audit line sizes the whole
-            content, limit = _compact(result), tool.result_limit
-            return _cap_result(content, limit, tool.paging), "ok", _whole_result(content, limit)
+        if not tool.writes:  # whole: dispatch cuts it to the tool's limit
+            return _compact(result), "ok", {}
         if approvals is None:  # fail closed: a write with nobody to approve it never runs
             raise RuntimeError(f"{tool.name} writes, but there is no approval store")
         # the request and its audit line are filed together, or neither is
@@ -1141,11 +1150,8 @@ def _cap_result(content: str, limit: int = MAX_RESULT_BYTES, paging: str = "") -
     return content[:keep] + note + content[len(content) - keep :]
 
 
-def _whole_result(content: str, limit: int) -> dict[str, Any]:
-    """What a call's audit line says of a result the model got cut: its size and hash."""
-    cut = len(content) > limit
-    sha256 = hashlib.sha256(content.encode()).hexdigest() if cut else ""
-    return {"result_bytes": len(content), "result_sha256": sha256} if cut else {}
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _error_content(code: str, message: str) -> str:
@@ -1344,6 +1350,7 @@ class TurnResult:
     messages: JSON texts, the system prompt first, each call answered in order, so they are
     valid to send again as `history` (with `origin` as `history_origin`). Ctrl-C: audited as
     "interrupted", then KeyboardInterrupt goes on.
+    whole_results: each result the model got cut, whole, by its tool message's index.
     """
 
     stop_reason: str
@@ -1355,6 +1362,7 @@ class TurnResult:
     usage: Mapping[str, int] = field(default_factory=dict)
     retries: int = 0  # HTTP requests sent again (429, 5xx, no response); tools never rerun
     origin: tuple[str, str] = ("", "")  # (base URL, model) that wrote this history
+    whole_results: Mapping[int, str] = field(default_factory=dict)
 
 
 class ToolLoop:
@@ -1473,6 +1481,7 @@ class ToolLoop:
                 results = turn.add_results(self._run_calls(reply.tool_calls, context, turn, guard))
         except AuditError as exc:  # fail closed: results whose lines may be lost are taken back
             del turn.messages[mark:]
+            turn.whole_results = {i: w for i, w in turn.whole_results.items() if i < mark}
             turn.open_calls = collections.deque(reply.tool_calls)
             turn.close_open_calls("audit_failed")
             return "audit_failed", None, str(exc)
@@ -1555,6 +1564,7 @@ class ToolLoop:
             usage=dict(turn.usage),
             retries=turn.retries,
             origin=self._origin,
+            whole_results=turn.whole_results,
         )
         try:
             self.audit.record(
@@ -1610,6 +1620,7 @@ class _Turn:
     refused_calls: int = 0  # refused with tool_use_failed (ServerQuirks asks again, twice)
     portable: bool = False  # its history sent again in portable form (ServerQuirks), once
     usage: dict[str, int] = field(default_factory=dict)
+    whole_results: dict[int, str] = field(default_factory=dict)  # ToolResult.whole, by message
     open_calls: collections.deque[ToolCall] = field(default_factory=collections.deque)  # in order
     calls_now: tuple[tuple[str, str], ...] = ()
     calls_before: tuple[tuple[str, str], ...] = ()
@@ -1642,6 +1653,8 @@ class _Turn:
         added: list[ToolResult] = []
         for result in results:
             self.messages.append(_tool_message(result.call.id, result.content))
+            if result.whole is not None:
+                self.whole_results[len(self.messages) - 1] = result.whole
             self.open_calls.popleft()  # results come in call order (ToolLoop._run_calls)
             self.tool_calls += 1
             self.tool_errors += _is_tool_error(result.outcome)
@@ -1946,7 +1959,7 @@ def _bound_arguments(action: PendingAction) -> dict[str, Any]:
 def _binding(customer_id: str, tool: str, arguments_json: str) -> str:
     """What an approval is bound to: this customer, tool and exact arguments. A SHA-256, not a
     signature: it catches a row changed by mistake; the database's permissions guard the rest."""
-    return hashlib.sha256(canonical_json([customer_id, tool, arguments_json]).encode()).hexdigest()
+    return _sha256(canonical_json([customer_id, tool, arguments_json]))
 
 
 def _pending_action(row: Sequence[Any]) -> PendingAction:
@@ -2757,7 +2770,7 @@ def skip_calls(
             customer_id=context.customer_id,
             reason=reason,
             count=len(counted),
-            tool_call_ids_sha256=hashlib.sha256(canonical_json(counted).encode()).hexdigest(),
+            tool_call_ids_sha256=_sha256(canonical_json(counted)),
         )
         # shared, and short: 100,000 of them go in every later request (the first say why)
         content, outcome = _error_content("not_run", "as above"), f"skipped:{reason}"
@@ -6851,6 +6864,7 @@ __all__ += [  # extended here, so that the cut takes these names with it
     "ConversationConflictError",
     "ConversationError",
     "Conversations",
+    "KeptResult",
     "SavedTurn",
 ]
 __doc__ += """
@@ -6918,6 +6932,21 @@ CREATE TABLE IF NOT EXISTS conversation_actions (
 """
 
 
+# Each tool result the model got cut (TurnResult.whole_results), kept whole beside the cut copy
+# in its turn's messages, in the turn's own transaction: for the application to read
+# (Conversations.kept_results); never sent again. Its own part: a database made before it
+# gets the table the first time it is opened.
+_KEPT_RESULTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversation_results (
+    conversation_id TEXT NOT NULL REFERENCES conversations (conversation_id),
+    turn            INTEGER NOT NULL,
+    message         INTEGER NOT NULL,  -- the cut copy's place in the turn's messages
+    result_json     TEXT NOT NULL,     -- the whole result, as the tool gave it
+    PRIMARY KEY (conversation_id, turn, message)
+);
+"""
+
+
 def _index_saved_turns(db: sqlite3.Connection) -> None:
     """Build conversation_actions from the turns saved before it existed (once)."""
     rows = db.execute(
@@ -6978,6 +7007,16 @@ class SavedTurn:
     def size(self) -> int:
         """Its messages' bytes, measured once: every history() of a load measures again."""
         return sum(_size(message) for message in self.messages)
+
+
+@dataclass(frozen=True)
+class KeptResult:
+    """A tool result the model got cut, as its saved conversation keeps it."""
+
+    turn: int
+    tool_call_id: str
+    sent: str  # what the model got: its head and its tail, and a note between them
+    whole: str  # all of it, as the tool gave it (the call's audit line has its SHA-256)
 
 
 @dataclass(frozen=True)
@@ -7077,6 +7116,7 @@ class Conversations:
         database.install(
             "conversation_actions", 1, _CONVERSATION_ACTIONS_SCHEMA, seed=_index_saved_turns
         )
+        database.install("conversation_results", 1, _KEPT_RESULTS_SCHEMA)
         self.database = database
         self.clock = clock
 
@@ -7116,9 +7156,7 @@ class Conversations:
                 (conversation_id, customer_id),
             ).fetchone()
             if row is None:
-                known = _CONVERSATION_ID.fullmatch(conversation_id)
-                shown = conversation_id if known else "with that id"
-                raise ConversationError(f"no conversation {shown} for customer {customer_id}")
+                raise _no_conversation(conversation_id, customer_id)
             try:  # a row edited, cut or lost: said as such, never as an exception of json's
                 system = _saved_message(row[1], "system")
                 count, saved = _newest_turns(db, conversation_id, max_history_bytes)
@@ -7127,6 +7165,31 @@ class Conversations:
                     f"conversation {conversation_id}: its saved state is damaged; nothing was sent"
                 ) from None
         return Conversation(conversation_id, customer_id, row[0], system, saved, count)
+
+    def kept_results(self, conversation_id: str, customer_id: str) -> list[KeptResult]:
+        """Every tool result of the conversation that the model got cut, whole, beside the
+        copy it got, oldest first; ConversationError if it is not this customer's, or if
+        what was saved is damaged."""
+        with self.database.reading() as db:
+            db.execute("BEGIN")  # one snapshot, as load's
+            owner = db.execute(
+                "SELECT customer_id FROM conversations WHERE conversation_id = ?",
+                (conversation_id,),
+            ).fetchone()
+            if owner != (customer_id,):
+                raise _no_conversation(conversation_id, customer_id)
+            rows = db.execute(
+                "SELECT r.turn, r.message, r.result_json, t.messages_json"
+                " FROM conversation_results r JOIN conversation_turns t USING"
+                " (conversation_id, turn) WHERE r.conversation_id = ? ORDER BY r.turn, r.message",
+                (conversation_id,),
+            ).fetchall()
+        try:  # the cut copy is read from the turn's messages, where the model's history has it
+            return [_kept_result(*row) for row in rows]
+        except (ValueError, TypeError, LookupError, RecursionError):
+            raise ConversationError(
+                f"conversation {conversation_id}: its saved results are damaged"
+            ) from None
 
     def list(self) -> list[dict[str, Any]]:
         """Every saved conversation, newest activity first: id, customer, turns, last turn."""
@@ -7155,9 +7218,7 @@ class Conversations:
         on actions it filed are told first (and audited). A turn that raises (Ctrl-C) is not
         saved: the conversation stays at its previous turn."""
         if context.customer_id != conversation.customer_id:
-            raise ConversationError(
-                f"no conversation {conversation.conversation_id} for customer {context.customer_id}"
-            )
+            raise _no_conversation(conversation.conversation_id, context.customer_id)
         history = conversation.history(max_history_bytes)
         context = replace(context, conversation_id=conversation.conversation_id)  # its ledger's
         notice, told = self._notice(conversation, approvals, loop.audit, context)
@@ -7237,8 +7298,10 @@ class Conversations:
             told,
             _iso(self.clock()),
         )
+        start = len(result.messages) - len(messages)  # results are kept by their place in `turn`
+        kept = {i - start: _redacted_in_use(whole) for i, whole in result.whole_results.items()}
         try:
-            self._insert(conversation, turn)
+            self._insert(conversation, turn, kept)
         except sqlite3.IntegrityError:  # two processes continued it at once: the first one won
             raise ConversationConflictError(
                 f"{conversation.conversation_id} was continued elsewhere meanwhile; this turn"
@@ -7249,7 +7312,7 @@ class Conversations:
         turns = _newest_within((*conversation.turns, turn), max_history_bytes)
         return replace(conversation, turns=turns, turn_count=conversation.turn_count + 1)
 
-    def _insert(self, conversation: Conversation, turn: SavedTurn) -> None:
+    def _insert(self, conversation: Conversation, turn: SavedTurn, kept: Mapping[int, str]) -> None:
         number = conversation.turn_count + 1
         messages_json = json.dumps(list(turn.messages))
         with self.database.write_transaction() as db:
@@ -7265,13 +7328,30 @@ class Conversations:
                     turn.stop_reason,
                     json.dumps(list(turn.told)),
                     turn.ended_at,
-                    hashlib.sha256(messages_json.encode()).hexdigest(),
+                    _sha256(messages_json),
                 ),
             )
             _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
+            db.executemany(
+                "INSERT INTO conversation_results (conversation_id, turn, message, result_json)"
+                " VALUES (?, ?, ?, ?)",
+                [(conversation.conversation_id, number, *item) for item in kept.items()],
+            )
 
 
 _CONVERSATION_ID = re.compile(r"conv-[0-9a-f]{20}")
+
+
+def _no_conversation(conversation_id: str, customer_id: str) -> ConversationError:
+    """Another customer's conversation is said exactly as a missing one is."""
+    shown = conversation_id if _CONVERSATION_ID.fullmatch(conversation_id) else "with that id"
+    return ConversationError(f"no conversation {shown} for customer {customer_id}")
+
+
+def _kept_result(turn: int, message: int, whole: str, messages_json: str) -> KeptResult:
+    """A kept result, and the copy the model got, read from its turn's messages."""
+    sent = json.loads(json.loads(messages_json)[message])
+    return KeptResult(turn, sent["tool_call_id"], sent["content"], whole)
 
 
 def _newest_turns(
@@ -7307,7 +7387,7 @@ def _saved_turn(expected: int, turn: Any, checked: Any, *row: Any) -> SavedTurn:
         raise ValueError(turn)
     if not all(isinstance(action_id, str) for action_id in told):
         raise ValueError(turn)
-    unchanged = checked == hashlib.sha256(messages_json.encode()).hexdigest()
+    unchanged = checked == _sha256(messages_json)
     if unchanged and all(isinstance(message, str) for message in messages):
         kept = tuple(messages)
     else:
@@ -10844,12 +10924,16 @@ class McpTool(Tool):
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
         if self.writes:  # what the human approves; nothing leaves before that
             return {"mcpTool": self.mcp_name}
-        return self._call(args, {})
+        return self._call(args, {})  # whole: past result_limit, dispatch has it cut (cut)
 
     def apply(
         self, args: dict[str, Any], context: ToolContext, db: sqlite3.Connection
-    ) -> dict[str, Any]:
-        return self._call(args, {MCP_IDEMPOTENCY_KEY: context.approval_id})
+    ) -> dict[str, Any]:  # the outcome a decision keeps and tells: within the limit
+        return _fitted(self._call(args, {MCP_IDEMPOTENCY_KEY: context.approval_id}))
+
+    def cut(self, content: str) -> str:
+        """A result past result_limit, cut to fit and still JSON (_fitted)."""
+        return _compact(_fitted(json.loads(content), self.result_limit))
 
     def _call(self, args: dict[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -10864,22 +10948,23 @@ class McpTool(Tool):
             message = _cut(text, MAX_RESULT_BYTES // 2)
             # escaped: through `approve`, this text reaches a terminal
             raise ToolError(_escaped(message, keep="\n") or "the tool reported an error")
-        return _fitted(text, _without_data(result.get("structuredContent")))
+        converted: dict[str, Any] = {"content": text}
+        structured = _without_data(result.get("structuredContent"))
+        return converted if structured is None else {**converted, "structuredContent": structured}
 
 
-def _fitted(text: str, structured: Any) -> dict[str, Any]:
-    """The result the model gets, within MAX_RESULT_BYTES as JSON: structuredContent whole or
-    left out (cut JSON is no JSON), the text cut visibly to fit beside it (its head and its
-    tail, as _cap_result cuts)."""
-    converted: dict[str, Any] = {"content": text}
-    if structured is not None:
-        size = len(_compact(structured))
-        converted["structuredContent"] = (
-            structured if size <= MAX_RESULT_BYTES // 2 else f"[cut: {size} bytes of JSON]"
-        )
+def _fitted(result: Mapping[str, Any], limit: int = MAX_RESULT_BYTES) -> dict[str, Any]:
+    """A converted result (McpTool._call's) within `limit` bytes as JSON: structuredContent
+    whole or left out (cut JSON is no JSON), the text cut visibly to fit beside it (its head
+    and its tail, as _cap_result cuts)."""
+    converted, text = dict(result), result["content"]
+    if "structuredContent" in converted and len(_compact(converted)) > limit:
+        size = len(_compact(converted["structuredContent"]))
+        if size > limit // 2:
+            converted["structuredContent"] = f"[cut: {size} bytes of JSON]"
     size, kept = len(_compact(converted)), len(text)
-    while size > MAX_RESULT_BYTES:  # a character is at least one byte of JSON: this ends
-        kept = max(0, kept - (size - MAX_RESULT_BYTES) - 80)
+    while size > limit:  # a character is at least one byte of JSON: this ends
+        kept = max(0, kept - (size - limit) - 80)
         converted["content"] = _cap_result(text, kept)  # its head and its tail, visibly
         size = len(_compact(converted))
     return converted
@@ -12771,11 +12856,11 @@ class Inbox:
         with self._lock:
             if len(self._sessions) >= INBOX_SESSIONS:
                 del self._sessions[next(iter(self._sessions))]
-            self._sessions[_digest(cookie)] = _Session(secrets.token_urlsafe(32))
+            self._sessions[_sha256(cookie)] = _Session(secrets.token_urlsafe(32))
         return cookie
 
     def session(self, cookie: str | None) -> _Session | None:
-        return self._sessions.get(_digest(cookie)) if cookie else None
+        return self._sessions.get(_sha256(cookie)) if cookie else None
 
     def decide(self, session: _Session, form: Mapping[str, str]) -> str:
         """Approve (with the arguments as the form has them: edited, or as proposed) or
@@ -13014,10 +13099,6 @@ def _file_state(path: Path) -> tuple[int, int, int]:
     except FileNotFoundError:
         return 0, 0, 0
     return info.st_size, info.st_mtime_ns, info.st_ino
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _turn_text(messages_json: str, action_id: str) -> tuple[str, str, str]:

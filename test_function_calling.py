@@ -1174,6 +1174,14 @@ class AuditTest(LoopTestCase):
         self.assertIn("withheld", told["message"])
         self.assertNotIn("not run:", told["message"])
 
+    def test_a_cut_result_whose_audit_line_never_reached_the_disk_is_not_kept(self) -> None:
+        with mock.patch("os.fsync", side_effect=OSError(5, "Input/output error")):
+            result, _ = self.run_turn(
+                [tool_call_reply([("searchCode", "{}")]), text_reply("x")], tools=[SearchTool()]
+            )
+        self.assertEqual(result.stop_reason, "audit_failed")
+        self.assertEqual(result.whole_results, {})  # taken back with the copy the model got
+
     def test_a_lone_surrogate_in_arguments_is_audited(self) -> None:
         body = (
             b'{"choices":[{"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c1",'
@@ -3887,6 +3895,20 @@ class GuardTest(LoopTestCase):
         replies = [json.loads(m) for m in result.messages if not m.startswith('{"role":"')]
         self.assertEqual([m for m in sent if m["role"] == "assistant"], replies[:-1])  # echoes
 
+    def test_the_whole_of_a_cut_result_is_the_applications_and_its_audit_line_hashes_it(
+        self,
+    ) -> None:
+        result, requests = self.run_turn(
+            [tool_call_reply([("searchCode", "{}")]), text_reply("ok")], tools=[SearchTool()]
+        )
+        ((index, whole),) = result.whole_results.items()
+        self.assertEqual(json.loads(result.messages[index]), tool_messages(requests[1])[0])
+        self.assertEqual(whole, fc._compact(SearchTool().execute({}, ToolContext(DEMO_CUSTOMER))))
+        (line,) = self.audit_records()
+        self.assertEqual(line["result_sha256"], hashlib.sha256(whole.encode()).hexdigest())
+        small, _ = self.run_turn([tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")])
+        self.assertEqual(small.whole_results, {})  # a result the model got whole: nothing more
+
     def test_a_tool_sets_its_own_limit_and_a_result_within_it_is_untouched(self) -> None:
         small = type("SmallSearch", (SearchTool,), {"result_limit": 2000, "paging": ""})()
         _, requests = self.run_turn(
@@ -6004,8 +6026,8 @@ class ShapeTest(unittest.TestCase):
         expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
         self.assertEqual(top, expected | {".ci", ".gitignore"})
 
-    def test_part_one_is_at_most_2050_lines_and_the_docstring_says_how_long_it_is(self) -> None:
-        self.assertLessEqual(self.part_one_end, 2050)
+    def test_part_one_is_at_most_2060_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 2060)
         doc = " ".join((fc.__doc__ or "").split())
         said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
         assert said is not None, "the docstring's first reading names Part I's lines"
@@ -8693,6 +8715,95 @@ REFUND_1003 = [
 ]
 
 
+class LeakingSearchTool(SearchTool):
+    """The search, with the API key said back in the middle of its result."""
+
+    def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+        found = super().execute(args, context)
+        return {"matches": found["matches"].replace("module_1000", FAKE_KEY)}
+
+
+class KeptResultTest(LoopTestCase):
+    """A result the model got cut is kept whole beside the copy it got, in its turn's own
+    transaction, for the application to read; the model is never sent it again."""
+
+    def turns(
+        self, script: Sequence[fc.ScriptItem], questions: Sequence[str], tool: Tool
+    ) -> tuple[fc.Conversations, fc.Conversation, list[TurnResult], list[RecordedRequest]]:
+        """Turns of a new saved conversation against a scripted server."""
+        conversations = fc.Conversations(self.database)
+        conversation = conversations.start(DEMO_CUSTOMER, fc.SYSTEM_PROMPT)
+        results = []
+        with ScriptedChatServer(script) as server:
+            settings = Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY)
+            loop = fc.hardened_loop(
+                ChatClient(settings, max_retries=0),
+                [tool],
+                self.audit,
+                approvals=self.approvals,
+                max_rounds=12,
+            )
+            for question in questions:
+                result, conversation = conversations.turn(
+                    loop, conversation, question, ToolContext(DEMO_CUSTOMER)
+                )
+                results.append(result)
+        return conversations, conversation, results, server.requests
+
+    def test_a_160_kb_result_is_kept_whole_and_ten_rounds_on_the_request_stays_bounded(
+        self,
+    ) -> None:
+        pages = [tool_call_reply([("searchCode", json.dumps({"offset": n}))]) for n in range(11)]
+        script = [pages[0], text_reply("Found it."), *pages[1:], text_reply("Read them.")]
+        questions = ["Where is it?", "Read the next ten pages."]
+        store, conversation, results, requests = self.turns(script, questions, PagedSearchTool())
+        self.assertEqual([r.stop_reason for r in results], ["answered", "answered"])
+        saw = tool_messages(requests[1])[0]["content"]  # what the model got of the first
+        kept = store.kept_results(conversation.conversation_id, DEMO_CUSTOMER)
+        whole = fc._compact(PagedSearchTool().execute({}, ToolContext(DEMO_CUSTOMER)))
+        self.assertEqual((len(kept), kept[0].turn, kept[-1].turn), (11, 1, 2))
+        self.assertEqual((kept[0].sent, kept[0].whole), (saw, whole))
+        lines = self.audit_records()
+        self.assertEqual([k.tool_call_id for k in kept], [line["tool_call_id"] for line in lines])
+        hashes = [hashlib.sha256(k.whole.encode()).hexdigest() for k in kept]
+        self.assertEqual(hashes, [line["result_sha256"] for line in lines])
+        last = requests[-1].body  # ten rounds on: eleven 160 KiB results in its history
+        self.assertNotIn(whole[9000:9100].encode(), last)  # a whole result never goes again
+        self.assertLess(len(last), fc.MAX_RESULTS_SENT_BYTES + 2 * fc.MAX_RESULT_BYTES)
+        report(
+            f"a 160 KiB result: the model saw {len(saw):,} of its {len(whole):,} bytes, the"
+            f" conversation keeps all {len(kept[0].whole):,} beside that copy (SHA-256 as"
+            f" audited); ten rounds on, with eleven such results, the request is"
+            f" {len(last):,} bytes"
+        )
+
+    def test_a_secret_said_back_in_a_cut_result_is_kept_redacted(self) -> None:
+        script = [tool_call_reply([("searchCode", "{}")]), text_reply("ok")]
+        store, conversation, _, _ = self.turns(script, ["Where?"], LeakingSearchTool())
+        (kept,) = store.kept_results(conversation.conversation_id, DEMO_CUSTOMER)
+        self.assertGreater(len(kept.whole), 160 * 1024)
+        self.assertNotIn(FAKE_KEY, kept.whole)
+
+    def test_another_customers_or_a_damaged_conversation_gives_no_result(self) -> None:
+        script = [tool_call_reply([("searchCode", "{}")]), text_reply("ok")]
+        store, conversation, _, _ = self.turns(script, ["Where?"], SearchTool())
+        conversation_id = conversation.conversation_id
+        with self.assertRaises(fc.ConversationError) as other:
+            store.kept_results(conversation_id, "c-other")
+        with self.assertRaises(fc.ConversationError) as missing:
+            store.kept_results("conv-" + "0" * 20, "c-other")
+        said = str(other.exception).replace(conversation_id, "conv-" + "0" * 20)
+        self.assertEqual(said, str(missing.exception))  # another's reads as a missing one
+        with self.database.write_transaction() as db:
+            db.execute("UPDATE conversation_turns SET messages_json = ?", ("[]",))
+        with self.assertRaisesRegex(fc.ConversationError, "its saved results are damaged"):
+            store.kept_results(conversation_id, DEMO_CUSTOMER)
+
+
+class PostgresKeptResultTest(OnPostgres, KeptResultTest):
+    """KeptResultTest, every test of it, on PostgreSQL."""
+
+
 class ConversationTest(ApprovalCase):
     """Pause and resume: a saved conversation carries on byte for byte, and a human's decision
     reaches the model on the next turn."""
@@ -9194,7 +9305,7 @@ class ConversationTest(ApprovalCase):
                 "2026-01-01T00:00:00Z",
             )
             for _ in range(saved_turns):
-                conversations._insert(saved, filler)
+                conversations._insert(saved, filler, {})
                 saved = dataclasses.replace(saved, turn_count=saved.turn_count + 1)
             with ScriptedChatServer([text_reply("ok")]) as server:
                 loop = self.loop_on(server, approvals)
@@ -9980,6 +10091,10 @@ class McpToolsTest(McpCase):
         )
         self.assertRegex(result["structuredContent"], r"^\[cut: \d+ bytes of JSON")
         self.assertLessEqual(len(tool_messages(requests[1])[0]["content"]), fc.MAX_RESULT_BYTES)
+        (line,) = self.audit_records()
+        whole = fc._compact({"content": "x" * 100000, "structuredContent": {"x": "x" * 100000}})
+        self.assertEqual(line["result_bytes"], len(whole))  # what the server gave, not the cut
+        self.assertEqual(line["result_sha256"], hashlib.sha256(whole.encode()).hexdigest())
 
     def test_two_servers_offering_one_name_are_refused_at_start(self) -> None:
         twice = ["--mcp", self.command("modern")]
