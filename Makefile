@@ -130,9 +130,9 @@ interop: $(MCP_VENV)/2/.installed $(MCP_VENV)/1/.installed $(OTEL_VENV)/.install
 		RealTypeScriptMcpServerTest McpConformanceTest RealTelemetryTest 2>&1
 
 # A real llama.cpp llama-server, built from the llama-cpp-python sdist (it carries llama.cpp's
-# source; some 15 to 20 minutes on two cores), and llama.cpp's own gguf package from the same
-# sdist, which writes the tiny model the test runs: all in .venv-llama/. Not in .ci/run (the
-# build's length); the module itself never needs any of it.
+# source; some 12 to 17 minutes on two cores), and llama.cpp's own gguf package from the same
+# sdist, which writes the tiny model the test runs: all in .venv-llama/. .ci/run runs it; the
+# module itself never needs any of it.
 LLAMA_VENV := .venv-llama
 LLAMA_SDIST := llama-cpp-python==0.3.36
 LLAMA_CPP = $(LLAMA_VENV)/src/llama_cpp_python-0.3.36/vendor/llama.cpp
