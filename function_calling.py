@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #b4db01c1: the whole file, every part kept
+# function_calling.py 2026-12-05 #acf4ac73: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,10 +25,10 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,060 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,067 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
-the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,270 lines),
+the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,280 lines),
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
@@ -385,7 +385,7 @@ class Tool:
     strict: ClassVar[bool] = False  # OpenAI's strict mode for the arguments (checked_tools)
     inline: ClassVar[bool] = False  # cannot hang: Workers run a reply's one call on the loop
     source: ClassVar[str] = ""  # where it comes from, for the approver ("": this file)
-    result_limit: ClassVar[int] = MAX_RESULT_BYTES  # past it, a result is cut (_cap_result)
+    result_limit: ClassVar[int] = MAX_RESULT_BYTES  # past it, a result is cut (Tool.cut)
     paging: ClassVar[str] = ""  # how the model asks for the rest of a cut result, if it can
 
     def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
@@ -422,8 +422,7 @@ class Tool:
         return self.execute(args, context)
 
     def cut(self, content: str) -> str:
-        """What the model gets of a result (its JSON text) past result_limit: its head and
-        its tail, and between them what was left out (ToolResult.whole keeps all of it)."""
+        """A result past result_limit (its JSON text) as the model gets it: head, note, tail."""
         return _cap_result(content, self.result_limit, self.paging)
 
     def definition(self) -> dict[str, Any]:
@@ -1078,7 +1077,8 @@ def dispatch(
     - A tool that writes never acts here: its validated request is filed for a human.
     - Any other exception ends the turn; its text (hostnames, SQL, paths) goes to the audit
       log only, and the model gets a generic message.
-    - A result over MAX_RESULT_BYTES is cut, visibly: it would ride along every round.
+    - A result past its tool's result_limit is cut, visibly: it would ride along every
+      round. The whole goes on beside it (ToolResult.whole), and its line has its size.
     - Every call is audited before its result is returned; no line, no result.
     - Identity (ToolContext) comes from our side only, never from the arguments.
     """
@@ -1089,14 +1089,10 @@ def dispatch(
         durable = outcome == "proposed"
         _audit_call(audit, call, context, round_number, outcome, started, detail, durable)
 
-    content, outcome, detail = _execute(call, tools, context, approvals, record)
-    whole, tool = None, tools.get(call.name)
-    if outcome == "ok" and tool and len(content) > tool.result_limit:  # _compact writes ASCII
-        content, whole = tool.cut(content), content  # the line sizes the whole, to check it by
-        detail = {"result_bytes": len(whole), "result_sha256": _sha256(whole)}
-    if outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
-        record(outcome, detail)
-    return ToolResult(call, content, outcome, whole)
+    result, detail = _execute(call, tools, context, approvals, record)
+    if result.outcome != "proposed":  # a proposal's line is written with it, by Approvals.propose
+        record(result.outcome, detail)
+    return result
 
 
 def _execute(
@@ -1105,36 +1101,47 @@ def _execute(
     context: ToolContext,
     approvals: Approvals | None,
     record: Callable[[str, Mapping[str, Any]], None],
-) -> tuple[str, str, dict[str, Any]]:
-    """Run one call; returns (content for the model, audited outcome, detail for the audit)."""
+) -> tuple[ToolResult, dict[str, Any]]:
+    """Run one call; returns its result and what its audit line adds."""
     tool = tools.get(call.name)
     if tool is None:
-        message = f"no tool named {_quoted(call.name)}; available: {', '.join(tools)}"
-        return _error_content("unknown_tool", message), "rejected:unknown_tool", {}
+        named = f"no tool named {_quoted(call.name)}; available: {', '.join(tools)}"
+        unknown = ToolResult(call, _error_content("unknown_tool", named), "rejected:unknown_tool")
+        return unknown, {}
     try:
         args = parse_arguments(call.arguments_json)
         _refuse_secrets(args)  # the key, said back by a server or guessed: never a tool's
         result = tool.run(args, context)
-        if not tool.writes:  # whole: dispatch cuts it to the tool's limit
-            return _compact(result), "ok", {}
+        if not tool.writes:
+            return _within_limit(call, tool, _compact(result))
         if approvals is None:  # fail closed: a write with nobody to approve it never runs
             raise RuntimeError(f"{tool.name} writes, but there is no approval store")
         # the request and its audit line are filed together, or neither is
         proposal = approvals.propose(
             tool, args, context, result, lambda detail: record("proposed", detail)
         )
-        return _compact(proposal), "proposed", {"approval_id": proposal["approvalId"]}
+        filed = {"approval_id": proposal["approvalId"]}
+        return ToolResult(call, _compact(proposal), "proposed"), filed
     except AuditError:
         raise  # fail closed: the proposal was withdrawn, and no result may go back
     except ToolError as exc:
-        return _error_content(exc.code, str(exc)), f"rejected:{exc.code}", {}
+        return ToolResult(call, _error_content(exc.code, str(exc)), f"rejected:{exc.code}"), {}
     except Exception as exc:  # noqa: BLE001 -- infrastructure: its text is for operators only
         detail = {"error": _cut(f"{type(exc).__name__}: {exc}", 2000)}
-        return (
-            _error_content("tool_failed", "the tool failed; the turn was stopped"),
-            "error:exception",
-            detail,
-        )
+        failed = _error_content("tool_failed", "the tool failed; the turn was stopped")
+        return ToolResult(call, failed, "error:exception"), detail
+
+
+def _within_limit(call: ToolCall, tool: Tool, content: str) -> tuple[ToolResult, dict[str, Any]]:
+    """A result as the model gets it: whole, or past the tool's result_limit the copy Tool.cut
+    makes, the whole kept beside it and sized on its audit line, to check it by."""
+    if len(content) <= tool.result_limit:  # _compact writes ASCII: characters are bytes
+        return ToolResult(call, content, "ok"), {}
+    cut = tool.cut(content)
+    if len(cut.encode()) > tool.result_limit:  # a tool's own cut is checked, as its result is
+        raise RuntimeError(f"{tool.name}.cut gave {len(cut.encode())} bytes, past result_limit")
+    sized = {"result_bytes": len(content), "result_sha256": _sha256(content)}
+    return ToolResult(call, cut, "ok", content), sized
 
 
 def _cap_result(content: str, limit: int = MAX_RESULT_BYTES, paging: str = "") -> str:
@@ -3099,13 +3106,20 @@ def _holds_unreadable_call(messages: Sequence[str]) -> bool:
 NOTICE_TOOL = "application_notice"  # a saved conversation's own call: never a tool's name
 
 
+MIN_RESULT_BYTES = 1024  # a tool's least result_limit: room for the cut's note and both ends
+
+
 def checked_tools(tools: Sequence[Tool]) -> dict[str, Tool]:
     """Part I's tool_table, and more (`ToolLoop(checks=checked_tools)`): a strict tool's
-    schema as strict mode requires it, and no tool named as the application's own call."""
+    schema as strict mode requires it, no tool named as the application's own call, and
+    room in each tool's result_limit for a cut result (a cut past it ends the turn)."""
     table = tool_table(tools)
     for tool in table.values():
         if tool.name == NOTICE_TOOL:  # a conversation tells decisions as this call of ours
             raise ConfigError(f"the tool name {NOTICE_TOOL!r} is the application's own")
+        if tool.result_limit < MIN_RESULT_BYTES or len(tool.paging.encode()) > 256:
+            limits = f"result_limit of at least {MIN_RESULT_BYTES} bytes, and paging of 256 at most"
+            raise ConfigError(f"tool {tool.name!r} needs a {limits}")
         problem = _strict_problem(tool.parameters, "parameters") if tool.strict else None
         if problem:
             raise ConfigError(f"tool {tool.name!r} is strict, but {problem}")
@@ -6942,6 +6956,7 @@ CREATE TABLE IF NOT EXISTS conversation_results (
     turn            INTEGER NOT NULL,
     message         INTEGER NOT NULL,  -- the cut copy's place in the turn's messages
     result_json     TEXT NOT NULL,     -- the whole result, as the tool gave it
+    result_sha256   TEXT NOT NULL,     -- its hash, which catches damage (as messages_sha256)
     PRIMARY KEY (conversation_id, turn, message)
 );
 """
@@ -7179,7 +7194,7 @@ class Conversations:
             if owner != (customer_id,):
                 raise _no_conversation(conversation_id, customer_id)
             rows = db.execute(
-                "SELECT r.turn, r.message, r.result_json, t.messages_json"
+                "SELECT r.turn, r.message, r.result_json, r.result_sha256, t.messages_json"
                 " FROM conversation_results r JOIN conversation_turns t USING"
                 " (conversation_id, turn) WHERE r.conversation_id = ? ORDER BY r.turn, r.message",
                 (conversation_id,),
@@ -7333,9 +7348,9 @@ class Conversations:
             )
             _index_turn(db, conversation.conversation_id, number, turn.messages, turn.told)
             db.executemany(
-                "INSERT INTO conversation_results (conversation_id, turn, message, result_json)"
-                " VALUES (?, ?, ?, ?)",
-                [(conversation.conversation_id, number, *item) for item in kept.items()],
+                "INSERT INTO conversation_results (conversation_id, turn, message, result_json,"
+                " result_sha256) VALUES (?, ?, ?, ?, ?)",
+                [(conversation.conversation_id, number, i, w, _sha256(w)) for i, w in kept.items()],
             )
 
 
@@ -7348,10 +7363,16 @@ def _no_conversation(conversation_id: str, customer_id: str) -> ConversationErro
     return ConversationError(f"no conversation {shown} for customer {customer_id}")
 
 
-def _kept_result(turn: int, message: int, whole: str, messages_json: str) -> KeptResult:
-    """A kept result, and the copy the model got, read from its turn's messages."""
-    sent = json.loads(json.loads(messages_json)[message])
-    return KeptResult(turn, sent["tool_call_id"], sent["content"], whole)
+def _kept_result(turn: int, message: Any, whole: Any, sha256: Any, messages: str) -> KeptResult:
+    """A kept result, and the copy the model got, read from its turn's messages; ValueError
+    if either is not what was saved."""
+    sent = _decoded(messages)[message] if isinstance(message, int) and message >= 0 else None
+    told = _decoded(sent) if isinstance(sent, str) else None
+    if not isinstance(told, dict) or told.get("role") != "tool" or not isinstance(whole, str):
+        raise ValueError(turn)
+    if _sha256(whole) != sha256 or not isinstance(told.get("content"), str):
+        raise ValueError(turn)
+    return KeptResult(turn, str(told.get("tool_call_id")), told["content"], whole)
 
 
 def _newest_turns(
@@ -10954,20 +10975,30 @@ class McpTool(Tool):
 
 
 def _fitted(result: Mapping[str, Any], limit: int = MAX_RESULT_BYTES) -> dict[str, Any]:
-    """A converted result (McpTool._call's) within `limit` bytes as JSON: structuredContent
-    whole or left out (cut JSON is no JSON), the text cut visibly to fit beside it (its head
-    and its tail, as _cap_result cuts)."""
+    """A converted result (McpTool._call's) within `limit` bytes as JSON, if it can be: past
+    it, structuredContent whole or left out (cut JSON is no JSON), and the text cut visibly
+    to fit beside it: as much of its head and its tail as fits (_text_cut)."""
     converted, text = dict(result), result["content"]
-    if "structuredContent" in converted and len(_compact(converted)) > limit:
-        size = len(_compact(converted["structuredContent"]))
-        if size > limit // 2:
-            converted["structuredContent"] = f"[cut: {size} bytes of JSON]"
-    size, kept = len(_compact(converted)), len(text)
-    while size > limit:  # a character is at least one byte of JSON: this ends
-        kept = max(0, kept - (size - limit) - 80)
-        converted["content"] = _cap_result(text, kept)  # its head and its tail, visibly
-        size = len(_compact(converted))
+    size = len(_compact(converted.get("structuredContent")))
+    if len(_compact(converted)) > limit and "structuredContent" in converted and size > limit // 2:
+        converted["structuredContent"] = f"[cut: {size} bytes of JSON]"
+    if len(_compact(converted)) <= limit:
+        return converted
+    fits, over = 0, len(text)  # characters of the text kept: the most that fit, found by halves
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        converted["content"] = _text_cut(text, middle)
+        fits, over = (middle, over) if len(_compact(converted)) <= limit else (fits, middle)
+    converted["content"] = _text_cut(text, fits)
     return converted
+
+
+def _text_cut(text: str, kept: int) -> str:
+    """A text's first and last `kept` // 2 characters, and between them what was left out."""
+    lines = text.count("\n") + 1
+    note = f"…[cut: the result was {len(text.encode())} bytes, {lines} line{'s' * (lines != 1)};"
+    half = kept // 2
+    return f"{text[:half]}{note} its middle is left out]…{text[len(text) - half :]}"
 
 
 def _blocks(result: Mapping[str, Any]) -> list[Any]:

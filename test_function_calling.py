@@ -3909,6 +3909,36 @@ class GuardTest(LoopTestCase):
         small, _ = self.run_turn([tool_call_reply([("getOrderStatus", LOOKUP)]), text_reply("ok")])
         self.assertEqual(small.whole_results, {})  # a result the model got whole: nothing more
 
+    def test_a_tools_own_cut_that_fails_or_passes_its_limit_ends_the_turn_audited(self) -> None:
+        def failing(self: Tool, content: str) -> str:
+            raise ValueError("a bug in /srv/app/cut.py")
+
+        tools = {
+            "raises": type("BadCut", (SearchTool,), {"cut": failing})(),
+            "overshoots": type("LooseCut", (SearchTool,), {"cut": lambda _, c: c[: len(c) // 2]})(),
+        }
+        for case, tool in tools.items():
+            with self.subTest(case):
+                result, requests = self.run_turn(
+                    [tool_call_reply([("searchCode", "{}")]), text_reply("never")], tools=[tool]
+                )
+                self.assertEqual((result.stop_reason, len(requests)), ("tool_failed", 1))
+                self.assertEqual(result.whole_results, {})  # nothing went on, cut or whole
+                self.assertEqual(self.audit_records()[-1]["outcome"], "error:exception")
+                (message,) = [json.loads(m) for m in result.messages if '"role":"tool"' in m]
+                self.assertEqual(json.loads(message["content"])["error"], "tool_failed")
+
+    def test_a_limit_with_no_room_for_the_cut_is_refused_at_start(self) -> None:
+        client = ChatClient(Settings(api_key=FAKE_KEY))
+        cramped: dict[str, dict[str, Any]] = {
+            "a tiny limit": {"result_limit": 100},
+            "a long paging text": {"paging": "ask again " * 30},
+        }
+        for case, change in cramped.items():
+            tool = type("Cramped", (SearchTool,), change)()
+            with self.subTest(case), self.assertRaisesRegex(ConfigError, "needs a result_limit"):
+                fc.hardened_loop(client, [tool], self.audit)
+
     def test_a_tool_sets_its_own_limit_and_a_result_within_it_is_untouched(self) -> None:
         small = type("SmallSearch", (SearchTool,), {"result_limit": 2000, "paging": ""})()
         _, requests = self.run_turn(
@@ -6026,8 +6056,8 @@ class ShapeTest(unittest.TestCase):
         expected = {"function_calling.py", "test_function_calling.py", "README.md", "Makefile"}
         self.assertEqual(top, expected | {".ci", ".gitignore"})
 
-    def test_part_one_is_at_most_2060_lines_and_the_docstring_says_how_long_it_is(self) -> None:
-        self.assertLessEqual(self.part_one_end, 2060)
+    def test_part_one_is_at_most_2070_lines_and_the_docstring_says_how_long_it_is(self) -> None:
+        self.assertLessEqual(self.part_one_end, 2070)
         doc = " ".join((fc.__doc__ or "").split())
         said = re.search(r"Part I, the mechanism, is lines 1 to ([0-9,]+)", doc)
         assert said is not None, "the docstring's first reading names Part I's lines"
@@ -8794,10 +8824,23 @@ class KeptResultTest(LoopTestCase):
             store.kept_results("conv-" + "0" * 20, "c-other")
         said = str(other.exception).replace(conversation_id, "conv-" + "0" * 20)
         self.assertEqual(said, str(missing.exception))  # another's reads as a missing one
-        with self.database.write_transaction() as db:
-            db.execute("UPDATE conversation_turns SET messages_json = ?", ("[]",))
-        with self.assertRaisesRegex(fc.ConversationError, "its saved results are damaged"):
-            store.kept_results(conversation_id, DEMO_CUSTOMER)
+        damage = [
+            ("conversation_turns", "messages_json", "'[]'"),  # its cut copy, gone
+            ("conversation_results", "result_json", '\'{"matches":"edited"}\''),
+            ("conversation_results", "message", "message - 1"),  # the call, not its result
+            ("conversation_results", "message", "-1"),
+        ]
+        for table, column, value in damage:
+            with self.subTest(column=column, value=value):
+                with self.database.reading() as db:
+                    (saved,) = db.execute(f"SELECT {column} FROM {table}").fetchone()
+                with self.database.write_transaction() as db:
+                    db.execute(f"UPDATE {table} SET {column} = {value}")
+                with self.assertRaisesRegex(fc.ConversationError, "saved results are damaged"):
+                    store.kept_results(conversation_id, DEMO_CUSTOMER)
+                with self.database.write_transaction() as db:
+                    db.execute(f"UPDATE {table} SET {column} = ?", (saved,))
+        self.assertEqual(len(store.kept_results(conversation_id, DEMO_CUSTOMER)), 1)
 
 
 class PostgresKeptResultTest(OnPostgres, KeptResultTest):
@@ -9750,6 +9793,9 @@ def call(ident, name, arguments):
         result(ident, {"content": [{"type": "text", "text": json.dumps(answer.get("result"))}]})
     elif "rpc-error" in BEHAVIOURS:
         error(ident, -32603, "Internal error at /srv/secret/db.py: connection refused")
+    elif "wide" in BEHAVIOURS:
+        wide = "".join(f"строка {n}\n" for n in range(20000))
+        result(ident, {"content": [{"type": "text", "text": wide}]})
     elif "big" in BEHAVIOURS:
         big = "x" * 100000
         result(ident, {"content": [{"type": "text", "text": big}], "structuredContent": {"x": big}})
@@ -10095,6 +10141,24 @@ class McpToolsTest(McpCase):
         whole = fc._compact({"content": "x" * 100000, "structuredContent": {"x": "x" * 100000}})
         self.assertEqual(line["result_bytes"], len(whole))  # what the server gave, not the cut
         self.assertEqual(line["result_sha256"], hashlib.sha256(whole.encode()).hexdigest())
+
+    def test_a_long_text_of_many_lines_not_in_ascii_keeps_its_head_and_its_tail(self) -> None:
+        script = [tool_call_reply([(STOCK, '{"sku": "ABC-123"}')]), text_reply("ok")]
+        done, requests = self.ask(script, "--mcp-read-only", "stock.lookup", behaviours=["wide"])
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (result,) = tool_results(requests[1])
+        text = "".join(f"строка {n}\n" for n in range(20000))
+        found = re.fullmatch(
+            r"(.*)…\[cut: the result was (\d+) bytes, (\d+) lines;.*?\]…(.*)",
+            result["content"],
+            re.DOTALL,
+        )
+        assert found is not None, result["content"][:300]
+        head, size, lines, tail = found.groups()
+        self.assertEqual((int(size), int(lines)), (len(text.encode()), 20001))
+        self.assertTrue(text.startswith(head) and text.endswith(tail))
+        self.assertGreater(min(len(head), len(tail)), 1000)  # both ends, not the note alone
+        self.assertLessEqual(len(tool_messages(requests[1])[0]["content"]), fc.MAX_RESULT_BYTES)
 
     def test_two_servers_offering_one_name_are_refused_at_start(self) -> None:
         twice = ["--mcp", self.command("modern")]
