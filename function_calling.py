@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #acf4ac73: the whole file, every part kept
+# function_calling.py 2026-12-05 #8d8bff7b: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -25,7 +25,7 @@ assistant message sent back byte for byte as it came (the reply). A tool that wr
 *files* its change: a pending action waits until a person approves it (approvals). A *seam* is
 a constructor argument whose default is Part I's simple piece and where Part II's goes.
 
-First reading: Part I, the mechanism, is lines 1 to 2,067 of this file, and a reader may stop
+First reading: Part I, the mechanism, is lines 1 to 2,070 of this file, and a reader may stop
 at its end marker: settings · errors · tools and validation · audit · the request · the
 client · the reply (the verbatim echo) · dispatch (the trust boundary) · calls that do not run ·
 the loop · approvals · a tool and a turn, together. Part II, hardening (about 2,280 lines),
@@ -422,7 +422,8 @@ class Tool:
         return self.execute(args, context)
 
     def cut(self, content: str) -> str:
-        """A result past result_limit (its JSON text) as the model gets it: head, note, tail."""
+        """A result past result_limit (its JSON text) as the model gets it: head, note, tail.
+        An override's copy must fit result_limit; one that does not, or raises, ends the turn."""
         return _cap_result(content, self.result_limit, self.paging)
 
     def definition(self) -> dict[str, Any]:
@@ -718,7 +719,8 @@ def _utc_now() -> str:
 # ------------------------------------------------------------------------------- the request
 
 
-_compact = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per dumps
+# one encoder, not one per dumps; it escapes what is not ASCII, so its characters are bytes
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _message(role: str, content: str) -> str:
@@ -1134,7 +1136,7 @@ def _execute(
 
 def _within_limit(call: ToolCall, tool: Tool, content: str) -> tuple[ToolResult, dict[str, Any]]:
     """A result as the model gets it: whole, or past the tool's result_limit the copy Tool.cut
-    makes, the whole kept beside it and sized on its audit line, to check it by."""
+    makes, the whole beside it, and its size and SHA-256 for its line, to check a kept whole by."""
     if len(content) <= tool.result_limit:  # _compact writes ASCII: characters are bytes
         return ToolResult(call, content, "ok"), {}
     cut = tool.cut(content)
@@ -1357,7 +1359,8 @@ class TurnResult:
     messages: JSON texts, the system prompt first, each call answered in order, so they are
     valid to send again as `history` (with `origin` as `history_origin`). Ctrl-C: audited as
     "interrupted", then KeyboardInterrupt goes on.
-    whole_results: each result the model got cut, whole, by its tool message's index.
+    whole_results: the whole of each result the model got cut, by its tool message's index in
+    `messages`; held here only, for the application to keep (its call's line has its SHA-256).
     """
 
     stop_reason: str
