@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #8d8bff7b: the whole file, every part kept
+# function_calling.py 2026-12-05 #4b69af85: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -2243,10 +2243,10 @@ def _within_results_budget(
     the oldest outside the last `recent` rounds shrunk, oldest first, until they fit."""
     if sum(map(len, messages)) <= budget:  # what most requests find: one pass, in C
         return messages
-    total = sum(len(message) for message in messages if message.startswith('{"role":"tool"'))
+    ours = [n for n, message in enumerate(messages) if message.startswith('{"role":"tool"')]
+    total = sum(len(messages[n]) for n in ours)
     if total <= budget:
         return messages
-    ours = [n for n, message in enumerate(messages) if message.startswith('{"role":"tool"')]
     replies = [n for n, message in enumerate(messages) if not message.startswith(_OURS)]
     start_of_recent = replies[-recent] if len(replies) >= recent else 0
     sent = list(messages)
@@ -3080,9 +3080,7 @@ def _portable_call(call: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _is_object_text(text: str) -> bool:
-    with suppress(ValueError, RecursionError):
-        return isinstance(json.loads(text), dict)
-    return False
+    return isinstance(_decoded_json(text.lstrip(" \t\n\r")), dict)  # JSON's own white space
 
 
 def _holds_unreadable_call(messages: Sequence[str]) -> bool:
@@ -3110,6 +3108,7 @@ NOTICE_TOOL = "application_notice"  # a saved conversation's own call: never a t
 
 
 MIN_RESULT_BYTES = 1024  # a tool's least result_limit: room for the cut's note and both ends
+MAX_PAGING_BYTES = 256  # a tool's longest paging text, which the note carries
 
 
 def checked_tools(tools: Sequence[Tool]) -> dict[str, Tool]:
@@ -3120,8 +3119,9 @@ def checked_tools(tools: Sequence[Tool]) -> dict[str, Tool]:
     for tool in table.values():
         if tool.name == NOTICE_TOOL:  # a conversation tells decisions as this call of ours
             raise ConfigError(f"the tool name {NOTICE_TOOL!r} is the application's own")
-        if tool.result_limit < MIN_RESULT_BYTES or len(tool.paging.encode()) > 256:
-            limits = f"result_limit of at least {MIN_RESULT_BYTES} bytes, and paging of 256 at most"
+        if tool.result_limit < MIN_RESULT_BYTES or len(tool.paging.encode()) > MAX_PAGING_BYTES:
+            limits = f"result_limit of at least {MIN_RESULT_BYTES} bytes, and paging of"
+            limits += f" {MAX_PAGING_BYTES} at most"
             raise ConfigError(f"tool {tool.name!r} needs a {limits}")
         problem = _strict_problem(tool.parameters, "parameters") if tool.strict else None
         if problem:
@@ -10982,10 +10982,13 @@ def _fitted(result: Mapping[str, Any], limit: int = MAX_RESULT_BYTES) -> dict[st
     it, structuredContent whole or left out (cut JSON is no JSON), and the text cut visibly
     to fit beside it: as much of its head and its tail as fits (_text_cut)."""
     converted, text = dict(result), result["content"]
-    size = len(_compact(converted.get("structuredContent")))
-    if len(_compact(converted)) > limit and "structuredContent" in converted and size > limit // 2:
-        converted["structuredContent"] = f"[cut: {size} bytes of JSON]"
-    if len(_compact(converted)) <= limit:
+    size = len(_compact(converted))
+    if size > limit and "structuredContent" in converted:
+        structured = len(_compact(converted["structuredContent"]))
+        if structured > limit // 2:
+            converted["structuredContent"] = f"[cut: {structured} bytes of JSON]"
+            size = len(_compact(converted))
+    if size <= limit:
         return converted
     fits, over = 0, len(text)  # characters of the text kept: the most that fit, found by halves
     while over - fits > 1:
