@@ -1,4 +1,4 @@
-# function_calling.py 2026-12-05 #4b69af85: the whole file, every part kept
+# function_calling.py 2026-12-05 #2f3f3034: the whole file, every part kept
 """function_calling: LLM tool calling by hand, in one stdlib-only file.
 
 The model proposes; this code disposes. The model never runs anything: it asks, in a reply, for
@@ -32,7 +32,7 @@ the loop · approvals · a tool and a turn, together. Part II, hardening (about 
 makes each of its promises hold against real servers and faults: the transport · the
 workers · server quirks · start-up checks · the audit chain · the approvals' journal · the
 database · the seams, filled. Part III, operating
-it (about 1,500 lines): the audit log's figures · the CLI · the scripted server.
+it (about 1,510 lines): the audit log's figures · the CLI · the scripted server.
 
 Yours: write Tool subclasses, put them in an App, and call main(app=…) from a file of your own
 (README: "Make it yours"); `copy` writes this file without the parts you do not want.
@@ -5701,6 +5701,7 @@ class ScriptedChatServer:
         self.script = list(script)
         self.requests: list[RecordedRequest] = []
         self.connections = 0  # connections accepted: HTTP/1.1, so one may carry many requests
+        self.closed = 0  # connections it has closed (a hang_up's, or once the client's went)
         self._lock = threading.Lock()
         self._server = _ScriptedHTTPServer(self)
         # a short poll interval: shutdown() waits up to one interval for the serving thread
@@ -5742,6 +5743,11 @@ class _ScriptedHTTPServer(http.server.ThreadingHTTPServer):
     def __init__(self, owner: ScriptedChatServer) -> None:
         super().__init__(("127.0.0.1", 0), _ScriptedHandler)
         self.owner = owner
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        with self.owner._lock:
+            self.owner.closed += 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up on a kept-alive connection is no error of the server's."""

@@ -2132,8 +2132,29 @@ class ConnectionReuseTest(LoopTestCase):
     def test_a_connection_the_server_closed_meanwhile_is_replaced_without_a_retry(self) -> None:
         lookup = tool_call_reply([("getOrderStatus", '{"orderId":"ORD-1001"}')])
         script: list[fc.ScriptItem] = [ScriptedReply(lookup, hang_up=True), text_reply("ok")]
-        result, requests = self.run_turn(script)  # max_retries=0: a retry would fail the turn
-        self.assertEqual((result.stop_reason, result.retries, len(requests)), ("answered", 0, 2))
+        with ScriptedChatServer(script) as server:
+
+            class Meanwhile(fc.GetOrderStatus):
+                """The lookup, run while the server closes the connection (counted, not timed:
+                a loaded machine may close it after the client could have asked again)."""
+
+                def execute(self, args: dict[str, Any], context: ToolContext) -> dict[str, Any]:
+                    for _ in range(1000):  # 10 s at most
+                        if server.closed:
+                            break
+                        time.sleep(0.01)
+                    closed_before.append(server.closed)
+                    return super().execute(args, context)
+
+            closed_before: list[int] = []
+            settings = Settings(base_url=server.base_url, model="m", api_key=FAKE_KEY)
+            client = ChatClient(settings, max_retries=0)  # a retry would fail the turn
+            tools = [Meanwhile(self.tools[0].store)]  # type: ignore[attr-defined]
+            loop = fc.hardened_loop(client, tools, self.audit, approvals=self.approvals)
+            result = loop.run("where?", ToolContext(DEMO_CUSTOMER))
+        self.assertEqual(closed_before, [1])  # closed by the server before it was asked again
+        self.assertEqual((result.stop_reason, result.retries), ("answered", 0))
+        self.assertEqual((len(server.requests), server.connections), (2, 2))
 
     def test_a_response_that_has_begun_is_never_sent_again(self) -> None:
         def cut(connection: socket.socket, finished: threading.Event) -> None:
